@@ -1,1 +1,26 @@
 """Eviction policies: pure torch, device-agnostic, no vLLM import."""
+
+from vllm_kvevict.policies.adakv import AdaKV
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, resolve_budget
+from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.pyramidkv import PyramidKV
+from vllm_kvevict.policies.registry import MethodInfo, available_methods, build_policy, method_names
+from vllm_kvevict.policies.snapkv import SnapKV
+from vllm_kvevict.policies.streamingllm import StreamingLLM
+
+__all__ = [
+    "AdaKV",
+    "CriticalKV",
+    "EvictionPolicy",
+    "KeptTokens",
+    "LayerKV",
+    "MethodInfo",
+    "PyramidKV",
+    "ScoredPolicy",
+    "SnapKV",
+    "StreamingLLM",
+    "available_methods",
+    "build_policy",
+    "method_names",
+    "resolve_budget",
+]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_kvevict.policies.selection import top_k_mask
+
 
 @dataclass(frozen=True)
 class LayerKV:
@@ -35,6 +37,24 @@ class LayerKV:
     query_positions: torch.Tensor | None = None
     o_proj: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 3 or self.values.shape != self.keys.shape:
+            raise ValueError(
+                f"keys and values must both be [kv_heads, n, d]; got keys {tuple(self.keys.shape)}, "
+                f"values {tuple(self.values.shape)}"
+            )
+        if self.queries.dim() != 3 or self.queries.shape[2] != self.keys.shape[2]:
+            raise ValueError(
+                f"queries must be [q_heads, w, d] with d = {self.keys.shape[2]}; "
+                f"got {tuple(self.queries.shape)}"
+            )
+        if self.queries.shape[0] % self.keys.shape[0] != 0:
+            raise ValueError(
+                f"q_heads={self.queries.shape[0]} must be a multiple of kv_heads={self.keys.shape[0]}"
+            )
+        if not 0 <= self.layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx={self.layer_idx} must be in [0, num_layers={self.num_layers})")
+
     @property
     def num_kv_heads(self) -> int:
         return self.keys.shape[0]
@@ -46,6 +66,13 @@ class LayerKV:
     @property
     def group_size(self) -> int:
         return self.queries.shape[0] // self.keys.shape[0]
+
+    def positions(self) -> torch.Tensor:
+        """[w] int64 positions of the queries (the last w prompt positions when not given)."""
+        if self.query_positions is not None:
+            return self.query_positions.to(device=self.keys.device, dtype=torch.int64)
+        w = self.queries.shape[1]
+        return torch.arange(self.num_tokens - w, self.num_tokens, device=self.keys.device)
 
 
 @dataclass(frozen=True)
@@ -68,6 +95,50 @@ class KeptTokens:
     def total(self) -> int:
         return int(self.counts.sum())
 
+    @classmethod
+    def from_mask(cls, keep: torch.Tensor) -> KeptTokens:
+        """Kept tokens from a boolean mask ``keep`` [kv_heads, n]."""
+        kv_heads, n = keep.shape
+        counts = keep.sum(dim=1, dtype=torch.int64)
+        positions = torch.arange(n, device=keep.device).expand(kv_heads, n)
+        # Evicted positions sort after every kept one, so each row starts with its kept indices ascending.
+        ordered = torch.where(keep, positions, n).sort(dim=1).values
+        width = int(counts.max()) if kv_heads else 0
+        indices = ordered[:, :width]
+        indices = torch.where(indices == n, -1, indices)
+        return cls(indices=indices, counts=counts)
+
+    @classmethod
+    def everything(cls, kv_heads: int, n: int, device: torch.device | str = "cpu") -> KeptTokens:
+        """Every token of every head (budget >= n)."""
+        indices = torch.arange(n, device=device).expand(kv_heads, n).contiguous()
+        return cls(indices=indices, counts=torch.full((kv_heads,), n, dtype=torch.int64, device=device))
+
+
+def resolve_budget(budget: int | float, n: int) -> int:
+    """Per-head token budget for an ``n``-token prompt.
+
+    An int is tokens per KV head (>= 1); a float in (0, 1) is the kept fraction of n, floored like
+    kvpress's ``int(n * (1 - compression_ratio))`` and at least 1. The result is at most n.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        raise ValueError(
+            f"budget={budget!r} is not valid: give an int >= 1 (tokens per KV head) or a float in (0, 1) "
+            "(kept fraction of the prompt)"
+        )
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    if isinstance(budget, int):
+        if budget < 1:
+            raise ValueError(f"budget={budget} tokens per head must be >= 1 (or a float in (0, 1))")
+        return min(budget, n)
+    if not 0.0 < budget < 1.0:
+        raise ValueError(
+            f"budget={budget} is not valid: a float budget is a kept fraction in (0, 1); "
+            "use an int for tokens per head"
+        )
+    return min(n, max(1, int(n * budget)))
+
 
 class EvictionPolicy(ABC):
     """Chooses kept tokens per KV head for one layer.
@@ -87,7 +158,70 @@ class EvictionPolicy(ABC):
         """
         return min(budget, num_tokens)
 
+    @property
+    def min_budget(self) -> int:
+        """Smallest per-head budget ``select`` accepts below n (tokens the method always keeps)."""
+        return 0
+
+    def query_window(self, num_tokens: int) -> int:
+        """How many trailing prompt queries ``select`` needs in ``LayerKV.queries`` (0: none)."""
+        return 0
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        """[k] int64 token positions every head keeps whatever the scores (window, sinks)."""
+        return torch.empty(0, dtype=torch.int64)
+
     @abstractmethod
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         """Kept tokens of every KV head of ``layer`` for the per-head average ``budget`` of this layer
         (already passed through ``layer_budget``). Must keep exactly ``num_kv_heads * budget`` tokens."""
+
+    def check_budget(self, budget: int) -> None:
+        """Raise ValueError when ``budget`` cannot hold the tokens this method always keeps."""
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise ValueError(f"{self._label()}: budget={budget!r} must be an int (tokens per KV head)")
+        if budget < max(1, self.min_budget):
+            raise ValueError(
+                f"{self._label()}: budget={budget} tokens per head is below the {self.min_budget} tokens it "
+                f"always keeps (window/sinks); use a budget >= {max(1, self.min_budget)} or a smaller window"
+            )
+
+    def _label(self) -> str:
+        return self.name or type(self).__name__
+
+
+class ScoredPolicy(EvictionPolicy):
+    """A policy defined by one score per (KV head, token); uniform top-``budget`` per head.
+
+    Subclasses implement ``score``; tokens the method always keeps score ``+inf``. Ada-KV and CriticalKV
+    wrap any ScoredPolicy and reuse its scores with their own selection.
+    """
+
+    @abstractmethod
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
+        """[kv_heads, n] float32 importance, higher is kept first; ``+inf`` marks always-kept tokens."""
+
+    def select(self, layer: LayerKV, budget: int) -> KeptTokens:
+        n = layer.num_tokens
+        if budget >= n:
+            return KeptTokens.everything(layer.num_kv_heads, n, layer.keys.device)
+        self.check_budget(budget)
+        return KeptTokens.from_mask(top_k_mask(self.score(layer, budget), budget))
+
+
+def check_int(owner: str, field: str, value: object, minimum: int) -> None:
+    """Raise ValueError naming ``owner.field`` unless ``value`` is an int >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}: {field}={value!r} is not valid; it must be an int >= {minimum}")
+
+
+def check_fraction(owner: str, field: str, value: object, low: float, high: float) -> None:
+    """Raise ValueError naming ``owner.field`` unless ``value`` is a number in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ValueError(f"{owner}: {field}={value!r} is not valid; it must be a number in [{low}, {high}]")
+
+
+def check_choice(owner: str, field: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raise ValueError naming ``owner.field`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{owner}: {field}={value!r} is not valid; choose one of {', '.join(choices)}")

@@ -1,0 +1,60 @@
+"""Ada-KV: head-wise adaptive budgets around any scorer (Feng et al., 2024).
+
+https://arxiv.org/abs/2407.11550
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, check_fraction
+from vllm_kvevict.policies.selection import ada_allocation, safeguard_size
+
+
+@dataclass
+class AdaKV(EvictionPolicy):
+    """Wraps a ScoredPolicy (``AdaKV(SnapKV())``, ``AdaKV(PyramidKV())``): the layer's ``H * budget`` slots
+    go to the best scores of all KV heads together, after each head keeps its top ``alpha * budget``
+    (the safeguard). Heads end up with ragged budgets B_h, summing to ``H * budget`` exactly.
+
+    ``alpha`` is kvpress's ``alpha_safeguard`` (0.2): the guaranteed fraction per head, not a mixing weight.
+    """
+
+    inner: ScoredPolicy
+    alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, ScoredPolicy):
+            raise ValueError(f"AdaKV wraps a ScoredPolicy (SnapKV, PyramidKV, ...); got {self.inner!r}")
+        check_fraction(type(self).__name__, "alpha", self.alpha, 0.0, 1.0)
+
+    def layer_budget(self, budget: int, num_tokens: int, layer_idx: int, num_layers: int) -> int:
+        return self.inner.layer_budget(budget, num_tokens, layer_idx, num_layers)
+
+    @property
+    def min_budget(self) -> int:
+        return self.inner.min_budget
+
+    def query_window(self, num_tokens: int) -> int:
+        return self.inner.query_window(num_tokens)
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        return self.inner.always_kept(num_tokens, budget)
+
+    def keep_mask(self, layer: LayerKV, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores [kv_heads, n], keep [kv_heads, n] bool) for ``budget`` < n."""
+        scores = self.inner.score(layer, budget)
+        return scores, ada_allocation(scores, budget, self.alpha)
+
+    def safeguard(self, budget: int) -> int:
+        """Tokens every head keeps by its own scores before the shared allocation."""
+        return safeguard_size(budget, self.alpha)
+
+    def select(self, layer: LayerKV, budget: int) -> KeptTokens:
+        n = layer.num_tokens
+        if budget >= n:
+            return KeptTokens.everything(layer.num_kv_heads, n, layer.keys.device)
+        self.check_budget(budget)
+        return KeptTokens.from_mask(self.keep_mask(layer, budget)[1])

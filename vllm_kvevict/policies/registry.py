@@ -1,0 +1,132 @@
+"""User-facing method names -> composed policies. Adding a method = its file + one ``_register`` line."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_kvevict.policies.adakv import AdaKV
+from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.pyramidkv import PyramidKV
+from vllm_kvevict.policies.snapkv import SnapKV
+from vllm_kvevict.policies.streamingllm import StreamingLLM
+
+#: Dataclass fields that hold a wrapped policy, not a user parameter.
+_WRAPPED_FIELDS = frozenset({"inner"})
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """One registered method: its user name, a one-line description and its parameters with defaults."""
+
+    name: str
+    description: str
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Method:
+    description: str
+    parts: tuple[type, ...]
+    compose: Callable[..., EvictionPolicy]
+
+
+_METHODS: dict[str, _Method] = {}
+
+
+def _register(name: str, description: str, compose: Callable[..., EvictionPolicy], *parts: type) -> None:
+    """``compose`` gets one keyword dict per part, in order, holding that part's parameters."""
+    _METHODS[name] = _Method(description, parts, compose)
+
+
+def _params(part: type) -> dict[str, Any]:
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(part)
+        if f.name not in _WRAPPED_FIELDS and f.default is not dataclasses.MISSING
+    }
+
+
+_register("snapkv", "observation-window attention, pooled; keeps the window", lambda s: SnapKV(**s), SnapKV)
+_register(
+    "pyramidkv",
+    "SnapKV scores, budgets shrinking from first to last layer",
+    lambda p: PyramidKV(**p),
+    PyramidKV,
+)
+_register(
+    "ada-snapkv",
+    "SnapKV scores, per-head budgets allocated across heads (Ada-KV)",
+    lambda s, a: AdaKV(SnapKV(**s), **a),
+    SnapKV,
+    AdaKV,
+)
+_register(
+    "ada-pyramidkv",
+    "PyramidKV layer budgets, per-head budgets allocated across heads (Ada-KV)",
+    lambda p, a: AdaKV(PyramidKV(**p), **a),
+    PyramidKV,
+    AdaKV,
+)
+_register(
+    "critical-snapkv",
+    "SnapKV, half the budget by attention, the rest by attention x projected value norm (CriticalKV)",
+    lambda s, c: CriticalKV(SnapKV(**s), **c),
+    SnapKV,
+    CriticalKV,
+)
+_register(
+    "critical-ada-snapkv",
+    "CriticalKV selection inside Ada-KV's per-head budgets",
+    lambda s, a, c: CriticalKV(AdaKV(SnapKV(**s), **a), **c),
+    SnapKV,
+    AdaKV,
+    CriticalKV,
+)
+_register(
+    "streamingllm",
+    "first tokens (attention sinks) plus the most recent ones",
+    lambda s: StreamingLLM(**s),
+    StreamingLLM,
+)
+
+
+def available_methods() -> list[MethodInfo]:
+    """Every registered method, in registration order."""
+    infos = []
+    for name, method in _METHODS.items():
+        params: dict[str, Any] = {}
+        for part in method.parts:
+            params.update(_params(part))
+        infos.append(MethodInfo(name, method.description, params))
+    return infos
+
+
+def method_names() -> list[str]:
+    return list(_METHODS)
+
+
+def build_policy(name: str, **params: Any) -> EvictionPolicy:
+    """The policy registered as ``name`` with ``params`` overriding its defaults.
+
+    Raises ValueError for an unknown name (listing the valid ones), an unknown parameter (listing the
+    method's parameters) or a bad parameter value (naming it and what is valid).
+    """
+    method = _METHODS.get(name)
+    if method is None:
+        raise ValueError(f"unknown eviction method {name!r}; valid methods: {', '.join(_METHODS)}")
+    per_part = [_params(part) for part in method.parts]
+    known = {key for part in per_part for key in part}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown parameter(s) {', '.join(unknown)} for method {name!r}; "
+            f"valid parameters: {', '.join(sorted(known)) or '(none)'}"
+        )
+    kwargs = [{key: params[key] for key in part if key in params} for part in per_part]
+    policy = method.compose(*kwargs)
+    policy.name = name
+    return policy

@@ -1,0 +1,158 @@
+"""Turning scores into kept-token masks: top-k, Ada-KV allocation, CriticalKV's two stages, NaCl sampling.
+
+Every function works on a whole layer at once: scores [kv_heads, n] float, ``+inf`` for tokens a method
+always keeps (window, sinks), and returns a boolean keep mask [kv_heads, n]. Ties are broken towards the
+lower token index (and, across heads, the lower head), so selections are deterministic on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _as_counts(k: int | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    if isinstance(k, torch.Tensor):
+        return k.to(device=device, dtype=torch.int64).reshape(rows)
+    return torch.full((rows,), int(k), dtype=torch.int64, device=device)
+
+
+def top_k_mask(
+    scores: torch.Tensor, k: int | torch.Tensor, eligible: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Keep the ``k`` highest-scoring tokens of each row.
+
+    scores: [rows, n]; k: an int or [rows] int tensor (ragged per row); eligible: optional [rows, n] bool,
+    only eligible tokens are chosen (a row never gets more than its eligible count). NaN scores rank last.
+    Returns [rows, n] bool with min(k[r], eligible in row r) True entries per row.
+    """
+    rows, n = scores.shape
+    counts = _as_counts(k, rows, scores.device)
+    ranked = torch.nan_to_num(scores.float(), nan=float("-inf"))
+    # A stable descending sort keeps equal scores in index order: ties go to the lower index.
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
+    if eligible is not None:
+        # Then move ineligible tokens behind every eligible one, keeping the score order inside each part.
+        ineligible = (~eligible).gather(1, order).to(torch.int8)
+        order = order.gather(1, torch.sort(ineligible, dim=1, stable=True).indices)
+        counts = torch.minimum(counts, eligible.sum(dim=1))
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(n, device=scores.device).expand(rows, n))
+    return rank < counts[:, None]
+
+
+def always_kept_mask(scores: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, n] bool: the tokens marked ``+inf`` (window, sinks)."""
+    return torch.isposinf(scores)
+
+
+def safeguard_size(budget: int, alpha: float) -> int:
+    """Ada-KV's guaranteed tokens per head: floor(alpha * budget), at least 1 when alpha > 0 (kvpress)."""
+    if alpha <= 0 or budget <= 0:
+        return 0
+    return max(1, int(budget * alpha))
+
+
+def ada_allocation(scores: torch.Tensor, budget: int, alpha: float) -> torch.Tensor:
+    """Ada-KV head-wise selection for one layer: exactly ``kv_heads * budget`` kept tokens in total.
+
+    Each head first keeps its top ``safeguard_size(budget, alpha)`` tokens (and its ``+inf`` ones); the rest
+    of the layer's ``H * budget`` slots go to the highest remaining scores of all heads together, so heads
+    with concentrated attention give slots to heads with spread attention (Feng et al., 2024, Alg. 1 with
+    the safeguard; kvpress's AdaKVPress). B_h <= n holds because a token is chosen at most once.
+    scores: [kv_heads, n] with ``+inf`` for always-kept tokens; budget < n. Returns [kv_heads, n] bool.
+    """
+    kv_heads, n = scores.shape
+    guaranteed = top_k_mask(scores, safeguard_size(budget, alpha)) | always_kept_mask(scores)
+    remaining = kv_heads * budget - int(guaranteed.sum())
+    if remaining < 0:
+        raise ValueError(
+            f"budget={budget} per head cannot hold the {int(guaranteed.sum())} tokens the {kv_heads} heads "
+            "always keep"
+        )
+    pooled = top_k_mask(scores.reshape(1, -1), remaining, eligible=~guaranteed.reshape(1, -1))
+    return guaranteed | pooled.reshape(kv_heads, n)
+
+
+def critical_selection(
+    scores: torch.Tensor,
+    norms: torch.Tensor,
+    budgets: torch.Tensor,
+    first_stage_ratio: float,
+    epsilon: float,
+    first_stage_floor: int | torch.Tensor = 0,
+) -> torch.Tensor:
+    """CriticalKV's two-stage selection per head (Feng et al., 2025, "Identify Critical KV Cache").
+
+    Stage 1 keeps the top ``max(floor(B_h * first_stage_ratio), first_stage_floor)`` tokens by attention
+    score, counting the always-kept ``+inf`` tokens among them (as kvpress does, whose window scores are
+    the maximum); stage 2 fills the rest of B_h with the highest ``(score + epsilon) * norm`` among the
+    tokens stage 1 left.
+    scores, norms: [kv_heads, n] (norms = ``scoring.value_norms``); budgets: [kv_heads] int64 B_h.
+    Returns [kv_heads, n] bool with exactly B_h True entries in row h (B_h <= n).
+    """
+    budgets = budgets.to(device=scores.device, dtype=torch.int64)
+    forced = always_kept_mask(scores)
+    stage1_size = torch.floor(budgets.double() * first_stage_ratio).to(torch.int64)
+    stage1_size = torch.maximum(stage1_size, _as_counts(first_stage_floor, len(budgets), scores.device))
+    stage1_size = torch.minimum(stage1_size, budgets)
+    extra = (stage1_size - forced.sum(dim=1)).clamp(min=0)
+    stage1 = forced | top_k_mask(scores, extra, eligible=~forced)
+    finite = torch.where(forced, 0.0, scores.float())
+    critical = (finite + epsilon) * norms.float()
+    rest = budgets - stage1.sum(dim=1)
+    return stage1 | top_k_mask(critical, rest.clamp(min=0), eligible=~stage1)
+
+
+def head_seed(seed: int, layer_idx: int, head: int) -> int:
+    """A 63-bit generator seed for (seed, layer, head): different per head and layer, stable across runs.
+
+    SplitMix64 finalizer over the three numbers, so neighbouring heads get unrelated streams.
+    """
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + layer_idx * 0xBF58476D1CE4E5B9 + head * 0x94D049BB133111EB) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+def sample_per_head(
+    weights: torch.Tensor, k: int | torch.Tensor, eligible: torch.Tensor, seed: int, layer_idx: int
+) -> torch.Tensor:
+    """NaCl's random eviction: per head, draw ``k`` eligible tokens without replacement, P ∝ weight.
+
+    weights: [kv_heads, n] >= 0 (the proxy-token attention scores); eligible: [kv_heads, n] bool.
+    Each head draws from its own ``torch.Generator`` seeded by ``head_seed(seed, layer_idx, head)``, so the
+    sample differs across heads and layers and repeats exactly for the same seed on the same device.
+    Zero-weight tokens can still be drawn, with a vanishing probability, once the others run out.
+    Returns [kv_heads, n] bool with min(k, eligible count) True entries per row.
+    """
+    kv_heads, n = weights.shape
+    counts = _as_counts(k, kv_heads, weights.device)
+    keep = torch.zeros(kv_heads, n, dtype=torch.bool, device=weights.device)
+    for head in range(kv_heads):
+        candidates = eligible[head].nonzero().squeeze(1)
+        draw = min(int(counts[head]), candidates.numel())
+        if draw == 0:
+            continue
+        w = weights[head, candidates].double().clamp(min=0.0)
+        # A floor far below any real score keeps multinomial valid when fewer than `draw` weights are > 0.
+        w = w + max(float(w.sum()), 1.0) * 1e-12
+        generator = torch.Generator(device=weights.device)
+        generator.manual_seed(head_seed(seed, layer_idx, head))
+        picked = torch.multinomial(w, draw, replacement=False, generator=generator)
+        keep[head, candidates[picked]] = True
+    return keep
+
+
+def robust_selection(
+    mean: torch.Tensor, std: torch.Tensor, k: int, std_ratio: float, eligible: torch.Tensor
+) -> torch.Tensor:
+    """RoCo's choice of ``k`` tokens per head among ``eligible`` ones.
+
+    The ``round(std_ratio * k)`` tokens with the most volatile attention (highest std) are outside the
+    eviction scope and kept; the rest of k goes to the highest mean attention in the scope.
+    mean, std: [kv_heads, n]; eligible: [kv_heads, n] bool. Returns [kv_heads, n] bool.
+    """
+    protected = top_k_mask(std, round(std_ratio * k), eligible=eligible)
+    rest = k - protected.sum(dim=1)
+    return protected | top_k_mask(mean, rest, eligible=eligible & ~protected)

@@ -1,0 +1,65 @@
+"""SnapKV: keep the prompt tokens the observation window attends to (Li et al., 2024).
+
+https://arxiv.org/abs/2404.14469
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_choice, check_int
+from vllm_kvevict.policies.scoring import POOLING_KINDS, group_mean, pool_scores, window_attention
+
+
+@dataclass
+class SnapKV(ScoredPolicy):
+    """Score = attention of the last ``window`` prompt queries, averaged over them, pooled over
+    neighbouring tokens, averaged over the GQA group; the window itself is always kept.
+
+    As in kvpress's SnapKVPress the softmax runs over all n keys but only the n - window tokens before the
+    window are scored and pooled (zero/-inf padding at their end), then the window is appended as kept.
+    kvpress defaults: window 64, ``pooling="avg"``, kernel 5; the paper and we: window 32, max pooling, 7.
+    """
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        check_int(owner, "window", self.window, 1)
+        check_int(owner, "kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"{owner}: kernel={self.kernel} is not valid; it must be an odd int >= 1")
+        check_choice(owner, "pooling", self.pooling, POOLING_KINDS)
+
+    @property
+    def min_budget(self) -> int:
+        return self.window
+
+    def query_window(self, num_tokens: int) -> int:
+        return min(self.window, num_tokens)
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        return torch.arange(max(0, num_tokens - self.window), num_tokens)
+
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
+        n = layer.num_tokens
+        window = min(self.window, n)
+        queries, positions = window_queries(layer, window, type(self).__name__)
+        attention = window_attention(queries, layer.keys, positions)[:, : n - window]
+        scores = group_mean(pool_scores(attention, self.kernel, self.pooling), layer.num_kv_heads)
+        kept_window = torch.full((layer.num_kv_heads, window), float("inf"), device=scores.device)
+        return torch.cat([scores, kept_window], dim=1)
+
+
+def window_queries(layer: LayerKV, window: int, owner: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``window`` queries of ``layer`` and their positions: ([q_heads, window, d], [window])."""
+    given = layer.queries.shape[1]
+    if given < window:
+        raise ValueError(
+            f"{owner} needs the last {window} prompt queries (its window) in LayerKV.queries; got {given}"
+        )
+    return layer.queries[:, given - window :], layer.positions()[given - window :]

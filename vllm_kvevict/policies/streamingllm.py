@@ -1,0 +1,41 @@
+"""StreamingLLM: attention sinks plus the most recent tokens (Xiao et al., 2023).
+
+https://arxiv.org/abs/2309.17453
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
+
+
+@dataclass
+class StreamingLLM(ScoredPolicy):
+    """Keeps the first ``sinks`` tokens and the last ``budget - sinks``, whatever the attention
+    (kvpress's StreamingLLMPress). Needs no queries."""
+
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        check_int(type(self).__name__, "sinks", self.sinks, 0)
+
+    @property
+    def min_budget(self) -> int:
+        return self.sinks
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        if budget >= num_tokens:
+            return torch.arange(num_tokens)
+        sinks = torch.arange(min(self.sinks, num_tokens))
+        recent = torch.arange(num_tokens - (budget - self.sinks), num_tokens)
+        return torch.cat([sinks, recent])
+
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
+        n = layer.num_tokens
+        # Recency is the score: later tokens first; sinks are always kept.
+        scores = torch.arange(n, dtype=torch.float32, device=layer.keys.device)
+        scores[: self.sinks] = float("inf")
+        return scores.expand(layer.num_kv_heads, n).clone()
