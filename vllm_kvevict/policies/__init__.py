@@ -3,8 +3,11 @@
 from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, resolve_budget
 from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.h2o import H2O
+from vllm_kvevict.policies.nacl import NaCl
 from vllm_kvevict.policies.pyramidkv import PyramidKV
 from vllm_kvevict.policies.registry import MethodInfo, available_methods, build_policy, method_names
+from vllm_kvevict.policies.roco import RoCo, RocoStatistics
 from vllm_kvevict.policies.snapkv import SnapKV
 from vllm_kvevict.policies.streamingllm import StreamingLLM
 
@@ -12,10 +15,14 @@ __all__ = [
     "AdaKV",
     "CriticalKV",
     "EvictionPolicy",
+    "H2O",
     "KeptTokens",
     "LayerKV",
     "MethodInfo",
+    "NaCl",
     "PyramidKV",
+    "RoCo",
+    "RocoStatistics",
     "ScoredPolicy",
     "SnapKV",
     "StreamingLLM",

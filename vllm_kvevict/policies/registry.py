@@ -10,7 +10,10 @@ from typing import Any
 from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.h2o import H2O
+from vllm_kvevict.policies.nacl import NaCl
 from vllm_kvevict.policies.pyramidkv import PyramidKV
+from vllm_kvevict.policies.roco import RoCo
 from vllm_kvevict.policies.snapkv import SnapKV
 from vllm_kvevict.policies.streamingllm import StreamingLLM
 
@@ -38,7 +41,11 @@ _METHODS: dict[str, _Method] = {}
 
 
 def _register(name: str, description: str, compose: Callable[..., EvictionPolicy], *parts: type) -> None:
-    """``compose`` gets one keyword dict per part, in order, holding that part's parameters."""
+    """``compose`` gets one keyword dict per part, in order, holding that part's parameters; a single
+    class may be given as ``compose`` for a one-part method."""
+    if isinstance(compose, type):
+        single = compose
+        compose = lambda params: single(**params)  # noqa: E731
     _METHODS[name] = _Method(description, parts, compose)
 
 
@@ -50,7 +57,7 @@ def _params(part: type) -> dict[str, Any]:
     }
 
 
-_register("snapkv", "observation-window attention, pooled; keeps the window", lambda s: SnapKV(**s), SnapKV)
+_register("snapkv", "observation-window attention, pooled; keeps the window", SnapKV, SnapKV)
 _register(
     "pyramidkv",
     "SnapKV scores, budgets shrinking from first to last layer",
@@ -92,6 +99,14 @@ _register(
     lambda s: StreamingLLM(**s),
     StreamingLLM,
 )
+
+_register(
+    "h2o", "heavy hitters by attention accumulated over all prompt queries, plus recent tokens", H2O, H2O
+)
+_register(
+    "nacl", "proxy-token (window) attention top-k plus seeded per-head random sampling by score", NaCl, NaCl
+)
+_register("roco", "mean attention received, most volatile (high std) tokens kept, plus recent", RoCo, RoCo)
 
 
 def available_methods() -> list[MethodInfo]:
