@@ -1,0 +1,202 @@
+"""Prometheus metrics of KV eviction, all prefixed ``vllm_kvevict_``, served on vLLM's own ``/metrics``.
+
+Recording happens where eviction happens: the worker (compaction, budgets, step time) and the EngineCore
+(blocks the scheduler side keeps free). Those processes are not the API server that serves ``/metrics``, so
+the values travel through prometheus_client's multi-process files (``PROMETHEUS_MULTIPROC_DIR``, see
+``metrics_multiprocess``); every gauge therefore declares how processes combine.
+
+Token counts are "token positions per KV head": for one request, ``kept_tokens`` is the mean over layers and
+KV heads of the entries kept (``Σ_l Σ_h B_h / (L·H)``), directly comparable with the prompt length.
+
+The module-level ``record_*``/``observe_*``/``set_*`` functions are the recording API; they build the metrics
+on first use, so a server without eviction never creates a series and pays nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "vllm_kvevict_"
+
+#: kept / prompt tokens of one request (1.0 = nothing evicted).
+KEPT_RATIO_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
+#: seconds one eviction step spends scoring / compacting.
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: B_h / B: one KV head's kept entries over the layer's mean per head (1.0 = uniform budgets).
+HEAD_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+#: phases an eviction step's time is reported for.
+STEP_PHASES = ("total", "scoring", "compaction")
+
+
+class EvictionMetrics:
+    """Every eviction metric, in one registry (the global one in production, a fresh one in tests)."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.requests_compacted = Counter(
+            PREFIX + "requests_compacted", "Requests whose KV cache was compacted after prefill.",
+            ["method"], registry=registry,
+        )
+        self.requests_skipped = Counter(
+            PREFIX + "requests_skipped", "Requests left untouched because their prompt fits the budget.",
+            ["method"], registry=registry,
+        )
+        self.tokens_kept = Counter(
+            PREFIX + "tokens_kept", "Prompt tokens kept per KV head (mean over layers and heads).",
+            registry=registry,
+        )
+        self.tokens_evicted = Counter(
+            PREFIX + "tokens_evicted", "Prompt tokens evicted per KV head (mean over layers and heads).",
+            registry=registry,
+        )
+        self.blocks_freed = Counter(
+            PREFIX + "blocks_freed", "Paged KV blocks given back to vLLM's pool after compaction.",
+            registry=registry,
+        )
+        self.kept_ratio = Histogram(
+            PREFIX + "kept_ratio",
+            "Compression ratio per compacted request, as kept / prompt tokens (1 = nothing evicted).",
+            buckets=KEPT_RATIO_BUCKETS, registry=registry,
+        )
+        self.step_seconds = Histogram(
+            PREFIX + "eviction_step_seconds",
+            "Time of the eviction work in one engine step (phase: total, scoring, compaction).",
+            ["phase"], buckets=STEP_SECONDS_BUCKETS, registry=registry,
+        )
+        self.head_budget_ratio = Histogram(
+            PREFIX + "head_budget_ratio",
+            "Spread of per-head budgets: B_h / B for every (layer, KV head) of a compacted request.",
+            buckets=HEAD_RATIO_BUCKETS, registry=registry,
+        )
+        self.kv_tokens_resident = Gauge(
+            PREFIX + "kv_tokens_resident",
+            "KV tokens per KV head resident for running compacted requests after eviction.",
+            registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.kv_blocks_saved = Gauge(
+            PREFIX + "kv_blocks_saved",
+            "Blocks running requests would hold in addition without eviction.",
+            registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.kv_cache_saved_perc = Gauge(
+            PREFIX + "kv_cache_saved_perc",
+            "Fraction of the KV pool running requests would hold in addition without eviction (1 = 100%).",
+            registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.layer_kept_budget = Gauge(
+            PREFIX + "layer_kept_budget",
+            "Kept tokens per KV head of each layer for the most recently compacted request.",
+            ["layer"], registry=registry, multiprocess_mode="mostrecent",
+        )
+        # An info metric by convention (``*_info`` = 1): prometheus_client's Info does not work multi-process.
+        self.config_info = Gauge(
+            PREFIX + "config_info", "Active eviction method and budget (value is always 1).",
+            ["method", "budget", "params"], registry=registry, multiprocess_mode="max",
+        )
+
+    def record_eviction_config(self, method: str, budget: int | float, params: Mapping[str, object]) -> None:
+        params_text = ",".join(f"{key}={params[key]}" for key in sorted(params))
+        self.config_info.labels(method=method, budget=str(budget), params=params_text).set(1)
+
+    def record_request_compacted(
+        self,
+        method: str,
+        prompt_tokens: int,
+        kept_tokens: float,
+        layer_budgets: Sequence[float],
+        head_budget_ratios: Sequence[float],
+        blocks_freed: int,
+    ) -> None:
+        if prompt_tokens <= 0 or not 0 <= kept_tokens <= prompt_tokens:
+            raise ValueError(f"kept_tokens={kept_tokens} must lie in [0, prompt_tokens={prompt_tokens}]")
+        if blocks_freed < 0:
+            raise ValueError(f"blocks_freed={blocks_freed} must be >= 0")
+        self.requests_compacted.labels(method=method).inc()
+        self.tokens_kept.inc(kept_tokens)
+        self.tokens_evicted.inc(prompt_tokens - kept_tokens)
+        self.blocks_freed.inc(blocks_freed)
+        self.kept_ratio.observe(kept_tokens / prompt_tokens)
+        for layer, budget in enumerate(layer_budgets):
+            self.layer_kept_budget.labels(layer=str(layer)).set(budget)
+        for ratio in head_budget_ratios:
+            self.head_budget_ratio.observe(ratio)
+
+    def record_request_skipped(self, method: str) -> None:
+        self.requests_skipped.labels(method=method).inc()
+
+    def observe_eviction_step(self, seconds: float, phase: str = "total") -> None:
+        if phase not in STEP_PHASES:
+            raise ValueError(f"phase={phase!r} is not one of {', '.join(STEP_PHASES)}")
+        self.step_seconds.labels(phase=phase).observe(seconds)
+
+    def set_kv_tokens_resident(self, tokens: float) -> None:
+        self.kv_tokens_resident.set(tokens)
+
+    def set_kv_cache_saved(self, saved_blocks: int, total_blocks: int) -> None:
+        if total_blocks <= 0:
+            raise ValueError(f"total_blocks={total_blocks} must be > 0")
+        self.kv_blocks_saved.set(saved_blocks)
+        self.kv_cache_saved_perc.set(saved_blocks / total_blocks)
+
+
+_lock = threading.Lock()
+_process_metrics: EvictionMetrics | None = None
+
+
+def process_metrics() -> EvictionMetrics:
+    """This process's metrics in the global registry, built on first use."""
+    global _process_metrics
+    if _process_metrics is None:
+        with _lock:
+            if _process_metrics is None:
+                _process_metrics = EvictionMetrics()
+    return _process_metrics
+
+
+def record_eviction_config(method: str, budget: int | float, params: Mapping[str, object]) -> None:
+    """Publish the active method, budget and parameters (call once per process that evicts)."""
+    process_metrics().record_eviction_config(method, budget, params)
+
+
+def record_request_compacted(
+    method: str,
+    prompt_tokens: int,
+    kept_tokens: float,
+    layer_budgets: Sequence[float],
+    head_budget_ratios: Sequence[float],
+    blocks_freed: int,
+) -> None:
+    """One request compacted after prefill.
+
+    kept_tokens: mean kept entries per KV head over all layers (``Σ_l Σ_h B_h / (L·H)``).
+    layer_budgets: ``[num_layers]`` mean kept entries per KV head of each layer.
+    head_budget_ratios: ``B_h / B_layer`` for every (layer, KV head), flattened;
+        ``[]`` for uniform methods.
+    blocks_freed: leading blocks the accounting rule frees for this request.
+    """
+    process_metrics().record_request_compacted(
+        method, prompt_tokens, kept_tokens, layer_budgets, head_budget_ratios, blocks_freed
+    )
+
+
+def record_request_skipped(method: str) -> None:
+    """One request not compacted because its prompt already fits the budget."""
+    process_metrics().record_request_skipped(method)
+
+
+def observe_eviction_step(seconds: float, phase: str = "total") -> None:
+    """Time one engine step spent on eviction; phase is ``total``, ``scoring`` or ``compaction``."""
+    process_metrics().observe_eviction_step(seconds, phase)
+
+
+def set_kv_tokens_resident(tokens: float) -> None:
+    """KV tokens per KV head now resident for all running compacted requests (after eviction)."""
+    process_metrics().set_kv_tokens_resident(tokens)
+
+
+def set_kv_cache_saved(saved_blocks: int, total_blocks: int) -> None:
+    """Blocks running requests would hold in addition without eviction, and the pool size (scheduler side)."""
+    process_metrics().set_kv_cache_saved(saved_blocks, total_blocks)
