@@ -1,0 +1,119 @@
+"""Rebuild the bundled model's fast tokenizer from GGUF metadata.
+
+transformers' own GGUF tokenizer conversion is wrong for SmolLM2's vocabulary (eos becomes ``<|im_start|>``,
+a BOS is prepended, a byte-fallback decoder is used and five ids are added), so the tokenizer is assembled
+here from the GGUF fields with the ``tokenizers`` library, the way the original HF tokenizer is built:
+byte-level BPE, digits split one by one before the GPT-2 regex, control tokens special, no BOS added.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+# llama.cpp token types (gguf.TokenType): only NORMAL and CONTROL occur in this vocabulary.
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_CONTROL = 3
+SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+
+
+class GGUFTokenizerError(ValueError):
+    """The GGUF metadata does not describe a tokenizer this module can rebuild."""
+
+
+def read_tokenizer_metadata(gguf_path: Path) -> dict[str, Any]:
+    """Read the ``tokenizer.*`` fields of a GGUF file into plain Python values."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    metadata = {name: field.contents() for name, field in fields.items() if name.startswith("tokenizer.")}
+    model = metadata.get("tokenizer.ggml.model")
+    if model not in SUPPORTED_TOKENIZER_MODELS:
+        supported = ", ".join(SUPPORTED_TOKENIZER_MODELS)
+        raise GGUFTokenizerError(f"{gguf_path}: tokenizer.ggml.model is {model!r}; supported: {supported}")
+    return metadata
+
+
+def build_tokenizer(
+    tokens: list[str], token_types: list[int], merges: list[str]
+) -> Tokenizer:
+    """Byte-level BPE tokenizer: ``tokens[i]`` has id ``i``; CONTROL tokens become special added tokens."""
+    if len(tokens) != len(token_types):
+        raise GGUFTokenizerError(f"{len(tokens)} tokens but {len(token_types)} token types")
+    unknown_types = sorted({t for t in token_types} - {TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL})
+    if unknown_types:
+        raise GGUFTokenizerError(
+            f"token types {unknown_types} are not handled; valid: {TOKEN_TYPE_NORMAL} (normal), "
+            f"{TOKEN_TYPE_CONTROL} (control)"
+        )
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise GGUFTokenizerError("the GGUF vocabulary has duplicate tokens")
+    merge_pairs = []
+    for merge in merges:
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise GGUFTokenizerError(f"merge {merge!r} is not two space-separated symbols")
+        merge_pairs.append((pair[0], pair[1]))
+
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False))
+    # Digits one by one, then the GPT-2 regex: as llama.cpp's "smollm" pre-tokenizer and the original HF one.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    # Offsets only; it adds no BOS/EOS (the GGUF says add_bos_token = False).
+    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
+    control = [tokens[i] for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_CONTROL]
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False, single_word=False, lstrip=False, rstrip=False)
+         for token in control]
+    )
+    return tokenizer
+
+
+def tokenizer_config(metadata: dict[str, Any], model_max_length: int) -> dict[str, Any]:
+    """``tokenizer_config.json`` content: special tokens by the GGUF ids, chat template, no BOS added."""
+    tokens = metadata["tokenizer.ggml.tokens"]
+    token_types = metadata["tokenizer.ggml.token_type"]
+
+    def token_at(field: str) -> str:
+        return tokens[int(metadata[field])]
+
+    control = [tokens[i] for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_CONTROL]
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token_at("tokenizer.ggml.bos_token_id"),
+        "eos_token": token_at("tokenizer.ggml.eos_token_id"),
+        "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
+        "pad_token": token_at("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+        "additional_special_tokens": control,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": metadata["tokenizer.chat_template"],
+    }
+
+
+def write_tokenizer_files(gguf_path: Path, out_dir: Path, model_max_length: int) -> dict[str, Any]:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir``; return the config written."""
+    metadata = read_tokenizer_metadata(gguf_path)
+    tokenizer = build_tokenizer(
+        list(metadata["tokenizer.ggml.tokens"]),
+        [int(t) for t in metadata["tokenizer.ggml.token_type"]],
+        list(metadata["tokenizer.ggml.merges"]),
+    )
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = tokenizer_config(metadata, model_max_length)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    special = {key: config[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    special["additional_special_tokens"] = config["additional_special_tokens"]
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    return config
