@@ -153,7 +153,7 @@ def paged_window_scores(
 
     check_sequences(k_cache, subblock_tables, seq_lens)
     num_seqs = subblock_tables.shape[0]
-    check_window(queries, num_seqs, k_cache.shape[2], query_positions, num_pooled, pool_kernel, pool_kind)
+    check_window(queries, seq_lens, k_cache.shape[2], query_positions, num_pooled, pool_kernel, pool_kind)
     max_len = int(seq_lens.max()) if num_seqs else 0
     out = torch.zeros(num_seqs, max_len, dtype=torch.float32, device=queries.device)
     for seq in range(num_seqs):
@@ -178,7 +178,7 @@ def paged_window_scores(
 
 def check_window(
     queries: torch.Tensor,
-    num_seqs: int,
+    seq_lens: torch.Tensor,
     head_size: int,
     query_positions: torch.Tensor | None,
     num_pooled: torch.Tensor | None,
@@ -186,6 +186,7 @@ def check_window(
     pool_kind: str,
 ) -> None:
     """Validate the arguments of ``paged_window_scores`` beyond the cache and tables."""
+    num_seqs = seq_lens.shape[0]
     if queries.dim() != 4 or queries.shape[0] != num_seqs or queries.shape[-1] != head_size:
         raise ValueError(
             f"queries must be [num_seqs={num_seqs}, group, w, D={head_size}], got {tuple(queries.shape)}"
@@ -197,6 +198,8 @@ def check_window(
         )
     if num_pooled is not None and num_pooled.shape != (num_seqs,):
         raise ValueError(f"num_pooled must be [num_seqs={num_seqs}], got {tuple(num_pooled.shape)}")
+    if num_pooled is not None and bool(((num_pooled < 0) | (num_pooled > seq_lens)).any()):
+        raise ValueError(f"num_pooled must lie in [0, seq_len] per sequence, got {num_pooled.tolist()[:8]}")
     if pool_kind not in POOL_KINDS:
         raise ValueError(f"pool_kind {pool_kind!r} is not one of {POOL_KINDS}")
     if pool_kernel < 1 or pool_kernel % 2 == 0:
