@@ -1,0 +1,111 @@
+"""Scheduler side of eviction: a KV-cache spec whose manager frees a request's leading blocks after prefill.
+
+The worker compacts each layer's kept entries into the blocks the accounting rule lets the request keep
+(``vllm_kvevict.layout.accounting``); this manager frees the others through vLLM's own
+``_remove_blocks_in_range`` (the in-tree RSWAManager frees a middle gap the same way). Both sides derive
+the plan from the prompt length, so no message crosses between them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+from vllm.config import get_current_vllm_config_or_none
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from vllm_kvevict.layout.accounting import RequestPlan, plan_request
+from vllm_kvevict.vllm_adapter.config import EvictionConfig, get_eviction_config
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvictingAttentionSpec(FullAttentionSpec):
+    """Full attention whose prompt cache is evicted per head after prefill.
+
+    eviction: the EvictionConfig as JSON (specs travel from workers to the EngineCore by pickle and must
+        stay hashable, so it is a string).
+    num_model_layers: attention layers of the model (PyramidKV budgets depend on the depth).
+    """
+
+    eviction: str = ""
+    num_model_layers: int = 1
+
+    @classmethod
+    def merge(cls, specs: list[EvictingAttentionSpec]) -> EvictingAttentionSpec:
+        settings = {(spec.eviction, spec.num_model_layers) for spec in specs}
+        if len(settings) != 1:
+            raise ValueError(f"all layers of a KV cache group must share one eviction setting: {settings}")
+        base = FullAttentionSpec.merge(specs)  # type: ignore[arg-type]
+        eviction, num_model_layers = settings.pop()
+        inherited = {f.name: getattr(base, f.name) for f in fields(FullAttentionSpec)}
+        return cls(**inherited, eviction=eviction, num_model_layers=num_model_layers)
+
+    def eviction_config(self) -> EvictionConfig:
+        return _config_from_json(self.eviction)
+
+
+@lru_cache(maxsize=8)
+def _config_from_json(text: str) -> EvictionConfig:
+    return EvictionConfig.from_dict(json.loads(text))
+
+
+class EvictingAttentionManager(FullAttentionManager):
+    """FullAttentionManager that frees the leading blocks [0, s) of every compacted request once its prompt
+    is processed (s from ``plan_request``). Positions, slot math and ``num_computed_tokens`` stay untouched;
+    freed blocks return to the pool and are reused by the next ``allocate_slots``."""
+
+    def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        config = kv_cache_spec.eviction_config()
+        policy = config.build_policy()
+        block_size = kv_cache_spec.block_size
+        num_layers = kv_cache_spec.num_model_layers
+
+        @lru_cache(maxsize=4096)
+        def plan_for(prompt_len: int) -> RequestPlan:
+            return plan_request(prompt_len, config.budget, block_size, policy, num_layers)
+
+        self.plan_for = plan_for
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+        # Free only once the whole prompt is processed and committed: until then the worker has not compacted.
+        if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
+            return
+        plan = self.plan_for(num_prompt_tokens)
+        if plan.blocks_to_free > 0:
+            # Iterates backwards and stops at the first null block, so repeated calls cost O(1).
+            self._remove_blocks_in_range(request_id, 0, plan.blocks_to_free)
+
+
+def register_evicting_spec() -> None:
+    """Register the spec with its manager (every process; idempotent).
+
+    The built-in specs go first: the registry fills itself lazily only while it is empty, so registering
+    ours first would hide them."""
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(
+        EvictingAttentionSpec, EvictingAttentionManager, uniform_type_base_spec=FullAttentionSpec
+    )
+
+
+def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
+    """The spec a layer publishes when eviction is on (called from the attention backend's
+    ``customize_spec``); any other spec, or eviction off, passes through unchanged."""
+    vllm_config = get_current_vllm_config_or_none()
+    config = get_eviction_config(vllm_config)
+    if config is None or type(spec) is not FullAttentionSpec:
+        return spec
+    inherited = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
+    num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    return EvictingAttentionSpec(
+        **inherited, eviction=json.dumps(config.to_dict(), sort_keys=True), num_model_layers=num_layers
+    )
