@@ -8,6 +8,7 @@ without the sources (a wheel install ships no ``csrc/``) it is simply unavailabl
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,16 @@ def nvcc_path() -> str | None:
     return shutil.which("nvcc")
 
 
+def cuda_include_dir(nvcc: str) -> Path:
+    """The CUDA toolkit's include directory (nvcc may be a wrapper script outside the toolkit)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    roots = [Path(c) for c in candidates if c] + [Path(nvcc).resolve().parent.parent]
+    for root in roots:
+        if (root / "include" / "cuda_runtime.h").exists():
+            return root / "include"
+    raise FileNotFoundError(f"no CUDA include directory with cuda_runtime.h under {[str(r) for r in roots]}")
+
+
 def compile_only_commands(out_dir: Path, shim_dir: Path) -> list[list[str]]:
     """Commands that compile the CUDA sources without a GPU or a CUDA torch.
 
@@ -75,7 +86,7 @@ def compile_only_commands(out_dir: Path, shim_dir: Path) -> list[list[str]]:
     nvcc = nvcc_path()
     if nvcc is None:
         raise FileNotFoundError("nvcc is not on PATH")
-    cuda_include = Path(nvcc).resolve().parent.parent / "include"
+    cuda_include = cuda_include_dir(nvcc)
     commands = [
         [
             nvcc,
