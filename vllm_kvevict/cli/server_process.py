@@ -1,0 +1,235 @@
+"""Start and stop a real ``vllm serve`` subprocess, for end-to-end tests, ``bench`` and ``eval --compare``.
+
+The server runs the ``vllm`` console script of the running interpreter's environment in its own process
+group (so API server, EngineCore and workers are stopped together), logs to a file, and is ready once
+``/health`` answers 200. ``stop()`` sends SIGINT to the group, then SIGKILL to whatever is left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+HOST = "127.0.0.1"
+
+
+class ServerStartError(RuntimeError):
+    """``vllm serve`` exited or did not become healthy in time; the message ends with its log tail."""
+
+
+def vllm_executable() -> Path:
+    """The ``vllm`` console script next to ``sys.executable`` (the same virtual environment)."""
+    # Not resolved: .venv/bin/python is a symlink to the base interpreter, and the script lives in .venv/bin.
+    candidate = Path(sys.executable).parent / "vllm"
+    if not candidate.is_file():
+        raise FileNotFoundError(
+            f"no `vllm` executable next to {sys.executable}; run `make install` to create .venv with vLLM"
+        )
+    return candidate
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port free right now on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member exists but is not ours to signal; treat as alive
+        return True
+    return True
+
+
+class VLLMServer:
+    """``vllm serve MODEL --host 127.0.0.1 --port <free> --served-model-name NAME *extra_args`` as a
+    context manager.
+
+    ``env`` entries are added to (and override) the inherited environment; ``VLLM_USE_V2_MODEL_RUNNER=0``
+    and ``VLLM_CPU_KVCACHE_SPACE=<kv_cache_space_gib>`` are set unless ``env`` overrides them.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        kv_cache_space_gib: float = 1,
+        served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
+        startup_timeout_s: float = 600.0,
+        port: int | None = None,
+        log_path: Path | str | None = None,
+    ) -> None:
+        if kv_cache_space_gib <= 0:
+            raise ValueError(f"kv_cache_space_gib must be > 0 GiB, got {kv_cache_space_gib!r}")
+        if startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0 s, got {startup_timeout_s!r}")
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json)")
+        self.extra_args = tuple(str(arg) for arg in extra_args)
+        for reserved in ("--host", "--port", "--served-model-name"):
+            if any(arg == reserved or arg.startswith(reserved + "=") for arg in self.extra_args):
+                raise ValueError(f"{reserved} is set by VLLMServer; pass it to the constructor instead")
+        self.served_model_name = served_model_name
+        self.startup_timeout_s = startup_timeout_s
+        self.port = port if port is not None else free_port()
+        self.env = {
+            "VLLM_USE_V2_MODEL_RUNNER": "0",
+            "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_space_gib:g}",
+            **(dict(env) if env else {}),
+        }
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-serve-{self.port}-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    # -- addresses ---------------------------------------------------------------------------------------
+    @property
+    def root_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI base URL, e.g. ``http://127.0.0.1:PORT/v1``."""
+        return f"{self.root_url}/v1"
+
+    @property
+    def command(self) -> list[str]:
+        return [str(vllm_executable()), "serve", str(self.model_dir), "--host", HOST, "--port",
+                str(self.port), "--served-model-name", self.served_model_name, *self.extra_args]
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> VLLMServer:
+        """Launch the server and block until ``/health`` is 200; raise :class:`ServerStartError` otherwise."""
+        if self._process is not None:
+            raise RuntimeError(f"server on port {self.port} was already started")
+        with self.log_path.open("wb") as log:
+            log.write(f"$ {' '.join(self.command)}\n".encode())
+            log.flush()
+            self._process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env}, start_new_session=True,
+            )
+        atexit.register(self.stop)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            assert self._process is not None
+            code = self._process.poll()
+            if code is not None:
+                raise ServerStartError(
+                    f"`vllm serve` exited with code {code} before becoming healthy (log {self.log_path}):\n"
+                    + self.log_tail()
+                )
+            if self._health_ok():
+                return
+            time.sleep(0.5)
+        raise ServerStartError(
+            f"`vllm serve` not healthy after {self.startup_timeout_s:g} s (log {self.log_path}):\n"
+            + self.log_tail()
+        )
+
+    def _health_ok(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.root_url}/health", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGINT the process group, SIGKILL it after ``timeout_s``; returns the server's exit code."""
+        process = self._process
+        if process is None:
+            return None
+        atexit.unregister(self.stop)
+        pgid = process.pid  # start_new_session makes the server its group leader
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGINT)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # The API server may be gone while EngineCore/workers (same group) are still shutting down.
+        deadline = time.monotonic() + 5.0
+        while _group_alive(pgid) and time.monotonic() < deadline and process.poll() is not None:
+            time.sleep(0.1)
+        if _group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        return process.wait()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- observation -------------------------------------------------------------------------------------
+    def log_tail(self, max_lines: int = 60) -> str:
+        """The last ``max_lines`` lines of the server log."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError as error:
+            return f"(log {self.log_path} unreadable: {error})"
+        return "\n".join(lines[-max_lines:])
+
+    def metrics_text(self, timeout_s: float = 10.0) -> str:
+        """The Prometheus text of ``GET /metrics``."""
+        with urllib.request.urlopen(f"{self.root_url}/metrics", timeout=timeout_s) as response:
+            return response.read().decode()
+
+    def metric_samples(self, name: str) -> list[tuple[dict[str, str], float]]:
+        """``(labels, value)`` of every sample called exactly ``name`` on ``/metrics``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return [
+            (dict(sample.labels), float(sample.value))
+            for family in text_string_to_metric_families(self.metrics_text())
+            for sample in family.samples
+            if sample.name == name
+        ]
+
+    def metric_value(self, name: str) -> float:
+        """The value of the one sample called ``name`` (e.g. ``vllm:kv_cache_usage_perc``)."""
+        samples = self.metric_samples(name)
+        if len(samples) != 1:
+            found = [labels for labels, _ in samples]
+            raise LookupError(f"expected one sample {name!r} on /metrics, found {len(samples)}: {found}")
+        return samples[0][1]
