@@ -1,0 +1,198 @@
+"""The Grafana dashboard is real: a real Prometheus scrapes a real `vllm serve` with eviction on, and every
+panel's PromQL returns data after some traffic.
+
+Needs Debian's `prometheus` package (`prometheus`, `promtool` on PATH); installed here if missing and root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from vllm_kvevict.vllm_adapter.metrics import EvictionMetrics
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DASHBOARD = json.loads((DEPLOY / "grafana" / "vllm-kvevict.json").read_text())
+EVICTION_ARGS = ("--kv-eviction", "ada-snapkv", "--kv-budget", "256")
+RATE_WINDOW = "20s"
+SCRAPE_INTERVAL = "1s"
+
+
+def ensure_prometheus_installed() -> None:
+    if shutil.which("prometheus") and shutil.which("promtool"):
+        return
+    if os.geteuid() != 0:
+        pytest.fail("Prometheus is missing: apt-get install -y --no-install-recommends prometheus")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"]
+    subprocess.run(install, check=True, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+class Prometheus:
+    """A throw-away Prometheus server scraping one target every second."""
+
+    def __init__(self, workdir: Path, target: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
+            "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": [target]}]}],
+        }
+        self.config_path = workdir / "prometheus.yml"
+        self.config_path.write_text(json.dumps(config))  # JSON is YAML
+        self.log_path = workdir / "prometheus.log"
+        self.command = [
+            "prometheus", f"--config.file={self.config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> Prometheus:
+        log = self.log_path.open("w")
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/-/ready", timeout=2):
+                    return self
+            except OSError:
+                assert self.process.poll() is None, self.log_path.read_text()
+                time.sleep(0.3)
+        raise TimeoutError(self.log_path.read_text())
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.process is not None
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+    def api(self, endpoint: str, **params: str) -> list:
+        reply = http_json(f"{self.url}/api/v1/{endpoint}?{urllib.parse.urlencode(params)}")
+        assert reply["status"] == "success", reply
+        return reply["data"]["result"] if "result" in reply["data"] else reply["data"]
+
+    def query(self, expr: str) -> list:
+        return self.api("query", query=expr)
+
+    def query_range(self, expr: str, start: float, end: float) -> list:
+        return self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="1")
+
+
+def grafana_to_promql(expr: str) -> str:
+    """Fill the dashboard variables as Grafana would with "All" selected."""
+    return (expr.replace("$__rate_interval", RATE_WINDOW)
+            .replace("$instance", ".+").replace("$model", ".+"))
+
+
+def has_values(result: list) -> bool:
+    points = [v for series in result for v in series.get("values", [series.get("value")]) if v]
+    return any(point[1] not in ("NaN", "+Inf", "-Inf") for point in points)
+
+
+@pytest.fixture(scope="module")
+def scraped_server(model_dir: Path, tmp_path_factory) -> Iterator[tuple[Prometheus, float]]:
+    """Eviction server + Prometheus after traffic; yields the Prometheus and the time traffic started."""
+    from vllm_kvevict.bench.client import run_workload
+    from vllm_kvevict.bench.workload import Workload, build_workload
+    from vllm_kvevict.cli.server_process import VLLMServer
+
+    ensure_prometheus_installed()
+    long_prompts = build_workload(model_dir, num_prompts=6, prompt_tokens=1024, output_tokens=24, seed=7)
+    short_prompts = Workload(prompts=[p[:96] for p in long_prompts.prompts[:2]], output_tokens=24)
+    workdir = tmp_path_factory.mktemp("prometheus")
+    with VLLMServer(model_dir, extra_args=EVICTION_ARGS + ("--max-model-len", "2048"),
+                    kv_cache_space_gib=1) as server:
+        target = urllib.parse.urlsplit(server.root_url).netloc
+        with Prometheus(workdir, target) as prometheus:
+            start = time.time()
+            for wave in (long_prompts, short_prompts, long_prompts):
+                run_workload(server.base_url, server.served_model_name, wave, concurrency=4)
+                time.sleep(2)
+            wait_for_last_scrape(prometheus, server.metrics_text())
+            yield prometheus, start
+
+
+def wait_for_last_scrape(prometheus: Prometheus, metrics_text: str, timeout_s: float = 30) -> None:
+    """Until Prometheus has the server's final generation-token count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    expected = sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics_text) if family.name == "vllm:generation_tokens"
+        for sample in family.samples if sample.name.endswith("_total")
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = prometheus.query("sum(vllm:generation_tokens_total)")
+        if result and float(result[0]["value"][1]) >= expected > 0:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"Prometheus never saw {expected} generated tokens")
+
+
+def panel_cases() -> list[tuple[str, str, bool]]:
+    return [
+        (f"{panel['title']} [{target['refId']}]", target["expr"], bool(target.get("instant")))
+        for panel in DASHBOARD["panels"] for target in panel["targets"]
+    ]
+
+
+@pytest.mark.parametrize(("panel", "expr", "instant"), panel_cases(), ids=[c[0] for c in panel_cases()])
+def test_panel_query_returns_data(scraped_server, panel, expr, instant):
+    prometheus, start = scraped_server
+    promql = grafana_to_promql(expr)
+    result = prometheus.query(promql) if instant else prometheus.query_range(promql, start, time.time())
+    assert has_values(result), f"{panel}: no data for {promql}"
+
+
+def test_every_eviction_metric_is_scraped(scraped_server):
+    prometheus, _ = scraped_server
+    registry = CollectorRegistry()
+    EvictionMetrics(registry)
+    expected = {sample_name(family) for family in registry.collect()}
+    scraped = {series["metric"]["__name__"]
+               for series in prometheus.query('count by (__name__) ({__name__=~"vllm_kvevict_.+"})')}
+    assert expected - scraped == set()
+
+
+def sample_name(family) -> str:
+    suffix = {"counter": "_total", "histogram": "_count"}.get(family.type, "")
+    return family.name + suffix
+
+
+def test_variables_resolve_to_the_scraped_server(scraped_server):
+    prometheus, _ = scraped_server
+    instances = prometheus.api("label/instance/values", **{"match[]": "vllm:num_requests_running"})
+    models = prometheus.api("label/model_name/values", **{"match[]": "vllm:num_requests_running"})
+    assert len(instances) == 1 and len(models) == 1
+
+
+def test_deploy_prometheus_config_passes_promtool():
+    ensure_prometheus_installed()
+    result = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,1 @@
+"""Capacity/throughput benchmark of vanilla vLLM vs vLLM with KV eviction (``vllm-kvevict bench``)."""

@@ -1,0 +1,66 @@
+"""Polls a vLLM server's ``/metrics`` in a thread and keeps the peaks the benchmark reports."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+@dataclass
+class Peaks:
+    max_running: float = 0.0
+    max_waiting: float = 0.0
+    max_kv_usage: float = 0.0
+    samples: int = 0
+
+
+def gauge_values(metrics_text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum of each named gauge over its label sets (one engine: one series)."""
+    values = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name in values:
+            values[family.name] = sum(sample.value for sample in family.samples)
+    return values
+
+
+class MetricsPoller:
+    """Context manager: polls ``{base_url}/metrics`` every ``interval_s`` until closed."""
+
+    def __init__(self, metrics_url: str, interval_s: float = 0.25) -> None:
+        self.metrics_url = metrics_url
+        self.interval_s = interval_s
+        self.peaks = Peaks()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
+
+    def __enter__(self) -> MetricsPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def poll_once(self) -> None:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        values = gauge_values(text, (RUNNING, WAITING, KV_USAGE))
+        self.peaks.max_running = max(self.peaks.max_running, values[RUNNING])
+        self.peaks.max_waiting = max(self.peaks.max_waiting, values[WAITING])
+        self.peaks.max_kv_usage = max(self.peaks.max_kv_usage, values[KV_USAGE])
+        self.peaks.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except OSError:
+                pass  # a slow scrape under load; the next one counts
+            self._stop.wait(self.interval_s)

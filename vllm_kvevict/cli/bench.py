@@ -1,0 +1,107 @@
+"""``vllm-kvevict bench``: capacity and throughput of vanilla vLLM vs vLLM with KV eviction.
+
+Both servers run in the same invocation, one after the other, with the same KV pool
+(``VLLM_CPU_KVCACHE_SPACE`` and optionally ``--num-kv-blocks``), the same model and the same prompts. The
+whole workload is sent at once so that the KV pool, not the client, limits how many requests run together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="Capacity/throughput benchmark: vanilla vs eviction servers, same KV pool.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--model-dir", type=Path, default=None, help="HF model directory (default: the bundled model)")
+    add("--method", default="ada-snapkv", help="eviction method (default: ada-snapkv)")
+    add("--budget", default="0.25", help="--kv-budget of the eviction server (default: 0.25)")
+    add("--num-prompts", type=int, default=32, help="prompts in the workload (default: 32)")
+    add("--prompt-tokens", type=int, default=4000, help="tokens per prompt (default: 4000)")
+    add("--output-tokens", type=int, default=128, help="generated tokens per request (default: 128)")
+    add("--concurrency", type=int, default=None, help="client-side cap (default: all requests at once)")
+    add("--kv-cache-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of both (default: 1)")
+    add("--num-kv-blocks", type=int, default=None,
+        help="--num-gpu-blocks-override of both: a pool small enough to be the bottleneck on a small CPU")
+    add("--server-arg", action="append", default=[], help="extra `vllm serve` argument for both (repeatable)")
+    add("--seed", type=int, default=0, help="workload seed (default: 0)")
+    add("--append", type=Path, default=None, help="append the table to this markdown file")
+    add("--machine", default=None, help="machine description for the markdown (default: probed)")
+    parser.set_defaults(handler=run)
+
+
+def common_server_args(args: argparse.Namespace) -> list[str]:
+    common = ["--max-model-len", str(args.prompt_tokens + args.output_tokens + 64), *args.server_arg]
+    if args.num_kv_blocks is not None:
+        common += ["--num-gpu-blocks-override", str(args.num_kv_blocks)]
+    return common
+
+
+def server_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(label, extra `vllm serve` args): vanilla first, it is the baseline of every ratio."""
+    eviction = ["--kv-eviction", args.method, "--kv-budget", str(args.budget)]
+    return [
+        ("vanilla", common_server_args(args)),
+        (f"{args.method} @ {args.budget}", common_server_args(args) + eviction),
+    ]
+
+
+def settings_text(args: argparse.Namespace) -> str:
+    text = (
+        f"{args.num_prompts} prompts × {args.prompt_tokens} tokens, {args.output_tokens} output tokens "
+        f"(ignore_eos), all sent at once; VLLM_CPU_KVCACHE_SPACE={args.kv_cache_space_gib} GiB"
+    )
+    if args.num_kv_blocks is not None:
+        text += f", --num-gpu-blocks-override {args.num_kv_blocks}"
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_kvevict.bench.report import (
+        append_to_benchmarks,
+        machine_description,
+        markdown_section,
+        ratio_table,
+    )
+    from vllm_kvevict.bench.workload import build_workload
+    from vllm_kvevict.cli.prepare_model import prepared_model_dir
+
+    model_dir = args.model_dir or prepared_model_dir()
+    workload = build_workload(model_dir, args.num_prompts, args.prompt_tokens, args.output_tokens, args.seed)
+    results = [
+        bench_server(model_dir, label, extra, workload, args) for label, extra in server_runs(args)
+    ]
+    print(ratio_table(results))
+    if args.append is not None:
+        command = "vllm-kvevict bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
+        machine = args.machine or machine_description()
+        append_to_benchmarks(args.append, markdown_section(results, settings_text(args), command, machine))
+        print(f"[bench] appended to {args.append}", file=sys.stderr)
+    return 0
+
+
+def bench_server(model_dir: Path, label: str, extra: list[str], workload, args: argparse.Namespace):
+    """Start one server, warm it up, run the workload while polling /metrics, stop it."""
+    from vllm_kvevict.bench.client import run_workload
+    from vllm_kvevict.bench.metrics_poller import MetricsPoller
+    from vllm_kvevict.bench.report import summarise
+    from vllm_kvevict.bench.workload import Workload
+    from vllm_kvevict.cli.server_process import VLLMServer
+
+    print(f"[bench] {label}: vllm serve {model_dir} {shlex.join(extra)}", file=sys.stderr, flush=True)
+    with VLLMServer(model_dir, extra_args=tuple(extra), kv_cache_space_gib=args.kv_cache_space_gib) as server:
+        model = server.served_model_name
+        run_workload(server.base_url, model, Workload(prompts=[workload.prompts[0][:32]], output_tokens=4), 1)
+        with MetricsPoller(server.root_url + "/metrics") as poller:
+            timing = run_workload(server.base_url, model, workload, args.concurrency or len(workload.prompts))
+    result = summarise(label, timing, poller.peaks)
+    print(f"[bench] {label}: {result}", file=sys.stderr, flush=True)
+    return result
