@@ -1,0 +1,202 @@
+"""prepare-model: cache location, atomic publication, idempotence, and the rebuilt tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_kvevict.cli import prepare_model
+from vllm_kvevict.cli.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
+from vllm_kvevict.cli.model_conversion import SMOLLM2
+from vllm_kvevict.cli.prepare_model import (
+    MARKER_NAME,
+    atomic_directory,
+    default_cache_dir,
+    is_prepared,
+    prepared_model_dir,
+)
+
+
+# -- cache location ---------------------------------------------------------------------------------------
+def test_cache_dir_prefers_kvevict_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVEVICT_CACHE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "explicit"
+
+
+def test_cache_dir_falls_back_to_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVEVICT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "vllm-kvevict"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "vllm-kvevict"
+
+
+def test_cache_dir_that_is_a_file_is_rejected_by_name(tmp_path):
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("")
+    with pytest.raises(NotADirectoryError, match=str(not_a_dir)):
+        prepared_model_dir(not_a_dir)
+
+
+# -- atomic publication -----------------------------------------------------------------------------------
+def test_atomic_directory_publishes_only_on_success(tmp_path):
+    final = tmp_path / "model"
+    with atomic_directory(final) as staging:
+        (staging / "weights").write_text("complete")
+    assert (final / "weights").read_text() == "complete"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_interrupted_conversion_leaves_previous_model_and_no_partial_dir(tmp_path):
+    final = tmp_path / "model"
+    final.mkdir()
+    (final / "weights").write_text("old")
+    with pytest.raises(KeyboardInterrupt), atomic_directory(final) as staging:
+        (staging / "weights").write_text("half")
+        raise KeyboardInterrupt
+    assert (final / "weights").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_atomic_directory_replaces_an_outdated_model(tmp_path):
+    final = tmp_path / "model"
+    final.mkdir()
+    (final / "stale").write_text("v0")
+    with atomic_directory(final) as staging:
+        (staging / "weights").write_text("v1")
+    assert sorted(p.name for p in final.iterdir()) == ["weights"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_marker_of_another_format_or_gguf_is_not_prepared(tmp_path):
+    (tmp_path / MARKER_NAME).write_text(json.dumps({"format": prepare_model.FORMAT_VERSION - 1,
+                                                    "gguf_sha256": prepare_model.GGUF_SHA256}))
+    assert not is_prepared(tmp_path)
+    (tmp_path / MARKER_NAME).write_text(json.dumps({"format": prepare_model.FORMAT_VERSION,
+                                                    "gguf_sha256": "0" * 64}))
+    assert not is_prepared(tmp_path)
+    (tmp_path / MARKER_NAME).write_text("{truncated")
+    assert not is_prepared(tmp_path)
+
+
+def test_fast_path_hash_matches_conversion_hash():
+    assert prepare_model.GGUF_SHA256 == SMOLLM2.gguf_sha256
+
+
+# -- the prepared model -----------------------------------------------------------------------------------
+@pytest.mark.model
+def test_second_call_is_instant_and_imports_no_torch(model_dir):
+    code = (
+        "import sys, time; t = time.perf_counter();"
+        "from vllm_kvevict.cli.prepare_model import prepared_model_dir; p = prepared_model_dir();"
+        "print(p); print(time.perf_counter() - t); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    path, seconds, torch_imported = out.split()
+    assert Path(path) == model_dir
+    assert float(seconds) < 0.5
+    assert torch_imported == "False"
+
+
+@pytest.mark.model
+def test_prepared_dir_has_verified_marker_and_safetensors(model_dir):
+    marker = json.loads((model_dir / MARKER_NAME).read_text())
+    assert marker["format"] == prepare_model.FORMAT_VERSION
+    assert "Paris" in marker["verified_answer"]
+    assert (model_dir / "model.safetensors").stat().st_size > 200_000_000  # 135M params in bf16
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["head_dim"]) == (30, 9, 3, 64)
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.mark.model
+def test_tokenizer_adds_no_bos(tokenizer):
+    assert tokenizer("Hello")["input_ids"] == [tokenizer.convert_tokens_to_ids("Hello")]
+    assert tokenizer.bos_token == "<|im_start|>"
+
+
+@pytest.mark.model
+def test_tokenizer_eos_is_im_end_with_id_2(tokenizer):
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+    assert tokenizer.pad_token_id == 2
+
+
+@pytest.mark.model
+def test_tokenizer_splits_digits_one_by_one(tokenizer):
+    assert tokenizer.tokenize("year 2024") == ["year", "Ġ", "2", "0", "2", "4"]
+
+
+@pytest.mark.model
+def test_tokenizer_keeps_the_gguf_vocabulary_size(tokenizer):
+    assert len(tokenizer) == 49152
+
+
+@pytest.mark.model
+def test_control_tokens_are_single_special_ids(tokenizer):
+    assert tokenizer("<|im_start|>user")["input_ids"][0] == 1
+    assert tokenizer.decode([1, 2], skip_special_tokens=True) == ""
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("text", ["  two spaces\tand a tab\n", "café naïve 東京 🙂", "x = [1, 22, 333]"])
+def test_tokenizer_round_trips_text(tokenizer, text):
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+@pytest.mark.model
+def test_chat_template_renders_chatml_with_default_system_prompt(tokenizer):
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+# -- tokenizer construction from GGUF fields ----------------------------------------------------------------
+def _byte_level_alphabet() -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    return sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def test_build_tokenizer_applies_merges_and_marks_control_tokens_special():
+    tokens = ["<|endoftext|>", *_byte_level_alphabet(), "ab", "Ġab"]
+    types = [3] + [1] * (len(tokens) - 1)
+    tokenizer = build_tokenizer(tokens, types, ["a b", "Ġ ab"])
+    encoding = tokenizer.encode("ab ab<|endoftext|>12")
+    assert encoding.tokens == ["ab", "Ġab", "<|endoftext|>", "1", "2"]
+    assert tokenizer.decode(encoding.ids, skip_special_tokens=False) == "ab ab<|endoftext|>12"
+
+
+def test_build_tokenizer_rejects_unknown_token_type_naming_valid_ones():
+    with pytest.raises(GGUFTokenizerError, match=r"token types \[6\].*1 \(normal\), 3 \(control\)"):
+        build_tokenizer(["a", "b"], [1, 6], [])
+
+
+def test_build_tokenizer_rejects_malformed_merge():
+    with pytest.raises(GGUFTokenizerError, match="'a b c'"):
+        build_tokenizer(["a", "b", "c"], [1, 1, 1], ["a b c"])
+
+
+def test_second_prepare_returns_at_once_in_process(model_dir):
+    start = time.perf_counter()
+    assert prepared_model_dir() == model_dir
+    assert time.perf_counter() - start < 0.5
