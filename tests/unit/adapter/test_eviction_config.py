@@ -1,0 +1,89 @@
+"""Eviction settings: validated once, errors name the bad value and the valid ones."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args, eviction_config_from_args
+from vllm_kvevict.vllm_adapter.config import (
+    EvictionConfig,
+    EvictionConfigError,
+    eviction_config_from_additional,
+    parse_budget,
+)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_eviction_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_budget_int_means_tokens_and_float_means_fraction():
+    assert parse_budget("1024") == 1024
+    assert parse_budget("0.25") == 0.25
+    assert parse_budget(512) == 512
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "1.0", "2.5", "abc", True])
+def test_bad_budget_names_the_value(bad):
+    with pytest.raises(EvictionConfigError, match=repr(bad).strip("'") if isinstance(bad, str) else "True"):
+        parse_budget(bad)
+
+
+def test_unknown_method_lists_valid_ones():
+    with pytest.raises(EvictionConfigError, match=r"'bogus'.*ada-snapkv"):
+        EvictionConfig(method="bogus", budget=256)
+
+
+def test_unknown_parameter_is_rejected():
+    with pytest.raises(EvictionConfigError, match="windw"):
+        EvictionConfig(method="snapkv", budget=256, params={"windw": 16})
+
+
+def test_flags_become_additional_config():
+    args = parse(["--kv-eviction", "ada-snapkv", "--kv-budget", "1024", "--kv-eviction-config", '{"window": 16}'])
+    config = eviction_config_from_args(args, {})
+    assert config == EvictionConfig(method="ada-snapkv", budget=1024, params={"window": 16})
+
+
+def test_flags_override_additional_config_fallback():
+    args = parse(["--kv-budget", "0.5"])
+    additional = {"kv_eviction": {"method": "snapkv", "budget": 256}}
+    # --kv-budget alone refines an additional_config setting.
+    assert eviction_config_from_args(args, additional).budget == 0.5
+
+
+def test_no_flags_no_eviction():
+    assert eviction_config_from_args(parse([]), {}) is None
+    assert eviction_config_from_additional({}) is None
+    assert eviction_config_from_additional({"kv_eviction": {}}) is None
+
+
+def test_budget_without_method_is_an_error():
+    with pytest.raises(EvictionConfigError, match="need --kv-eviction"):
+        eviction_config_from_args(parse(["--kv-budget", "512"]), {})
+
+
+def test_method_without_budget_is_an_error():
+    with pytest.raises(EvictionConfigError, match="needs --kv-budget"):
+        eviction_config_from_args(parse(["--kv-eviction", "snapkv"]), {})
+
+
+def test_unknown_key_in_additional_config():
+    with pytest.raises(EvictionConfigError, match="budgett"):
+        eviction_config_from_additional({"kv_eviction": {"method": "snapkv", "budgett": 3}})
+
+
+def test_argparse_rejects_unknown_method_with_choices():
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_eviction_args(parser)
+    with pytest.raises(argparse.ArgumentError, match="invalid choice: 'bogus'"):
+        parser.parse_args(["--kv-eviction", "bogus"])
+
+
+def test_config_round_trips_through_dict():
+    config = EvictionConfig(method="nacl", budget=0.2, params={"seed": 7})
+    assert EvictionConfig.from_dict(config.to_dict()) == config

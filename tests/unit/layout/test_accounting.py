@@ -1,0 +1,89 @@
+"""The block accounting rule: what the scheduler frees always leaves enough sub-blocks for the worker."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_kvevict.layout.accounting import align_budget, cdiv, plan_request, resolve_token_budget
+from vllm_kvevict.policies.registry import build_policy
+
+NUM_LAYERS = 30
+
+
+def ragged_split(total: int, heads: int, cap: int, rng: random.Random) -> list[int]:
+    """A random split of ``total`` tokens over ``heads`` heads, each <= cap (like Ada-KV's budgets)."""
+    weights = [rng.random() ** 3 for _ in range(heads)]
+    budgets = [min(cap, int(total * w / sum(weights))) for w in weights]
+    for h in rng.sample(range(heads), heads):
+        budgets[h] += min(cap - budgets[h], total - sum(budgets))
+    assert sum(budgets) == total
+    return budgets
+
+
+def test_align_budget_makes_the_evicted_part_a_whole_number_of_blocks():
+    assert align_budget(4096, 512, 128) == 512
+    assert align_budget(4000, 512, 128) == 512 + (4000 - 512) % 128
+    assert (4000 - align_budget(4000, 512, 128)) % 128 == 0
+    assert align_budget(300, 512, 128) == 300
+
+
+def test_fraction_budget_is_a_fraction_of_the_prompt():
+    assert resolve_token_budget(0.25, 4000) == 1000
+    assert resolve_token_budget(1024, 4000) == 1024
+    with pytest.raises(ValueError, match="1.5"):
+        resolve_token_budget(1.5, 4000)
+
+
+def test_prompt_within_budget_is_untouched():
+    plan = plan_request(700, 1024, 128, build_policy("snapkv"), NUM_LAYERS)
+    assert not plan.compacts
+    assert plan.blocks_to_free == 0
+    assert plan.layer_budgets == (700,) * NUM_LAYERS
+
+
+def test_4k_prompt_with_512_budget_frees_most_blocks():
+    plan = plan_request(4096, 512, 128, build_policy("ada-snapkv"), NUM_LAYERS)
+    assert plan.compacts
+    assert plan.kept_bound == 512
+    assert plan.blocks_to_free == (4096 - 512) // 128 - 1
+    assert plan.blocks_held(0) == 512 // 128 + 1
+
+
+def test_short_fractional_budget_never_drops_below_the_window():
+    policy = build_policy("snapkv", window=32)
+    plan = plan_request(100, 0.1, 32, policy, NUM_LAYERS)
+    assert min(plan.layer_budgets) >= 32
+
+
+@pytest.mark.parametrize("method", ["snapkv", "ada-snapkv", "pyramidkv", "critical-ada-snapkv", "streamingllm"])
+def test_invariant_enough_sub_blocks_for_every_head_at_every_step(method):
+    """Σ_h ceil((B_h + t) / bs) <= H · blocks_held(t) for ragged per-head budgets, every layer and step."""
+    rng = random.Random(hash(method) & 0xFFFF)
+    policy = build_policy(method)
+    for _ in range(150):
+        block_size = rng.choice([16, 32, 128])
+        heads = rng.choice([1, 3, 8])
+        prompt_len = rng.randint(1, 6000)
+        budget: int | float = rng.choice([rng.randint(40, 3000), rng.uniform(0.05, 0.9)])
+        plan = plan_request(prompt_len, budget, block_size, policy, NUM_LAYERS)
+        held_before = cdiv(prompt_len, block_size)
+        assert plan.blocks_to_free >= 0
+        assert held_before - plan.blocks_to_free >= 1
+        if not plan.compacts:
+            assert plan.blocks_to_free == 0
+            continue
+        assert (prompt_len - plan.kept_bound) % block_size == 0
+        for layer_budget in set(plan.layer_budgets):
+            assert layer_budget <= plan.kept_bound
+            per_head = ragged_split(heads * layer_budget, heads, prompt_len, rng)
+            for t in (0, 1, block_size - 1, block_size, rng.randint(0, 3000)):
+                needed = sum(cdiv(b + t, block_size) for b in per_head)
+                assert needed <= heads * plan.blocks_held(t), (prompt_len, budget, block_size, per_head, t)
+
+
+def test_blocks_held_follows_vllms_per_position_growth():
+    plan = plan_request(4096, 512, 128, build_policy("snapkv"), NUM_LAYERS)
+    for t in range(0, 600, 7):
+        assert plan.blocks_held(t) == cdiv(plan.kept_bound + t, 128) + 1
