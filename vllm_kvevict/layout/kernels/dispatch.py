@@ -90,18 +90,24 @@ def compact_subblocks(
     dst_slots: torch.Tensor,
     layer_idx: torch.Tensor | None = None,
     backend: str | None = None,
+    validate: bool = True,
 ) -> str:
     """In-place compaction of many requests and layers; see ``reference.compact_subblocks``.
 
-    Returns the backend that ran it.
+    Returns the backend that ran it. validate=False skips the plan checks (range and uniqueness of slots,
+    which synchronise with the device) for trusted plans; the torch backend always checks.
     """
     caches = as_layer_list(caches)
     chosen = choose_backend("compact_subblocks", caches[0].device, backend)
     if chosen == "torch":
         reference.compact_subblocks(caches, src_slots, dst_slots, layer_idx)
         return chosen
-    check_layer_caches(caches)
-    layer_idx = check_moves(caches, src_slots, dst_slots, layer_idx)
+    if validate:
+        check_layer_caches(caches)
+        layer_idx = check_moves(caches, src_slots, dst_slots, layer_idx)
+    elif layer_idx is None:
+        layer_idx = torch.zeros_like(src_slots, dtype=torch.int64)
+    layer_idx = layer_idx.to(torch.int64)
     src, dst = src_slots.to(torch.int64).contiguous(), dst_slots.to(torch.int64).contiguous()
     if chosen == "cuda":
         cuda_ext.load_compaction_op()(caches, src, dst, layer_idx.contiguous())

@@ -1,0 +1,154 @@
+"""Ragged per-head paged decode attention vs dense attention (torch SDPA) at equal KV bytes.
+
+For each (batch, context, budget) every (request, KV head) keeps on average budget x context tokens, with
+per-head lengths spread by +-``--spread`` around that average (Ada-KV-like; the total is exact), stored in
+shuffled sub-blocks. The dense baseline holds exactly budget x context tokens per head in contiguous
+[B, H, L, D] tensors (the same KV bytes) and runs ``scaled_dot_product_attention`` with GQA.
+"ragged/dense" is dense time / ragged time, i.e. the ragged kernel's throughput relative to dense.
+Target (issue 6): >= 0.9.
+
+    python benchmarks/kernels/bench_ragged_attention.py          # GPU, full grid (skips KV over --max-gib)
+    python benchmarks/kernels/bench_ragged_attention.py --smoke  # CPU check that it runs
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from bench_common import base_parser, emit_table, time_ms
+
+from triton_kernels.paged_attention import ragged_paged_attention
+from vllm_kvevict.layout.kernels import reference
+
+
+def ragged_lengths(num_seqs: int, average: int, spread: float, gen: torch.Generator) -> torch.Tensor:
+    """[num_seqs] int32 lengths around ``average`` whose sum is exactly num_seqs * average."""
+    lengths = (average * (1 + spread * (2 * torch.rand(num_seqs, generator=gen) - 1))).round().clamp(min=1)
+    lengths = lengths.long()
+    excess = int(lengths.sum()) - num_seqs * average
+    order = torch.argsort(lengths, descending=excess > 0)
+    for i in order.tolist():  # take the rounding error off the longest (or add it to the shortest) heads
+        if excess == 0:
+            break
+        step = max(-(int(lengths[i]) - 1), -excess) if excess > 0 else -excess
+        lengths[i] += step
+        excess += step
+    return lengths.to(torch.int32)
+
+
+def build_ragged(lengths: torch.Tensor, head_size: int, block_size: int, dtype, device, gen: torch.Generator):
+    """Shuffled sub-block cache holding the given per-sequence lengths: (k, v, tables)."""
+    counts = (lengths.long() + block_size - 1) // block_size
+    total = int(counts.sum())
+    ids = torch.randperm(total, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lengths), int(counts.max()), dtype=torch.int32)
+    starts = torch.cumsum(counts, 0) - counts
+    columns = torch.arange(tables.shape[1])
+    used = columns[None, :] < counts[:, None]
+    tables[used] = ids[(starts[:, None] + columns[None, :])[used]]
+    k = torch.randn(total, block_size, head_size, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    return k, v, tables.to(device)
+
+
+def time_ragged(args, lengths: torch.Tensor, device, dtype, gen) -> float:
+    """Median ms of one decode step over the ragged paged cache (checked against the reference: --check)."""
+    batch_heads, d = len(lengths), args.head_size
+    k, v, tables = build_ragged(lengths, d, args.block_size, dtype, device, gen)
+    seq_lens = lengths.to(device)
+    query = torch.randn(batch_heads, args.group, d, dtype=dtype, device=device)
+    starts = torch.arange(batch_heads + 1, dtype=torch.int32, device=device)
+    max_len = int(lengths.max())
+
+    def ragged():
+        return ragged_paged_attention(
+            query, k, v, tables, seq_lens, starts, max_query_len=1, max_seq_len=max_len
+        )
+
+    if args.check:
+        want = reference.ragged_paged_attention(query, k, v, tables, seq_lens)
+        torch.testing.assert_close(ragged().float(), want.float(), atol=2e-2, rtol=2e-2)
+    return time_ms(ragged, device, repeats=args.repeats)
+
+
+def time_dense(args, batch: int, length: int, device, dtype) -> float:
+    """Median ms of SDPA decode over contiguous [B, H, length, D] keys and values (GQA)."""
+    heads, d = args.kv_heads, args.head_size
+    q = torch.randn(batch, heads * args.group, 1, d, dtype=dtype, device=device)
+    k = torch.randn(batch, heads, length, d, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    return time_ms(
+        lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), device, repeats=args.repeats
+    )
+
+
+def measure(args, batch: int, context: int, budget: float, device, dtype, gen) -> list[object] | None:
+    average = max(1, int(context * budget))
+    kv_gib = 2 * batch * args.kv_heads * average * args.head_size * torch.finfo(dtype).bits / 8 / 2**30
+    if kv_gib > args.max_gib:
+        return None
+    lengths = ragged_lengths(batch * args.kv_heads, average, args.spread, gen)
+    ragged_ms = time_ragged(args, lengths, device, dtype, gen)
+    dense_ms = time_dense(args, batch, average, device, dtype)
+    kv_bytes = kv_gib * 2**30
+    return [
+        batch,
+        context,
+        budget,
+        average,
+        f"{kv_gib:.2f}",
+        dense_ms,
+        ragged_ms,
+        kv_bytes / ragged_ms / 1e6,
+        dense_ms / ragged_ms,
+    ]
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--context", type=int, nargs="+", default=[4096, 16384, 32768, 131072])
+    parser.add_argument("--budget", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5])
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--spread", type=float, default=0.5, help="per-head length spread around the average")
+    parser.add_argument("--max-gib", type=float, default=20.0, help="skip configs whose KV exceeds this")
+    parser.add_argument("--check", action="store_true", help="compare with the torch reference first (slow)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.context, args.budget, args.kv_heads, args.head_size = [2], [512], [0.25], 2, 64
+        args.repeats, args.check = 2, True
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    rows = [
+        row
+        for batch in args.batch
+        for context in args.context
+        for budget in args.budget
+        if (row := measure(args, batch, context, budget, device, dtype, gen)) is not None
+    ]
+    header = [
+        "batch",
+        "context",
+        "budget",
+        "avg kept",
+        "KV GiB",
+        "dense ms",
+        "ragged ms",
+        "ragged GB/s",
+        "ragged/dense",
+    ]
+    emit_table(
+        f"Ragged paged decode attention vs dense SDPA at equal KV bytes ({args.kv_heads} KV heads x "
+        f"group {args.group}, D {args.head_size}, bs {args.block_size}, spread {args.spread})",
+        header,
+        rows,
+        device,
+        args.markdown,
+    )
+
+
+if __name__ == "__main__":
+    main()
