@@ -13,12 +13,18 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from vllm.config import get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_kvevict.layout.accounting import RequestPlan, plan_request
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request
 from vllm_kvevict.vllm_adapter.config import EvictionConfig, get_eviction_config
+
+logger = init_logger("vllm_kvevict")
+
+#: prompt length the start-up capacity estimate uses when max_model_len is unknown.
+_REFERENCE_PROMPT_LEN = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +75,9 @@ class EvictingAttentionManager(FullAttentionManager):
             return plan_request(prompt_len, config.budget, block_size, policy, num_layers)
 
         self.plan_for = plan_for
+        vllm_config = get_current_vllm_config_or_none()
+        max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+        logger.info("%s", capacity_summary(config, plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
 
     def remove_skipped_blocks(
         self,
@@ -84,6 +93,17 @@ class EvictingAttentionManager(FullAttentionManager):
         if plan.blocks_to_free > 0:
             # Iterates backwards and stops at the first null block, so repeated calls cost O(1).
             self._remove_blocks_in_range(request_id, 0, plan.blocks_to_free)
+
+
+def capacity_summary(config: EvictionConfig, plan: RequestPlan) -> str:
+    """One start-up line: the active setting and the expected capacity gain for a prompt of plan's length."""
+    full_blocks = cdiv(plan.prompt_len, plan.block_size)
+    kept_blocks = plan.blocks_held(0)
+    return (
+        f"kv-eviction active: {config.describe()}, block size {plan.block_size}; a {plan.prompt_len}-token "
+        f"prompt keeps <= {plan.kept_bound} tokens per KV head and holds {kept_blocks} of {full_blocks} "
+        f"blocks after prefill (about {full_blocks / kept_blocks:.1f}x more such requests in the KV pool)"
+    )
 
 
 def register_evicting_spec() -> None:
@@ -104,6 +124,14 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
     config = get_eviction_config(vllm_config)
     if config is None or type(spec) is not FullAttentionSpec:
         return spec
+    # `vllm serve` turns these off with a log line; an engine built from Python must do it itself.
+    if vllm_config.cache_config.enable_prefix_caching or vllm_config.scheduler_config.enable_chunked_prefill:
+        raise ValueError(
+            "kv_eviction needs enable_prefix_caching=False and enable_chunked_prefill=False (got "
+            f"{vllm_config.cache_config.enable_prefix_caching} and "
+            f"{vllm_config.scheduler_config.enable_chunked_prefill}): compressed blocks are no reusable "
+            "prefixes, and scoring needs the whole prompt in one step"
+        )
     inherited = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     return EvictingAttentionSpec(

@@ -44,7 +44,9 @@ def test_unknown_parameter_is_rejected():
 
 
 def test_flags_become_additional_config():
-    args = parse(["--kv-eviction", "ada-snapkv", "--kv-budget", "1024", "--kv-eviction-config", '{"window": 16}'])
+    args = parse(
+        ["--kv-eviction", "ada-snapkv", "--kv-budget", "1024", "--kv-eviction-config", '{"window": 16}']
+    )
     config = eviction_config_from_args(args, {})
     assert config == EvictionConfig(method="ada-snapkv", budget=1024, params={"window": 16})
 

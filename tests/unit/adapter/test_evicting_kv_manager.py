@@ -1,0 +1,107 @@
+"""Scheduler side: the evicting manager frees exactly the leading blocks of the accounting rule, with
+vLLM's real BlockPool, and a finished request returns everything."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.vllm_adapter.kv_spec import (
+    EvictingAttentionManager,
+    EvictingAttentionSpec,
+    register_evicting_spec,
+)
+
+BLOCK_SIZE = 32
+NUM_BLOCKS = 400
+
+
+def make_manager(
+    method: str = "snapkv", budget: int | float = 256
+) -> tuple[EvictingAttentionManager, BlockPool]:
+    config = EvictionConfig(method=method, budget=budget)
+    spec = EvictingAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=3,
+        head_size=64,
+        dtype=torch.bfloat16,
+        eviction=json.dumps(config.to_dict()),
+        num_model_layers=30,
+    )
+    pool = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=False, hash_block_size=BLOCK_SIZE)
+    manager = EvictingAttentionManager(
+        spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=BLOCK_SIZE
+    )
+    return manager, pool
+
+
+def test_registered_with_its_manager_next_to_the_built_ins():
+    register_evicting_spec()
+    spec = EvictingAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16, eviction="{}"
+    )
+    assert KVCacheSpecRegistry.get_manager_class(spec) is EvictingAttentionManager
+    plain = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    assert KVCacheSpecRegistry.get_manager_class(plain) is not EvictingAttentionManager
+    assert KVCacheSpecRegistry.get_uniform_type_base_spec(spec) is FullAttentionSpec
+
+
+def test_merge_keeps_the_eviction_setting():
+    spec = EvictingAttentionSpec(
+        block_size=16,
+        num_kv_heads=3,
+        head_size=64,
+        dtype=torch.float16,
+        eviction='{"x": 1}',
+        num_model_layers=4,
+    )
+    merged = EvictingAttentionSpec.merge([spec, spec])
+    assert merged == spec
+
+
+@pytest.mark.parametrize("prompt_len", [1000, 4096, 4097])
+def test_frees_leading_blocks_once_prompt_is_processed(prompt_len):
+    manager, pool = make_manager(budget=256)
+    free_at_start = pool.get_num_free_blocks()
+    manager.allocate_new_blocks("r", prompt_len, prompt_len)
+    held = cdiv(prompt_len, BLOCK_SIZE)
+    assert pool.get_num_free_blocks() == free_at_start - held
+
+    # Mid-prompt (not yet processed): nothing is freed.
+    manager.remove_skipped_blocks("r", prompt_len - 1, prompt_len)
+    assert pool.get_num_free_blocks() == free_at_start - held
+
+    plan = manager.plan_for(prompt_len)
+    assert plan.compacts and plan.blocks_to_free > 0
+    manager.remove_skipped_blocks("r", prompt_len, prompt_len)
+    assert pool.get_num_free_blocks() == free_at_start - held + plan.blocks_to_free
+    blocks = manager.req_to_blocks["r"]
+    assert all(b.is_null for b in blocks[: plan.blocks_to_free])
+    assert not any(b.is_null for b in blocks[plan.blocks_to_free :])
+
+    # Idempotent on later steps; decode growth then allocates per position as usual.
+    manager.remove_skipped_blocks("r", prompt_len + 5, prompt_len)
+    assert pool.get_num_free_blocks() == free_at_start - held + plan.blocks_to_free
+    manager.allocate_new_blocks("r", prompt_len + 300, prompt_len + 300)
+    held_now = sum(not b.is_null for b in manager.req_to_blocks["r"])
+    assert held_now == plan.blocks_held(300)
+
+    manager.free("r")
+    assert pool.get_num_free_blocks() == free_at_start
+
+
+def test_short_prompt_keeps_all_blocks():
+    manager, pool = make_manager(budget=1024)
+    free_at_start = pool.get_num_free_blocks()
+    manager.allocate_new_blocks("r", 500, 500)
+    manager.remove_skipped_blocks("r", 500, 500)
+    assert pool.get_num_free_blocks() == free_at_start - cdiv(500, BLOCK_SIZE)
+    manager.free("r")
+    assert pool.get_num_free_blocks() == free_at_start
