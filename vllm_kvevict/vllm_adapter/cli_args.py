@@ -22,6 +22,7 @@ from vllm_kvevict.vllm_adapter.config import (
     parse_budget,
     parse_params_json,
 )
+from vllm_kvevict.vllm_adapter.metrics_multiprocess import ensure_multiprocess_collection
 
 logger = init_logger("vllm_kvevict")
 
@@ -123,6 +124,8 @@ def apply_eviction_to_engine_args(args: argparse.Namespace, engine_args: Any) ->
     additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
     engine_args.additional_config = additional
     apply_guard_rails(engine_args, config)
+    # Before EngineCore/workers start: their vllm_kvevict_* metrics reach /metrics only this way.
+    ensure_multiprocess_collection()
 
 
 def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
