@@ -1,9 +1,9 @@
 """Shared scoring blocks: attention of a few queries over a long prompt, pooling, GQA reduction, value norms.
 
-These are the plain-torch references of the Triton scoring kernels. None builds an ``n x n`` matrix: the
-softmax over n keys is done in two passes over key chunks (log-sum-exp first, probabilities second), and
-the all-queries forms also walk the queries in chunks, so memory is O(query_chunk * key_chunk) per head
-besides the [heads, n] results. Everything is computed in float32 whatever the input dtype.
+These are the plain-torch references of the Triton scoring kernels. None builds an ``n x n`` matrix: a
+prompt longer than one key chunk gets its softmax in two passes (log-sum-exp over the chunks first, then
+normalised chunks), and the all-queries forms walk the queries in chunks too, so memory is O(w * n) for
+w window queries and O(query_chunk * n) for all of them. Everything is computed in float32.
 """
 
 from __future__ import annotations
@@ -44,18 +44,21 @@ def _attention_probabilities(
     """
     n, d = keys.shape[1], keys.shape[2]
     scale = 1.0 / math.sqrt(d)
-    key_positions = torch.arange(n, device=keys.device)
+    first_hidden = int(positions.min()) + 1  # keys before this are visible to every query: no mask needed
 
     def logits(start: int) -> torch.Tensor:
-        chunk = queries @ keys[:, start : start + key_chunk].transpose(1, 2) * scale
-        hidden = key_positions[start : start + key_chunk][None, :] > positions[:, None]
-        return chunk.masked_fill(hidden, float("-inf"))
+        chunk = torch.bmm(queries, keys[:, start : start + key_chunk].transpose(1, 2)).mul_(scale)
+        if start + chunk.shape[-1] > first_hidden:
+            key_positions = torch.arange(start, start + chunk.shape[-1], device=keys.device)
+            chunk.masked_fill_(key_positions[None, :] > positions[:, None], float("-inf"))
+        return chunk
 
     if n <= key_chunk:
         yield 0, torch.softmax(logits(0), dim=-1)
         return
-    # Pass 1: running log-sum-exp per query row. Key 0 is visible to every query, so the running max is
-    # finite after the first chunk and no -inf - -inf appears.
+    # Pass 1: running log-sum-exp per query row, keeping the chunk logits (O(w * n), like the result).
+    # Key 0 is visible to every query, so the running max is finite after the first chunk.
+    chunks = []
     running_max = torch.full(queries.shape[:2], float("-inf"), device=keys.device)
     running_sum = torch.zeros(queries.shape[:2], device=keys.device)
     for start in range(0, n, key_chunk):
@@ -65,10 +68,11 @@ def _attention_probabilities(
             chunk - new_max[..., None]
         ).sum(dim=-1)
         running_max = new_max
+        chunks.append(chunk)
     log_normaliser = (running_max + torch.log(running_sum))[..., None]
     # Pass 2: normalised probabilities chunk by chunk.
-    for start in range(0, n, key_chunk):
-        yield start, torch.exp(logits(start) - log_normaliser)
+    for index, chunk in enumerate(chunks):
+        yield index * key_chunk, chunk.sub_(log_normaliser).exp_()
 
 
 def _grouped(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -106,14 +110,15 @@ def window_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
     query_positions: torch.Tensor | None = None,
-    chunk_size: int = 4096,
+    chunk_size: int = 8192,
 ) -> torch.Tensor:
     """Mean causal attention of w queries over n keys, per query head.
 
     queries: [q_heads, w, d]; keys: [kv_heads, n, d] (GQA: query head j reads KV head j // group);
     query_positions: [w] positions of the queries (None: n-w .. n-1); key j is visible to a query at
     position p iff j <= p. Returns [q_heads, n] float32 = mean over the w queries of softmax(q k^T / sqrt(d)).
-    Memory O(w * chunk_size) per head: the softmax is taken over key chunks, never over an n x n matrix.
+    The softmax is taken over key chunks of ``chunk_size`` (one plain softmax up to 8k tokens, the bundled
+    model's context), never over an n x n matrix: memory O(w * n) per head.
     """
     n = keys.shape[1]
     positions = _positions(query_positions, queries.shape[1], n, keys.device)
