@@ -53,8 +53,6 @@ class AdaKV(EvictionPolicy):
         return safeguard_size(budget, self.alpha)
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
-        n = layer.num_tokens
-        if budget >= n:
-            return KeptTokens.everything(layer.num_kv_heads, n, layer.keys.device)
-        self.check_budget(budget)
+        if (everything := self.keep_all_or_check(layer, budget)) is not None:
+            return everything
         return KeptTokens.from_mask(self.keep_mask(layer, budget)[1])

@@ -176,15 +176,21 @@ class EvictionPolicy(ABC):
         """Kept tokens of every KV head of ``layer`` for the per-head average ``budget`` of this layer
         (already passed through ``layer_budget``). Must keep exactly ``num_kv_heads * budget`` tokens."""
 
-    def check_budget(self, budget: int) -> None:
-        """Raise ValueError when ``budget`` cannot hold the tokens this method always keeps."""
+    def keep_all_or_check(self, layer: LayerKV, budget: int) -> KeptTokens | None:
+        """Every token when ``budget`` >= n (nothing to evict); otherwise None once ``budget`` is checked.
+
+        Raises ValueError when ``budget`` is not an int, or is below the tokens this method always keeps.
+        """
         if isinstance(budget, bool) or not isinstance(budget, int):
             raise ValueError(f"{self._label()}: budget={budget!r} must be an int (tokens per KV head)")
+        if budget >= layer.num_tokens:
+            return KeptTokens.everything(layer.num_kv_heads, layer.num_tokens, layer.keys.device)
         if budget < max(1, self.min_budget):
             raise ValueError(
                 f"{self._label()}: budget={budget} tokens per head is below the {self.min_budget} tokens it "
                 f"always keeps (window/sinks); use a budget >= {max(1, self.min_budget)} or a smaller window"
             )
+        return None
 
     def _label(self) -> str:
         return self.name or type(self).__name__
@@ -202,10 +208,8 @@ class ScoredPolicy(EvictionPolicy):
         """[kv_heads, n] float32 importance, higher is kept first; ``+inf`` marks always-kept tokens."""
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
-        n = layer.num_tokens
-        if budget >= n:
-            return KeptTokens.everything(layer.num_kv_heads, n, layer.keys.device)
-        self.check_budget(budget)
+        if (everything := self.keep_all_or_check(layer, budget)) is not None:
+            return everything
         return KeptTokens.from_mask(top_k_mask(self.score(layer, budget), budget))
 
 

@@ -51,10 +51,8 @@ class CriticalKV(EvictionPolicy):
         return self.inner.always_kept(num_tokens, budget)
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
-        n = layer.num_tokens
-        if budget >= n:
-            return KeptTokens.everything(layer.num_kv_heads, n, layer.keys.device)
-        self.check_budget(budget)
+        if (everything := self.keep_all_or_check(layer, budget)) is not None:
+            return everything
         if layer.o_proj is None:
             raise ValueError(f"{self._label()} needs LayerKV.o_proj (the layer's o_proj weight); got None")
         if isinstance(self.inner, AdaKV):

@@ -54,9 +54,8 @@ class NaCl(EvictionPolicy):
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         n, kv_heads = layer.num_tokens, layer.num_kv_heads
-        if budget >= n:
-            return KeptTokens.everything(kv_heads, n, layer.keys.device)
-        self.check_budget(budget)
+        if (everything := self.keep_all_or_check(layer, budget)) is not None:
+            return everything
         window = min(self.window, n)
         queries, positions = window_queries(layer, window, type(self).__name__)
         scores = group_mean(window_attention(queries, layer.keys, positions), kv_heads)

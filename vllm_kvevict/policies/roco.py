@@ -53,9 +53,8 @@ class RoCo(EvictionPolicy):
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         n, kv_heads = layer.num_tokens, layer.num_kv_heads
-        if budget >= n:
-            return KeptTokens.everything(kv_heads, n, layer.keys.device)
-        self.check_budget(budget)
+        if (everything := self.keep_all_or_check(layer, budget)) is not None:
+            return everything
         if layer.queries.shape[1] == 0:
             raise ValueError("RoCo needs the prompt queries in LayerKV.queries; got none")
         stats = RocoStatistics.from_prefill(layer)
