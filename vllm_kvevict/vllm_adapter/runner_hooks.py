@@ -1,0 +1,96 @@
+"""Every private vLLM patch of the project, in one place (vLLM 0.32.0, V1 model runner).
+
+vLLM's attention metadata builders see block tables and token counts but no request ids or prompt lengths,
+and nothing tells them when a request ends. The eviction worker needs both, so two model-runner methods
+are wrapped. Each wrapper does nothing unless this process has an ``EvictionWorker`` (eviction on), and
+always calls the original.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm_kvevict.vllm_adapter.eviction_step import StepInputs, current_worker
+
+_INSTALLED_MARK = "_kvevict_wrapped"
+
+
+def install() -> None:
+    """Install the wrappers (idempotent; called by the plugin in every process)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    # Wraps GPUModelRunner.execute_model (vLLM 0.32.0; CPUModelRunner inherits it): the scheduler output
+    # names finished/aborted and preempted requests even on steps with no tokens, and the worker must drop
+    # their sub-block state; the step's inputs are cleared afterwards so no later dummy run can reuse them.
+    _wrap(GPUModelRunner, "execute_model", _execute_model)
+    # Wraps GPUModelRunner._prepare_inputs (vLLM 0.32.0): it runs after the persistent input batch is updated
+    # and before attention metadata is built, the one point where request ids, prompt lengths and computed
+    # token counts of this step are known in batch order. The model is loaded by then, so CriticalKV's
+    # o_proj weights are collected here too.
+    _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
+    # Wraps GPUModelRunner.get_kv_cache_spec (vLLM 0.32.0): the worker calls it outside
+    # set_current_vllm_config, but the backend's customize_spec reads the eviction config from the current
+    # config to publish the evicting spec; without this the scheduler would never free a block.
+    _wrap(GPUModelRunner, "get_kv_cache_spec", _get_kv_cache_spec)
+
+
+def _wrap(cls: type, name: str, wrapper_body) -> None:
+    original = getattr(cls, name)
+    if getattr(original, _INSTALLED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self, *args: Any, **kwargs: Any):
+        return wrapper_body(original, self, *args, **kwargs)
+
+    setattr(wrapper, _INSTALLED_MARK, True)
+    setattr(cls, name, wrapper)
+
+
+def _execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any):
+    worker = current_worker()
+    if worker is None:
+        return original(runner, scheduler_output, *args, **kwargs)
+    worker.drop(scheduler_output.finished_req_ids)
+    worker.drop(getattr(scheduler_output, "preempted_req_ids", None))
+    try:
+        return original(runner, scheduler_output, *args, **kwargs)
+    finally:
+        worker.end_step()
+
+
+def _get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(runner.vllm_config):
+        return original(runner, *args, **kwargs)
+
+
+def _prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *args: Any, **kwargs: Any):
+    worker = current_worker()
+    if worker is not None:
+        if not worker.o_proj:
+            worker.o_proj = o_proj_weights(runner.get_model())
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        worker.begin_step(
+            StepInputs(
+                req_ids=list(batch.req_ids[:num_reqs]),
+                prompt_lens=batch.num_prompt_tokens[:num_reqs].copy(),
+                computed=batch.num_computed_tokens_cpu[:num_reqs].copy(),
+                scheduled=num_scheduled_tokens[:num_reqs].copy(),
+            )
+        )
+    return original(runner, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+
+def o_proj_weights(model: Any) -> dict[int, Any]:
+    """{layer index: o_proj weight [hidden, Hq*D]} of a decoder model (``...layers.<i>.self_attn.o_proj``)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    weights = {}
+    for name, module in model.named_modules():
+        if name.endswith("self_attn.o_proj") and getattr(module, "weight", None) is not None:
+            weights[extract_layer_index(name)] = module.weight
+    return weights
