@@ -183,7 +183,7 @@ def ragged_paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """[T, group, D] attention output; see ``vllm_kvevict.layout.kernels.reference.ragged_paged_attention``.
 
@@ -192,6 +192,8 @@ def ragged_paged_attention(
     """
     num_tokens, group, head_size = query.shape
     num_seqs = subblock_tables.shape[0]
+    if block_n is None:  # 64-key fp32 tiles need ~115 KB shared memory in prefill, over what sm_86/89 have
+        block_n = 64 if query.element_size() <= 2 else 32
     out = torch.empty(num_tokens, group, head_size, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out

@@ -84,6 +84,16 @@ def choose_backend(op: str, device: torch.device, backend: str | None = None) ->
     return candidate
 
 
+def check_same_dtype(queries: torch.Tensor, *caches: torch.Tensor) -> None:
+    """The kernels multiply queries with cache tiles directly: one dtype, one device."""
+    for cache in caches:
+        if cache.dtype != queries.dtype or cache.device != queries.device:
+            raise ValueError(
+                f"queries are {queries.dtype} on {queries.device} but the cache is {cache.dtype} on "
+                f"{cache.device}; the kernels need both alike (cast the queries to the cache dtype)"
+            )
+
+
 def compact_subblocks(
     caches: torch.Tensor | Sequence[torch.Tensor],
     src_slots: torch.Tensor,
@@ -141,6 +151,7 @@ def ragged_paged_attention(
         )
     if validate:
         check_sequences(k_cache, subblock_tables, seq_lens, v_cache)
+        check_same_dtype(query, k_cache, v_cache)
         query_start_loc = reference.check_query_layout(
             query, subblock_tables.shape[0], query_start_loc, k_cache.shape[2]
         )
@@ -171,6 +182,7 @@ def paged_window_scores(
             queries, k_cache, subblock_tables, seq_lens, query_positions, num_pooled, pool_kernel, pool_kind
         )
     check_sequences(k_cache, subblock_tables, seq_lens)
+    check_same_dtype(queries, k_cache)
     reference.check_window(
         queries, seq_lens, k_cache.shape[2], query_positions, num_pooled, pool_kernel, pool_kind
     )
