@@ -6,6 +6,7 @@ head keep? The caller (the vLLM adapter, the kvpress parity tests, the HF qualit
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -181,8 +182,9 @@ class EvictionPolicy(ABC):
 
         Raises ValueError when ``budget`` is not an int, or is below the tokens this method always keeps.
         """
-        if isinstance(budget, bool) or not isinstance(budget, int):
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
             raise ValueError(f"{self._label()}: budget={budget!r} must be an int (tokens per KV head)")
+        budget = int(budget)
         if budget >= layer.num_tokens:
             return KeptTokens.everything(layer.num_kv_heads, layer.num_tokens, layer.keys.device)
         if budget < max(1, self.min_budget):
