@@ -120,6 +120,17 @@ def test_every_series_carries_the_single_prefix(metrics, registry):
     assert names and all(name.startswith("vllm_kvevict_") for name in names)
 
 
+def test_kept_per_head_counts_give_layer_budgets_and_head_ratios(monkeypatch, metrics, registry):
+    from vllm_kvevict.vllm_adapter import metrics as module
+
+    monkeypatch.setattr(module, "_process_metrics", metrics)
+    module.record_kept_per_head("ada-snapkv", 1000, [[100, 300], [200, 200]], blocks_freed=5)
+    assert registry.get_sample_value("vllm_kvevict_tokens_kept_total") == 200
+    assert registry.get_sample_value("vllm_kvevict_layer_kept_budget", {"layer": "0"}) == 200
+    assert registry.get_sample_value("vllm_kvevict_head_budget_ratio_sum") == pytest.approx(0.5 + 1.5 + 1 + 1)
+    assert registry.get_sample_value("vllm_kvevict_head_budget_ratio_bucket", {"le": "0.5"}) == 1
+
+
 def run_python(code: str, env: dict[str, str]) -> str:
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=60

@@ -182,6 +182,21 @@ def record_request_compacted(
     )
 
 
+def record_kept_per_head(
+    method: str, prompt_tokens: int, kept_per_head: Sequence[Sequence[float]], blocks_freed: int
+) -> None:
+    """``record_request_compacted`` from the kept entry counts ``[num_layers][num_kv_heads]`` of a request
+    (e.g. ``[k.counts.tolist() for k in kept]``): derives the mean, per-layer budgets and B_h / B ratios."""
+    layer_budgets = [sum(heads) / len(heads) for heads in kept_per_head]
+    ratios = [
+        count / budget if budget > 0 else 1.0
+        for heads, budget in zip(kept_per_head, layer_budgets, strict=True)
+        for count in heads
+    ]
+    kept_tokens = sum(layer_budgets) / len(layer_budgets)
+    record_request_compacted(method, prompt_tokens, kept_tokens, layer_budgets, ratios, blocks_freed)
+
+
 def record_request_skipped(method: str) -> None:
     """One request not compacted because its prompt already fits the budget."""
     process_metrics().record_request_skipped(method)
