@@ -64,6 +64,10 @@ class VLLMServer:
 
     ``env`` entries are added to (and override) the inherited environment; ``VLLM_USE_V2_MODEL_RUNNER=0``
     and ``VLLM_CPU_KVCACHE_SPACE=<kv_cache_space_gib>`` are set unless ``env`` overrides them.
+
+    ``enforce_eager`` (default on) adds ``--enforce-eager``: on vllm-cpu 0.32.0 + torch 2.13.0 the
+    torch.compile (inductor) path answers the bundled model's 37-token chat prompt with garbage where eager
+    mode and HF transformers answer "Paris", and compiling takes minutes at start-up on two cores.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class VLLMServer:
         startup_timeout_s: float = 600.0,
         port: int | None = None,
         log_path: Path | str | None = None,
+        enforce_eager: bool = True,
     ) -> None:
         if kv_cache_space_gib <= 0:
             raise ValueError(f"kv_cache_space_gib must be > 0 GiB, got {kv_cache_space_gib!r}")
@@ -85,6 +90,8 @@ class VLLMServer:
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json)")
         self.extra_args = tuple(str(arg) for arg in extra_args)
+        if enforce_eager and "--enforce-eager" not in self.extra_args:
+            self.extra_args = ("--enforce-eager", *self.extra_args)
         for reserved in ("--host", "--port", "--served-model-name"):
             if any(arg == reserved or arg.startswith(reserved + "=") for arg in self.extra_args):
                 raise ValueError(f"{reserved} is set by VLLMServer; pass it to the constructor instead")
@@ -96,11 +103,8 @@ class VLLMServer:
             "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_space_gib:g}",
             **(dict(env) if env else {}),
         }
-        if log_path is None:
-            fd, name = tempfile.mkstemp(prefix=f"vllm-serve-{self.port}-", suffix=".log")
-            os.close(fd)
-            log_path = name
-        self.log_path = Path(log_path)
+        # Chosen at start() when not given, so that an unstarted launcher leaves no file behind.
+        self.log_path: Path | None = Path(log_path) if log_path is not None else None
         self._process: subprocess.Popen[bytes] | None = None
 
     # -- addresses ---------------------------------------------------------------------------------------
@@ -130,6 +134,10 @@ class VLLMServer:
         """Launch the server and block until ``/health`` is 200; raise :class:`ServerStartError` otherwise."""
         if self._process is not None:
             raise RuntimeError(f"server on port {self.port} was already started")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-serve-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
         with self.log_path.open("wb") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
@@ -204,6 +212,8 @@ class VLLMServer:
     # -- observation -------------------------------------------------------------------------------------
     def log_tail(self, max_lines: int = 60) -> str:
         """The last ``max_lines`` lines of the server log."""
+        if self.log_path is None:
+            return "(server not started: no log yet)"
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError as error:
