@@ -25,8 +25,17 @@ def test_this_machine_runs_triton():
     assert "triton" in FAST_BACKENDS, dispatch.unavailable_reason("triton", DEVICE)
 
 
+def test_the_cuda_op_is_available_exactly_on_a_gpu():
+    """On a GPU the CUDA op must build (nvcc + ninja): a silent fallback would leave it untested."""
+    reason = dispatch.unavailable_reason("cuda", DEVICE)
+    if DEVICE.type == "cuda":
+        assert reason is None, reason
+    else:
+        assert reason is not None and "needs a CUDA device" in reason
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend", [b for b in FAST_BACKENDS])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize(("planes", "head_size"), [(None, 64), (2, 32), (2, 24)])
 def test_compaction_matches_reference(backend, dtype, planes, head_size):
     shape = (12, BLOCK_SIZE, head_size) if planes is None else (planes, 12, BLOCK_SIZE, head_size)

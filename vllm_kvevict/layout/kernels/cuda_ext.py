@@ -30,6 +30,12 @@ def unavailable_reason(device: torch.device) -> str | None:
         return "this torch build has no CUDA"
     if not KERNEL_SOURCE.exists() or not BINDING_SOURCE.exists():
         return f"the CUDA sources are not at {CSRC} (installed without csrc/)"
+    return _build_error()
+
+
+@functools.cache
+def _build_error() -> str | None:
+    """Build once per process; a failure is remembered so dispatch does not rebuild on every call."""
     try:
         load_compaction_op()
     except Exception as exc:  # a failed JIT build must fall back, not take the server down
