@@ -10,7 +10,13 @@ import torch.nn.functional as F
 from kernel_cases import BLOCK_SIZE, compaction_plan, paged_sequences, query_start_loc
 
 from vllm_kvevict.layout.kernels import reference
-from vllm_kvevict.layout.kernels.views import subblock_tables_from_block_tables, subblock_view
+from vllm_kvevict.layout.kernels.views import (
+    from_head_major,
+    head_major_rows,
+    subblock_tables_from_block_tables,
+    subblock_view,
+    to_head_major,
+)
 
 # --- compaction -----------------------------------------------------------------------------------------
 
@@ -210,3 +216,36 @@ def test_subblock_view_addresses_block_times_heads_plus_head():
 def test_subblock_tables_of_an_uncompacted_cache_map_each_head_into_every_block():
     tables = subblock_tables_from_block_tables(torch.tensor([[7, 2], [4, 0]], dtype=torch.int32), 3)
     assert tables.tolist() == [[21, 6], [22, 7], [23, 8], [12, 0], [13, 1], [14, 2]]
+
+
+def test_head_major_regrouping_gives_each_request_and_head_its_own_sequence():
+    heads, group, d = 3, 2, 4
+    request_starts = torch.tensor([0, 2, 7, 8], dtype=torch.int32)  # requests of 2, 5 and 1 tokens
+    query = torch.randn(8, heads * group, d)
+    rows, seq_loc = head_major_rows(request_starts, heads)
+    per_sequence = to_head_major(query, rows)
+    assert seq_loc.tolist() == [0, 2, 4, 6, 11, 16, 21, 22, 23, 24]
+    # sequence (request 1, head 2) = tokens 2..6, query heads 4 and 5
+    seq = 1 * heads + 2
+    assert torch.equal(per_sequence[seq_loc[seq] : seq_loc[seq + 1]], query[2:7, 4:6])
+    assert torch.equal(from_head_major(per_sequence, rows), query)
+
+
+def test_head_major_attention_equals_per_request_gqa_attention():
+    """The regrouped batch through ragged attention = ordinary GQA attention of each request."""
+    heads, group, d, lens = 3, 2, 32, [5, 1]
+    request_starts = torch.tensor([0, 5, 6], dtype=torch.int32)
+    # each request's cache: 9 and 4 tokens per head, all heads alike in length (no eviction yet)
+    seq_lens = [9] * heads + [4] * heads
+    case = paged_sequences(seq_lens, head_size=d, seed=3)
+    query = torch.randn(sum(lens), heads * group, d)
+    rows, seq_loc = head_major_rows(request_starts, heads)
+    out = reference.ragged_paged_attention(
+        to_head_major(query, rows), case.k_cache, case.v_cache, case.subblock_tables, case.seq_lens, seq_loc
+    )
+    out = from_head_major(out, rows)
+    for r, start in enumerate([0, 5]):
+        q = query[start : start + lens[r]].view(lens[r], heads, group, d)
+        for h in range(heads):
+            want = dense_attention(q[:, h], case.keys[r * heads + h], case.values[r * heads + h], causal=True)
+            torch.testing.assert_close(out[start : start + lens[r], h * group : (h + 1) * group], want)

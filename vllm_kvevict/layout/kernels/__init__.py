@@ -12,15 +12,24 @@ from vllm_kvevict.layout.kernels.dispatch import (
     paged_window_scores,
     ragged_paged_attention,
 )
-from vllm_kvevict.layout.kernels.views import subblock_tables_from_block_tables, subblock_view
+from vllm_kvevict.layout.kernels.views import (
+    from_head_major,
+    head_major_rows,
+    subblock_tables_from_block_tables,
+    subblock_view,
+    to_head_major,
+)
 
 __all__ = [
     "BACKEND_ENV",
     "BACKENDS",
     "choose_backend",
+    "from_head_major",
+    "head_major_rows",
     "compact_subblocks",
     "paged_window_scores",
     "ragged_paged_attention",
     "subblock_tables_from_block_tables",
     "subblock_view",
+    "to_head_major",
 ]

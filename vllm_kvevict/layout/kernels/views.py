@@ -203,3 +203,39 @@ def check_sequences(
             f"subblock_tables reference sub-blocks in [{int(ids.min())}, {int(ids.max())}], "
             f"valid are [0, {k_cache.shape[0]})"
         )
+
+
+def head_major_rows(query_start_loc: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each (token, KV head) row goes when a batch is regrouped "head as sequence".
+
+    query_start_loc: [num_reqs + 1] int32 token offsets of the requests (vLLM's). Sequence r * H + h holds
+    the tokens of request r for KV head h, in order.
+    Returns rows [T, H] int64 (row of token t, head h in the sequence-major layout) and the sequences'
+    query_start_loc [num_reqs * H + 1] int32.
+    """
+    starts = query_start_loc.to(torch.int64)
+    lengths = starts[1:] - starts[:-1]
+    num_tokens = int(starts[-1])
+    tokens = torch.arange(num_tokens, device=starts.device)
+    request = torch.searchsorted(starts[1:], tokens, right=True)
+    heads = torch.arange(num_kv_heads, device=starts.device)
+    rows = (starts[request] * num_kv_heads)[:, None] + heads[None, :] * lengths[request][:, None]
+    rows = rows + (tokens - starts[request])[:, None]
+    seq_starts = starts[:-1, None] * num_kv_heads + heads[None, :] * lengths[:, None]
+    seq_loc = torch.cat([seq_starts.reshape(-1), starts[-1:] * num_kv_heads]).to(torch.int32)
+    return rows, seq_loc
+
+
+def to_head_major(query: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[T, H * group, D] (vLLM's query) -> [T * H, group, D], sequence-major (see ``head_major_rows``)."""
+    num_tokens, num_kv_heads = rows.shape
+    grouped = query.reshape(num_tokens * num_kv_heads, -1, query.shape[-1])
+    out = torch.empty_like(grouped)
+    out[rows.reshape(-1)] = grouped
+    return out
+
+
+def from_head_major(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``to_head_major``: [T * H, group, D] -> [T, H * group, D]."""
+    num_tokens, num_kv_heads = rows.shape
+    return output[rows.reshape(-1)].reshape(num_tokens, -1, output.shape[-1])
