@@ -14,6 +14,8 @@ import sys
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_kvevict.cli.prepare_model",
     "vllm_kvevict.cli.methods",
+    "vllm_kvevict.cli.eval",
+    "vllm_kvevict.cli.bench",
 )
 
 
