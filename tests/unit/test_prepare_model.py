@@ -200,3 +200,41 @@ def test_second_prepare_returns_at_once_in_process(model_dir):
     start = time.perf_counter()
     assert prepared_model_dir() == model_dir
     assert time.perf_counter() - start < 0.5
+
+
+# -- the command and the reference environment ---------------------------------------------------------
+@pytest.mark.model
+def test_quiet_command_prints_only_the_directory(model_dir):
+    script = Path(sys.executable).parent / "vllm-kvevict"
+    result = subprocess.run([str(script), "prepare-model", "--quiet"], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout == f"{model_dir}\n"
+
+
+REFERENCE_PYTHON = Path(__file__).resolve().parents[2] / ".venv-ref" / "bin" / "python"
+REFERENCE_CHECK = """
+import json, sys, torch, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model_dir, texts = sys.argv[1], json.loads(sys.argv[2])
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                       tokenize=False, add_generation_prompt=True)
+inputs = tokenizer(prompt, return_tensors="pt")
+output = model.generate(**inputs, max_new_tokens=10, do_sample=False)
+print(json.dumps({"version": transformers.__version__, "ids": [tokenizer(t)["input_ids"] for t in texts],
+                  "answer": tokenizer.decode(output[0, inputs["input_ids"].shape[1]:])}))
+"""
+
+
+@pytest.mark.model
+@pytest.mark.reference
+def test_reference_environment_loads_the_model_with_identical_tokens(model_dir, tokenizer):
+    assert REFERENCE_PYTHON.is_file(), "run `make install-ref` to create .venv-ref"
+    texts = ["year 2024: café 東京", "<|im_start|>user\nHi<|im_end|>\n", "  two  spaces"]
+    result = subprocess.run([str(REFERENCE_PYTHON), "-c", REFERENCE_CHECK, str(model_dir), json.dumps(texts)],
+                            capture_output=True, text=True, check=True)
+    reference = json.loads(result.stdout.strip().splitlines()[-1])
+    assert reference["version"].startswith("5.2.")  # kvpress 0.5.5 needs transformers < 5.3
+    assert reference["ids"] == [tokenizer(text)["input_ids"] for text in texts]
+    assert "Paris" in reference["answer"]

