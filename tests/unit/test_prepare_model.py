@@ -238,3 +238,16 @@ def test_reference_environment_loads_the_model_with_identical_tokens(model_dir, 
     assert reference["version"].startswith("5.2.")  # kvpress 0.5.5 needs transformers < 5.3
     assert reference["ids"] == [tokenizer(text)["input_ids"] for text in texts]
     assert "Paris" in reference["answer"]
+
+
+def test_command_reports_a_bad_cache_dir_in_one_line(tmp_path):
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("")
+    script = Path(sys.executable).parent / "vllm-kvevict"
+    command = [str(script), "prepare-model", "--cache-dir", str(not_a_dir)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"vllm-kvevict prepare-model: cache dir {not_a_dir} exists and is not a directory; "
+        "pass a directory path\n"
+    )

@@ -122,7 +122,13 @@ def _convert_into(final: Path, quiet: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = prepared_model_dir(args.cache_dir, force=args.force, quiet=args.quiet)
+    from vllm_kvevict.cli.model_conversion import ModelPreparationError
+
+    try:
+        path = prepared_model_dir(args.cache_dir, force=args.force, quiet=args.quiet)
+    except (ModelPreparationError, NotADirectoryError) as error:
+        print(f"vllm-kvevict prepare-model: {error}", file=sys.stderr)
+        return 1
     print(path if args.quiet else f"Model directory: {path}")
     return 0
 
