@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
 from kvpress import (
     AdaKVPress,
     CriticalAdaKVPress,
@@ -34,7 +35,6 @@ from kvpress import (
     SnapKVPress,
     StreamingLLMPress,
 )
-import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 # Aligned with vllm_kvevict's policy defaults (window 32, pooling kernel 7, Ada alpha 0.2, CriticalKV

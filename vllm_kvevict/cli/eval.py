@@ -159,10 +159,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"vllm-kvevict eval: {exc}", file=sys.stderr)
         return 2
     if args.compare:
-        from vllm_kvevict.evaluation.compare import run_compare
-
-        return run_compare(args)
+        return run_compare_mode(args)
     return run_single(args)
+
+
+def run_compare_mode(args: argparse.Namespace) -> int:
+    from vllm_kvevict.evaluation.compare import run_compare
+    from vllm_kvevict.evaluation.generate import generate_samples
+
+    fmt, model_dir = _prompt_format(args)
+    samples = (
+        [] if args.report_only else generate_samples(args.tasks, args.lengths, args.samples, args.seed, fmt)
+    )
+    return run_compare(args, samples, Path(model_dir))
 
 
 def run_single(args: argparse.Namespace) -> int:

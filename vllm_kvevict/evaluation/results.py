@@ -86,9 +86,7 @@ def summary_table(results: list[Result]) -> str:
         lines.append(f"| {task} | " + " | ".join(values) + f" | {100 * sum(present) / len(present):.1f} |")
     overall = overall_score(results)
     if overall is not None:
-        lines.append(
-            "| **all tasks** | " + " | ".join("" for _ in lengths) + f" | **{100 * overall:.1f}** |"
-        )
+        lines.append("| **all tasks** | " + " | ".join("" for _ in lengths) + f" | **{100 * overall:.1f}** |")
     failed = sum(r.error is not None for r in results)
     if failed:
         lines.append(f"\n{failed} of {len(results)} requests failed and are not scored.")

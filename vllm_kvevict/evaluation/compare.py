@@ -1,0 +1,158 @@
+"""``vllm-kvevict eval --compare``: the same samples through vanilla vLLM, one vLLM server per eviction
+method x budget, and kvpress presses; then the report and plots.
+
+Every configuration writes ``RESULTS_DIR/<config>.jsonl``; a complete file is reused, so an interrupted
+comparison resumes where it stopped and ``--report-only`` rebuilds the page from what is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from collections import Counter
+from pathlib import Path
+
+from vllm_kvevict.evaluation.configs import EvalConfig
+from vllm_kvevict.evaluation.kvpress_bridge import kvpress_configs, run_kvpress, score_raw
+from vllm_kvevict.evaluation.plots import plot_accuracy_vs_kept, plot_task_heatmap
+from vllm_kvevict.evaluation.report import per_task_scores, results_section, write_section
+from vllm_kvevict.evaluation.results import Result, overall_score, read_results, summary_table, write_results
+from vllm_kvevict.evaluation.runner import make_client, run_samples
+from vllm_kvevict.evaluation.sample import Sample, read_samples, write_samples
+
+SKELETON = """# Answer quality under KV eviction
+
+Measured by `vllm-kvevict eval --compare`; see the sections below for the tasks and how they are scored.
+"""
+FAILURES_FILE = "failures.json"
+
+
+def server_configs(methods: list[str], budgets: list[float]) -> list[EvalConfig]:
+    """Vanilla vLLM plus one server per method x kept fraction."""
+    return [EvalConfig("vllm", "vanilla", 1.0)] + [EvalConfig("vllm", m, b) for m in methods for b in budgets]
+
+
+def _complete(path: Path, samples: list[Sample]) -> bool:
+    if not path.exists():
+        return False
+    results = read_results(path)
+    return {r.sample_id for r in results} == {s.id for s in samples} and not any(r.error for r in results)
+
+
+def _same_samples(path: Path, samples: list[Sample]) -> None:
+    """Refuse to mix results of other samples into this directory."""
+    if path.exists() and read_samples(path) != samples:
+        raise ValueError(
+            f"{path} holds other samples (different tasks, lengths, counts or seed); "
+            "use another --results-dir or remove it"
+        )
+
+
+def run_server_config(
+    config: EvalConfig, samples: list[Sample], model_dir: Path, args: argparse.Namespace, log_dir: Path
+) -> list[Result]:
+    """Start the server of ``config``, answer every sample, stop it."""
+    from vllm_kvevict.cli.server_process import VLLMServer
+
+    extra = (
+        () if config.is_full_cache else ("--kv-eviction", config.method, "--kv-budget", f"{config.kept:g}")
+    )
+    with VLLMServer(
+        model_dir,
+        extra_args=extra,
+        kv_cache_space_gib=args.kv_cache_space_gib,
+        log_path=log_dir / f"{config.name}.log",
+    ) as server:
+        client = make_client(server.base_url)
+        return run_samples(
+            client,
+            server.served_model_name,
+            samples,
+            config.name,
+            concurrency=args.concurrency,
+            progress=not args.no_progress,
+        )
+
+
+def load_results(results_dir: Path) -> dict[EvalConfig, list[Result]]:
+    """Every configuration's results found in ``results_dir``."""
+    found = {}
+    for path in sorted(results_dir.glob("*.jsonl")):
+        if path.name != "samples.jsonl":
+            found[EvalConfig.parse(path.stem)] = read_results(path)
+    return found
+
+
+def _sample_summary(samples: list[Sample]) -> str:
+    tasks = Counter(s.task for s in samples)
+    lengths = sorted({s.target_tokens for s in samples})
+    per_cell = len(samples) // max(1, len(tasks) * len(lengths))
+    return (
+        f"{len(samples)} prompts = {len(tasks)} tasks ({', '.join(sorted(tasks))}) x lengths "
+        f"{', '.join(map(str, lengths))} tokens x {per_cell} samples (seeded by --seed, see the command)"
+    )
+
+
+def write_report(results_dir: Path, report: Path, plots_dir: Path, command: str) -> None:
+    """Tables into ``report`` and PNG plots into ``plots_dir`` from the results in ``results_dir``."""
+    results = load_results(results_dir)
+    if not results:
+        raise FileNotFoundError(f"no results in {results_dir}")
+    samples = read_samples(results_dir / "samples.jsonl")
+    failures_path = results_dir / FAILURES_FILE
+    failures = json.loads(failures_path.read_text()) if failures_path.exists() else {}
+    overall = {c: v for c, r in results.items() if (v := overall_score(r)) is not None}
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    curve, heatmap = plots_dir / "quality_vs_kept.png", plots_dir / "quality_tasks_heatmap.png"
+    plot_accuracy_vs_kept(overall, curve)
+    plot_task_heatmap({c: per_task_scores(r) for c, r in results.items()}, heatmap)
+    relative = [os.path.relpath(p.resolve(), report.resolve().parent) for p in (curve, heatmap)]
+    section = results_section(results, command, _sample_summary(samples), failures, relative)
+    write_section(report, section, SKELETON)
+
+
+def run_compare(args: argparse.Namespace, samples: list[Sample], model_dir: Path) -> int:
+    """Run every configuration not yet complete, then write the report; 1 if any configuration failed."""
+    results_dir: Path = args.results_dir
+    results_dir.mkdir(parents=True, exist_ok=True)
+    command = "vllm-kvevict " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.report_only:
+        write_report(results_dir, args.report, args.plots_dir, command)
+        return 0
+    samples_path = results_dir / "samples.jsonl"
+    _same_samples(samples_path, samples)
+    write_samples(samples_path, samples)
+    failures_path = results_dir / FAILURES_FILE
+    failures: dict[str, str] = json.loads(failures_path.read_text()) if failures_path.exists() else {}
+    for config in server_configs(args.methods, args.budgets):
+        path = results_dir / f"{config.name}.jsonl"
+        if _complete(path, samples):
+            print(f"{config.name}: complete, reused", file=sys.stderr)
+            continue
+        try:
+            results = run_server_config(config, samples, model_dir, args, results_dir)
+        except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
+            failures[config.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            print(f"{config.name}: FAILED: {failures[config.name]}", file=sys.stderr)
+            continue
+        failures.pop(config.name, None)
+        write_results(path, results)
+        print(f"\n{config.name}\n{summary_table(results)}\n", file=sys.stderr)
+    if args.kvpress:
+        configs = kvpress_configs(args.kvpress, args.budgets, args.kvpress_modes)
+        raw_dir = results_dir / "kvpress-raw"
+        try:
+            run_kvpress(args.kvpress_python, model_dir, samples_path, raw_dir, configs)
+        except Exception as exc:  # noqa: BLE001 - keep whatever the script finished
+            failures["kvpress"] = f"{type(exc).__name__}: {exc}"
+        for config in configs:
+            raw = raw_dir / f"{config.name}.raw.jsonl"
+            if raw.exists():
+                write_results(results_dir / f"{config.name}.jsonl", score_raw(raw, samples))
+    failures_path.write_text(json.dumps(failures, indent=1))
+    write_report(results_dir, args.report, args.plots_dir, command)
+    print(f"report written to {args.report}", file=sys.stderr)
+    return 1 if failures else 0
