@@ -163,6 +163,17 @@ def _merge_splits_kernel(
     tl.store(out_ptr + rows[:, None] * HEAD_SIZE + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def tile_config(element_size: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the attention kernel for a cache element size, D <= 128.
+
+    From ``ptxas -v`` (tests/kernels/triton_aot.py), fp16 decode with 64-key tiles: 8 warps use 80
+    registers per thread on sm_80 and sm_90, and 4 warps use 119/158; no configuration spills. 128-key
+    prefill tiles spill on sm_80. 64-key fp32 tiles need about 115 KB of shared memory in prefill, more
+    than sm_86/89 have, so fp32 uses 32 keys. This still has to be tuned on hardware.
+    """
+    return (64, 8) if element_size <= 2 else (32, 8)
+
+
 def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
     """Key-range splits so that a small batch of long sequences still fills the GPU (1 on CPU)."""
     if device.type != "cuda" or max_seq_len <= 1024:
@@ -184,16 +195,19 @@ def ragged_paged_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """[T, group, D] attention output; see ``vllm_kvevict.layout.kernels.reference.ragged_paged_attention``.
 
     query_start_loc [num_seqs + 1] int32 (required here). max_query_len / max_seq_len spare a device sync
-    when the caller knows them. num_splits forces the number of key ranges (default: by occupancy).
+    when the caller knows them. num_splits forces the number of key ranges (default: by occupancy);
+    block_n / num_warps override ``tile_config`` (tuning).
     """
     num_tokens, group, head_size = query.shape
     num_seqs = subblock_tables.shape[0]
-    if block_n is None:  # 64-key fp32 tiles need ~115 KB shared memory in prefill, over what sm_86/89 have
-        block_n = 64 if query.element_size() <= 2 else 32
+    default_block_n, default_warps = tile_config(query.element_size())
+    block_n = default_block_n if block_n is None else block_n
+    num_warps = default_warps if num_warps is None else num_warps
     out = torch.empty(num_tokens, group, head_size, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -247,6 +261,7 @@ def ragged_paged_attention(
         BLOCK_Q=block_q,
         G_PAD=g_pad,
         BLOCK_N=block_n,
+        num_warps=num_warps,
         CAUSAL=causal,
         PARTIAL=partial,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

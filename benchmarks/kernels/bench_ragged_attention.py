@@ -51,8 +51,9 @@ def build_ragged(lengths: torch.Tensor, head_size: int, block_size: int, dtype, 
     return k, v, tables.to(device)
 
 
-def time_ragged(args, lengths: torch.Tensor, device, dtype, gen) -> float:
-    """Median ms of one decode step over the ragged paged cache (checked against the reference: --check)."""
+def time_ragged(args, lengths: torch.Tensor, device, dtype, gen) -> tuple[float, str]:
+    """Median ms of one decode step over the ragged paged cache, best over ``--tile`` configurations, and
+    that configuration (checked against the reference with --check)."""
     batch_heads, d = len(lengths), args.head_size
     k, v, tables = build_ragged(lengths, d, args.block_size, dtype, device, gen)
     seq_lens = lengths.to(device)
@@ -60,15 +61,36 @@ def time_ragged(args, lengths: torch.Tensor, device, dtype, gen) -> float:
     starts = torch.arange(batch_heads + 1, dtype=torch.int32, device=device)
     max_len = int(lengths.max())
 
-    def ragged():
+    def ragged(tile: tuple[int, int] | None):
+        block_n, num_warps = tile or (None, None)
         return ragged_paged_attention(
-            query, k, v, tables, seq_lens, starts, max_query_len=1, max_seq_len=max_len
+            query,
+            k,
+            v,
+            tables,
+            seq_lens,
+            starts,
+            max_query_len=1,
+            max_seq_len=max_len,
+            block_n=block_n,
+            num_warps=num_warps,
         )
 
     if args.check:
         want = reference.ragged_paged_attention(query, k, v, tables, seq_lens)
-        torch.testing.assert_close(ragged().float(), want.float(), atol=2e-2, rtol=2e-2)
-    return time_ms(ragged, device, repeats=args.repeats)
+        for tile in args.tile:
+            torch.testing.assert_close(ragged(tile).float(), want.float(), atol=2e-2, rtol=2e-2)
+    timings = [(time_ms(lambda t=tile: ragged(t), device, repeats=args.repeats), tile) for tile in args.tile]
+    best_ms, best_tile = min(timings, key=lambda x: x[0])
+    return best_ms, "default" if best_tile is None else f"{best_tile[0]}x{best_tile[1]}"
+
+
+def parse_tile(text: str) -> tuple[int, int] | None:
+    """ "64x8" -> (BLOCK_N 64, 8 warps); "default" -> None (tile_config's choice)."""
+    if text == "default":
+        return None
+    block_n, _, warps = text.partition("x")
+    return int(block_n), int(warps)
 
 
 def time_dense(args, batch: int, length: int, device, dtype) -> float:
@@ -88,7 +110,7 @@ def measure(args, batch: int, context: int, budget: float, device, dtype, gen) -
     if kv_gib > args.max_gib:
         return None
     lengths = ragged_lengths(batch * args.kv_heads, average, args.spread, gen)
-    ragged_ms = time_ragged(args, lengths, device, dtype, gen)
+    ragged_ms, tile = time_ragged(args, lengths, device, dtype, gen)
     dense_ms = time_dense(args, batch, average, device, dtype)
     kv_bytes = kv_gib * 2**30
     return [
@@ -101,6 +123,7 @@ def measure(args, batch: int, context: int, budget: float, device, dtype, gen) -
         ragged_ms,
         kv_bytes / ragged_ms / 1e6,
         dense_ms / ragged_ms,
+        tile,
     ]
 
 
@@ -116,6 +139,13 @@ def main() -> None:
     parser.add_argument("--spread", type=float, default=0.5, help="per-head length spread around the average")
     parser.add_argument("--max-gib", type=float, default=20.0, help="skip configs whose KV exceeds this")
     parser.add_argument("--check", action="store_true", help="compare with the torch reference first (slow)")
+    parser.add_argument(
+        "--tile",
+        type=parse_tile,
+        nargs="+",
+        default=[None],
+        help="tiles to try, BLOCK_NxWARPS (e.g. 32x4 64x4 64x8 128x8) or default; the best is reported",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.context, args.budget, args.kv_heads, args.head_size = [2], [512], [0.25], 2, 64
@@ -139,6 +169,7 @@ def main() -> None:
         "ragged ms",
         "ragged GB/s",
         "ragged/dense",
+        "tile",
     ]
     emit_table(
         f"Ragged paged decode attention vs dense SDPA at equal KV bytes ({args.kv_heads} KV heads x "

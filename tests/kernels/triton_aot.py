@@ -2,61 +2,88 @@
 
 The interpreter checks what the kernels compute; this checks that they compile to cubin for sm_80/sm_90
 (int-to-pointer casts, reshapes, early returns, dot shapes and shared memory are what the interpreter never
-sees). Run as a script, with TRITON_INTERPRET unset:  python tests/kernels/triton_aot.py [--arch 90 80]
+sees) and, with ``ptxas -v``, that they do not spill registers in the launch configurations the launchers
+use. Run as a script, TRITON_INTERPRET unset:  python tests/kernels/triton_aot.py [--quick] [--arch 90 80]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
 from triton_kernels import compaction, paged_attention, scoring  # noqa: E402
 
-DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+ELEMENT_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
-def signature(kernel, pointers: dict[str, str], constexprs: dict[str, object], floats=("scale",)) -> dict:
-    """Argument types: pointers as given, ``floats`` fp32, the remaining scalars i32."""
-    types = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            types[name] = "constexpr"
-        elif name in pointers:
-            types[name] = "*" + pointers[name]
-        else:
-            types[name] = "fp32" if name in floats else "i32"
-    return types
+@dataclass(frozen=True)
+class KernelCase:
+    label: str
+    kernel: object
+    pointers: dict  # pointer argument -> element type ("fp16", "i32", ...)
+    constexprs: dict
+    num_warps: int = 4
+    # fp32 caches exist only in tests (exact comparisons); their spills are reported, not failed
+    spills_fail: bool = True
+
+    def signature(self) -> dict:
+        """Argument types: pointers as given, ``scale`` fp32, the remaining scalars i32."""
+        types = {}
+        for name in self.kernel.arg_names:
+            if name in self.constexprs:
+                types[name] = "constexpr"
+            elif name in self.pointers:
+                types[name] = "*" + self.pointers[name]
+            else:
+                types[name] = "fp32" if name == "scale" else "i32"
+        return types
+
+    def divisibility(self) -> dict:
+        """What a JIT launch tells the compiler: torch's pointers and the strides (multiples of D or of the
+        key tile) are divisible by 16; table strides and counts in general are not."""
+        never = {"stride_table", "stride_ps"}
+        aligned = [
+            i
+            for i, name in enumerate(self.kernel.arg_names)
+            if name not in self.constexprs
+            and name not in never
+            and (name in self.pointers or "stride" in name or name == "split_len")
+        ]
+        return {(i,): [["tt.divisibility", 16]] for i in aligned}
 
 
-def cases() -> list[tuple[str, object, dict, dict]]:
-    """(label, kernel, pointer types, constexprs) for the configurations the launchers produce."""
+def cases() -> list[KernelCase]:
+    """The configurations the launchers produce (D = 128, block_size 16)."""
     out = []
     for dt in ("fp16", "bf16", "fp32"):
         for gather in (True, False):
             out.append(
-                (
+                KernelCase(
                     f"compaction {dt} gather={gather}",
                     compaction._move_rows_kernel,
                     dict(cache_ptrs="i64", slots_ptr="i64", layer_ptr="i64", buffer_ptr=dt),
                     dict(BLOCK_SIZE=16, HEAD_SIZE=128, BLOCK_D=128, BLOCK_M=16, GATHER=gather),
                 )
             )
-    attention_shapes = [("decode g4", 4, 4), ("prefill g4", 16, 4), ("decode g1", 16, 1)]
     for dt in ("fp16", "bf16", "fp32"):
-        for label, block_q, g_pad in attention_shapes:
+        block_n, num_warps = paged_attention.tile_config(ELEMENT_SIZE[dt])
+        for shape, block_q, g_pad in (("decode g4", 4, 4), ("prefill g4", 16, 4), ("decode g1", 16, 1)):
             for partial in (False, True):
-                if dt == "fp32" and partial:
-                    continue
                 out.append(
-                    (
-                        f"ragged attention {dt} {label} partial={partial}",
+                    KernelCase(
+                        f"ragged attention {dt} {shape} partial={partial}",
                         paged_attention._ragged_attention_kernel,
                         dict(
                             q_ptr=dt,
@@ -74,15 +101,17 @@ def cases() -> list[tuple[str, object, dict, dict]]:
                             BLOCK_D=128,
                             BLOCK_Q=block_q,
                             G_PAD=g_pad,
-                            BLOCK_N=32 if dt == "fp32" else 64,  # as the launcher picks
-                            CAUSAL=label.startswith("prefill"),
+                            BLOCK_N=block_n,
+                            CAUSAL=shape.startswith("prefill"),
                             PARTIAL=partial,
                             DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
                         ),
+                        num_warps,
+                        spills_fail=dt != "fp32",
                     )
                 )
     out.append(
-        (
+        KernelCase(
             "merge splits fp16",
             paged_attention._merge_splits_kernel,
             dict(part_ptr="fp32", lse_ptr="fp32", out_ptr="fp16"),
@@ -109,9 +138,11 @@ def cases() -> list[tuple[str, object, dict, dict]]:
                 max_ptr="fp32",
                 sum_ptr="fp32",
             )
-            out.append((f"window stats {dt} g{g_pad} w{w_pad}", scoring._window_stats_kernel, ptrs, common))
             out.append(
-                (
+                KernelCase(f"window stats {dt} g{g_pad} w{w_pad}", scoring._window_stats_kernel, ptrs, common)
+            )
+            out.append(
+                KernelCase(
                     f"window scores {dt} g{g_pad} w{w_pad}",
                     scoring._window_scores_kernel,
                     dict(ptrs, scores_ptr="fp32"),
@@ -134,26 +165,59 @@ QUICK = (
 )
 
 
+def ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes) of a kernel's PTX, from ``ptxas -v`` (Triton's bundled ptxas)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        suffix = "a" if arch >= 90 else ""
+        result = subprocess.run(
+            [
+                get_ptxas(arch).path,
+                f"-arch=sm_{arch}{suffix}",
+                "-v",
+                str(source),
+                "-o",
+                str(Path(tmp) / "k.o"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", result.stderr))
+    return registers, spills
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     parser.add_argument("--quick", action="store_true", help="only the cases named in QUICK (CI time budget)")
     args = parser.parse_args()
-    selected = [c for c in cases() if not args.quick or c[0] in QUICK]
+    selected = [c for c in cases() if not args.quick or c.label in QUICK]
+    failures = []
     for arch in args.arch:
-        for label, kernel, pointers, constexprs in selected:
+        for case in selected:
             t0 = time.perf_counter()
             compiled = compile(
-                ASTSource(kernel, signature(kernel, pointers, constexprs), constexprs),
+                ASTSource(case.kernel, case.signature(), case.constexprs, case.divisibility()),
                 target=GPUTarget("cuda", arch, 32),
+                options=dict(num_warps=case.num_warps),
             )
-            assert len(compiled.asm["cubin"]) > 0, label
+            assert len(compiled.asm["cubin"]) > 0, case.label
+            registers, spills = ptxas_report(compiled.asm["ptx"], arch)
+            status = "OK" if spills == 0 else "SPILL" if case.spills_fail else "SPILL (fp32, tests only)"
+            if spills and case.spills_fail:
+                failures.append(f"sm_{arch} {case.label}")
             print(
-                f"OK sm_{arch} {label}: shared {compiled.metadata.shared} B, "
-                f"{time.perf_counter() - t0:.1f} s",
+                f"{status} sm_{arch} {case.label}: {case.num_warps} warps, {registers} registers, "
+                f"{spills} B spilled, "
+                f"shared {compiled.metadata.shared} B, {time.perf_counter() - t0:.1f} s",
                 flush=True,
             )
-    return 0
+    if failures:
+        print("register spills in: " + "; ".join(failures))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
