@@ -184,6 +184,31 @@ def sample_name(family) -> str:
     return family.name + suffix
 
 
+def instant_value(prometheus: Prometheus, expr: str) -> float:
+    result = prometheus.query(expr)
+    assert len(result) == 1, f"{expr}: {result}"
+    return float(result[0]["value"][1])
+
+
+def test_eviction_series_match_the_traffic(scraped_server):
+    """6 prompts of 1024 tokens twice, 2 of 96 tokens, ada-snapkv at 256 tokens per KV head, 30 layers x 3 KV
+    heads, blocks of 128: each long prompt keeps 256 per head and frees (1024 - 256) / 128 - 1 = 5 blocks."""
+    prometheus, _ = scraped_server
+    compacted, prompt_tokens = 12, 1024
+    assert instant_value(prometheus, "sum(vllm_kvevict_requests_compacted_total)") == compacted
+    assert instant_value(prometheus, "sum(vllm_kvevict_requests_skipped_total)") == 2
+    kept = instant_value(prometheus, "sum(vllm_kvevict_tokens_kept_total)")
+    evicted = instant_value(prometheus, "sum(vllm_kvevict_tokens_evicted_total)")
+    assert kept + evicted == compacted * prompt_tokens
+    assert kept == compacted * 256
+    assert instant_value(prometheus, "sum(vllm_kvevict_blocks_freed_total)") == compacted * 5
+    assert instant_value(prometheus, "sum(vllm_kvevict_head_budget_ratio_count)") == compacted * 30 * 3
+    assert instant_value(prometheus, "avg(vllm_kvevict_layer_kept_budget)") == 256
+    assert instant_value(prometheus, "count(vllm_kvevict_layer_kept_budget)") == 30
+    info = prometheus.query("vllm_kvevict_config_info")[0]["metric"]
+    assert (info["method"], info["budget"]) == ("ada-snapkv", "256")
+
+
 def test_variables_resolve_to_the_scraped_server(scraped_server):
     prometheus, _ = scraped_server
     instances = prometheus.api("label/instance/values", **{"match[]": "vllm:num_requests_running"})

@@ -34,6 +34,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.eviction_step import (
     EvictionStep,
     EvictionWorker,
@@ -123,6 +124,7 @@ def _worker_for(spec: EvictingAttentionSpec, builder: CPUAttentionMetadataBuilde
             "kv eviction worker: %s, %d layers x %d KV heads, block size %d",
             config.describe(), spec.num_model_layers, spec.num_kv_heads, spec.block_size,
         )
+        metrics.record_eviction_config(config.method, config.budget, config.params)
     return worker
 
 

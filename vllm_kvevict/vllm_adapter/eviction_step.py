@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -28,6 +29,7 @@ from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request
 from vllm_kvevict.layout.compaction import CompactionPlan, plan_compaction
 from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
+from vllm_kvevict.vllm_adapter import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,8 @@ class EvictionStep:
         self._batches: dict[tuple[int, ...], HeadSequenceBatch] = {}
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kept_for_dump: dict[str, list[KeptTokens]] = {}
+        self._kept_counts: dict[str, list[list[int]]] = {}  # req -> [layer][kv head] kept, for metrics
+        self.eviction_seconds = 0.0  # scoring, selection and compaction planning in this step
 
     @property
     def has_compacted(self) -> bool:
@@ -181,6 +185,7 @@ class EvictionStep:
         Returns the rows to write (None when nothing compacts)."""
         if not self.compacting:
             return None
+        started = time.perf_counter()
         worker = self.worker
         writes: list[CompactionWrite] = []
         for req in self.compacting:
@@ -205,7 +210,9 @@ class EvictionStep:
                 )
             subblocks = worker.subblocks_for(req, self._block_table[req.index])
             trailing = req.q_len - req.prompt_len
-            table = subblocks.compact_layer(layer_idx, kept.counts.tolist(), trailing)
+            counts = kept.counts.tolist()
+            self._kept_counts.setdefault(req.req_id, []).append(counts)
+            table = subblocks.compact_layer(layer_idx, counts, trailing)
             plan_rows: CompactionPlan = plan_compaction(
                 kept.indices, kept.counts, table, req.prompt_len, trailing
             )
@@ -216,6 +223,8 @@ class EvictionStep:
                 self._kept_for_dump.setdefault(req.req_id, []).append(kept)
             if layer_idx == worker.num_layers - 1:
                 worker.finish_compaction(req, self._kept_for_dump.pop(req.req_id, None))
+                worker.record_compacted(req, self._kept_counts.pop(req.req_id))
+        self.eviction_seconds += time.perf_counter() - started
         return CompactionWrite(
             torch.cat([w.tokens for w in writes]),
             torch.cat([w.heads for w in writes]),
@@ -240,6 +249,7 @@ class EvictionWorker:
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
         self.requests: dict[str, RequestSubBlocks] = {}
+        self.kept_tokens: dict[str, float] = {}  # req -> mean kept prompt entries per KV head (metrics)
         self.o_proj: dict[int, torch.Tensor] = {}
         self.pending: StepInputs | None = None
         self._step: EvictionStep | None = None
@@ -258,13 +268,25 @@ class EvictionWorker:
         self._step = None
 
     def end_step(self) -> None:
+        if self._step is not None:
+            self._publish_step_metrics(self._step)
         self.pending = None
         self._step = None
+
+    def _publish_step_metrics(self, step: EvictionStep) -> None:
+        if step.eviction_seconds > 0:
+            metrics.observe_eviction_step(step.eviction_seconds)
+        resident = sum(
+            self.kept_tokens[req.req_id] + req.seq_len - req.prompt_len
+            for req in step.requests if req.req_id in self.kept_tokens
+        )
+        metrics.set_kv_tokens_resident(resident)
 
     def drop(self, req_ids: set[str] | list[str] | None) -> None:
         """Forget finished, aborted or preempted requests (their blocks go back through the scheduler)."""
         for req_id in req_ids or ():
             self.requests.pop(req_id, None)
+            self.kept_tokens.pop(req_id, None)
 
     # ----- called by the metadata builder ---------------------------------------------------------------
     def make_step(
@@ -288,6 +310,7 @@ class EvictionWorker:
             if computed == 0:
                 # A request starting from scratch (new, or recomputed after preemption) has no old layout.
                 self.requests.pop(req_id, None)
+                self.kept_tokens.pop(req_id, None)
             subblocks = self.requests.get(req_id)
             if subblocks is not None:
                 if not subblocks.fully_compacted:
@@ -297,12 +320,14 @@ class EvictionWorker:
                 req.new_slots = subblocks.append(q_len)
             elif computed < prompt_len <= computed + q_len:
                 plan = self.plan_for(prompt_len)
-                if plan.compacts:
-                    if computed != 0:
-                        raise RuntimeError(
-                            f"request {req_id}: its prompt completes in a step starting at token {computed}; "
-                            "eviction needs the whole prompt in one step (no prefix caching/chunked prefill)"
-                        )
+                if not plan.compacts:
+                    metrics.record_request_skipped(self.policy.name)
+                elif computed != 0:
+                    raise RuntimeError(
+                        f"request {req_id}: its prompt completes in a step starting at token {computed}; "
+                        "eviction needs the whole prompt in one step (no prefix caching/chunked prefill)"
+                    )
+                else:
                     req.plan = plan
             requests.append(req)
         self._step = EvictionStep(self, requests, block_table, slot_mapping, num_tokens)
@@ -320,6 +345,12 @@ class EvictionWorker:
             subblocks = RequestSubBlocks(self.num_layers, self.num_kv_heads, self.block_size, first, blocks)
             self.requests[req.req_id] = subblocks
         return subblocks
+
+    def record_compacted(self, req: StepRequest, kept_per_head: list[list[int]]) -> None:
+        """Publish a request's compaction (metrics.py): kept counts [layer][kv head], blocks freed."""
+        assert req.plan is not None
+        self.kept_tokens[req.req_id] = sum(map(sum, kept_per_head)) / (len(kept_per_head) * self.num_kv_heads)
+        metrics.record_kept_per_head(self.policy.name, req.prompt_len, kept_per_head, req.plan.blocks_to_free)
 
     def finish_compaction(self, req: StepRequest, kept: list[KeptTokens] | None) -> None:
         """The last layer of ``req`` is compacted: record it (debug dump when enabled)."""

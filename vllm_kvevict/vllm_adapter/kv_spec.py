@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request
+from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.config import EvictionConfig, get_eviction_config
 
 logger = init_logger("vllm_kvevict")
@@ -75,6 +76,7 @@ class EvictingAttentionManager(FullAttentionManager):
             return plan_request(prompt_len, config.budget, block_size, policy, num_layers)
 
         self.plan_for = plan_for
+        self.saved_blocks: dict[str, int] = {}  # request -> leading blocks freed (metrics)
         vllm_config = get_current_vllm_config_or_none()
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         logger.info("%s", capacity_summary(config, plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
@@ -93,6 +95,19 @@ class EvictingAttentionManager(FullAttentionManager):
         if plan.blocks_to_free > 0:
             # Iterates backwards and stops at the first null block, so repeated calls cost O(1).
             self._remove_blocks_in_range(request_id, 0, plan.blocks_to_free)
+            if request_id not in self.saved_blocks and request_id in self.req_to_blocks:
+                self.saved_blocks[request_id] = plan.blocks_to_free
+                self._publish_saved_blocks()
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        if self.saved_blocks.pop(request_id, None) is not None:
+            self._publish_saved_blocks()
+
+    def _publish_saved_blocks(self) -> None:
+        """Blocks running requests would hold in addition without eviction, for the dashboard."""
+        # The pool's usable size, as vLLM's own kv_cache_usage_perc counts it (one null block).
+        metrics.set_kv_cache_saved(sum(self.saved_blocks.values()), self.block_pool.num_gpu_blocks - 1)
 
 
 def capacity_summary(config: EvictionConfig, plan: RequestPlan) -> str:
