@@ -28,6 +28,14 @@ SKELETON = """# Answer quality under KV eviction
 Measured by `vllm-kvevict eval --compare`; see the sections below for the tasks and how they are scored.
 """
 FAILURES_FILE = "failures.json"
+EVIDENCE_FILE = "server-metrics.json"
+EVICTION_COUNTERS = (
+    "requests_compacted",
+    "requests_skipped",
+    "tokens_kept",
+    "tokens_evicted",
+    "blocks_freed",
+)
 
 
 def server_configs(methods: list[str], budgets: list[float]) -> list[EvalConfig]:
@@ -51,10 +59,24 @@ def _same_samples(path: Path, samples: list[Sample]) -> None:
         )
 
 
+def eviction_evidence(metrics_text: str) -> dict[str, float]:
+    """Totals of the plugin's ``vllm_kvevict_*`` counters on a server's ``/metrics`` (empty: none exported),
+    so the report shows that an eviction server really evicted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("vllm_kvevict_").removesuffix("_total")
+            if sample.name.startswith("vllm_kvevict_") and name in EVICTION_COUNTERS:
+                totals[name] = totals.get(name, 0.0) + float(sample.value)
+    return totals
+
+
 def run_server_config(
     config: EvalConfig, samples: list[Sample], model_dir: Path, args: argparse.Namespace, log_dir: Path
-) -> list[Result]:
-    """Start the server of ``config``, answer every sample, stop it."""
+) -> tuple[list[Result], dict[str, float]]:
+    """Start the server of ``config``, answer every sample, read its eviction counters, stop it."""
     from vllm_kvevict.cli.server_process import VLLMServer
 
     extra = (
@@ -67,7 +89,7 @@ def run_server_config(
         log_path=log_dir / f"{config.name}.log",
     ) as server:
         client = make_client(server.base_url)
-        return run_samples(
+        results = run_samples(
             client,
             server.served_model_name,
             samples,
@@ -75,6 +97,7 @@ def run_server_config(
             concurrency=args.concurrency,
             progress=not args.no_progress,
         )
+        return results, eviction_evidence(server.metrics_text())
 
 
 def load_results(results_dir: Path) -> dict[EvalConfig, list[Result]]:
@@ -104,13 +127,15 @@ def write_report(results_dir: Path, report: Path, plots_dir: Path, command: str)
     samples = read_samples(results_dir / "samples.jsonl")
     failures_path = results_dir / FAILURES_FILE
     failures = json.loads(failures_path.read_text()) if failures_path.exists() else {}
+    evidence_path = results_dir / EVIDENCE_FILE
+    evidence = json.loads(evidence_path.read_text()) if evidence_path.exists() else {}
     overall = {c: v for c, r in results.items() if (v := overall_score(r)) is not None}
     plots_dir.mkdir(parents=True, exist_ok=True)
     curve, heatmap = plots_dir / "quality_vs_kept.png", plots_dir / "quality_tasks_heatmap.png"
     plot_accuracy_vs_kept(overall, curve)
     plot_task_heatmap({c: per_task_scores(r) for c, r in results.items()}, heatmap)
     relative = [os.path.relpath(p.resolve(), report.resolve().parent) for p in (curve, heatmap)]
-    section = results_section(results, command, _sample_summary(samples), failures, relative)
+    section = results_section(results, command, _sample_summary(samples), failures, relative, evidence)
     write_section(report, section, SKELETON)
 
 
@@ -127,19 +152,22 @@ def run_compare(args: argparse.Namespace, samples: list[Sample], model_dir: Path
     write_samples(samples_path, samples)
     failures_path = results_dir / FAILURES_FILE
     failures: dict[str, str] = json.loads(failures_path.read_text()) if failures_path.exists() else {}
+    evidence_path = results_dir / EVIDENCE_FILE
+    evidence = json.loads(evidence_path.read_text()) if evidence_path.exists() else {}
     for config in server_configs(args.methods, args.budgets):
         path = results_dir / f"{config.name}.jsonl"
         if _complete(path, samples):
             print(f"{config.name}: complete, reused", file=sys.stderr)
             continue
         try:
-            results = run_server_config(config, samples, model_dir, args, results_dir)
+            results, evidence[config.name] = run_server_config(config, samples, model_dir, args, results_dir)
         except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
             failures[config.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
             print(f"{config.name}: FAILED: {failures[config.name]}", file=sys.stderr)
             continue
         failures.pop(config.name, None)
         write_results(path, results)
+        evidence_path.write_text(json.dumps(evidence, indent=1))
         print(f"\n{config.name}\n{summary_table(results)}\n", file=sys.stderr)
     if args.kvpress:
         configs = kvpress_configs(args.kvpress, args.budgets, args.kvpress_modes)

@@ -67,12 +67,35 @@ def task_table(results: Mapping[EvalConfig, Sequence[Result]]) -> str:
     return "\n".join(lines)
 
 
+def evidence_table(evidence: Mapping[str, Mapping[str, float]]) -> str:
+    """What each vLLM server's ``vllm_kvevict_*`` counters said after answering: proof that it evicted."""
+    lines = [
+        "Eviction counters read from each vLLM server's `/metrics` after its run (kept fraction = kept / "
+        "(kept + evicted) prompt tokens per KV head, summed over requests):",
+        "",
+        "| server | requests compacted | requests skipped | measured kept fraction | blocks freed |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, counters in sorted(evidence.items()):
+        if not counters:
+            lines.append(f"| {name} | – | – | – | – |")
+            continue
+        kept, evicted = counters.get("tokens_kept", 0.0), counters.get("tokens_evicted", 0.0)
+        fraction = f"{kept / (kept + evicted):.3f}" if kept + evicted else "–"
+        lines.append(
+            f"| {name} | {counters.get('requests_compacted', 0):g} | "
+            f"{counters.get('requests_skipped', 0):g} | {fraction} | {counters.get('blocks_freed', 0):g} |"
+        )
+    return "\n".join(lines)
+
+
 def results_section(
     results: Mapping[EvalConfig, Sequence[Result]],
     command: str,
     sample_summary: str,
     failures: Mapping[str, str],
     plot_paths: Sequence[str],
+    evidence: Mapping[str, Mapping[str, float]] | None = None,
 ) -> str:
     """The measured section: setting, overall table, per-task table, plots, failures, token agreement."""
     mismatched = sum(
@@ -108,6 +131,8 @@ def results_section(
         f"Prompt-length agreement: {total - mismatched} of {total} answered prompts had exactly the token "
         "count the generator measured (server `usage.prompt_tokens`, or the kvpress token ids).",
     ]
+    if evidence:
+        parts += ["", evidence_table(evidence)]
     if failures:
         parts += ["", "Configurations that could not run:", ""]
         parts += [f"- `{name}`: {reason}" for name, reason in sorted(failures.items())]

@@ -162,3 +162,27 @@ def test_report_has_tables_plots_and_keeps_hand_written_text(tmp_path: Path):
     assert "![quality_vs_kept](img/quality_vs_kept.png)" in text
     for png in ("quality_vs_kept.png", "quality_tasks_heatmap.png"):
         assert (tmp_path / "docs" / "img" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eviction_evidence_sums_the_plugins_counters_over_labels():
+    from vllm_kvevict.evaluation.compare import eviction_evidence
+
+    text = "\n".join(
+        [
+            "# TYPE vllm_kvevict_requests_compacted counter",
+            'vllm_kvevict_requests_compacted_total{method="snapkv"} 3.0',
+            "# TYPE vllm_kvevict_tokens_kept counter",
+            "vllm_kvevict_tokens_kept_total 1536.0",
+            "# TYPE vllm_kvevict_tokens_evicted counter",
+            "vllm_kvevict_tokens_evicted_total 1536.0",
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{model_name="m"} 0.0',
+            "",
+        ]
+    )
+    assert eviction_evidence(text) == {
+        "requests_compacted": 3.0,
+        "tokens_kept": 1536.0,
+        "tokens_evicted": 1536.0,
+    }
+    assert eviction_evidence("# TYPE x counter\nx_total 1.0\n") == {}
