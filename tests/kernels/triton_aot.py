@@ -37,6 +37,8 @@ class KernelCase:
     num_warps: int = 4
     # fp32 caches exist only in tests (exact comparisons); their spills are reported, not failed
     spills_fail: bool = True
+    # PTX instructions the case must contain, e.g. 16-byte global accesses
+    expect_ptx: tuple[str, ...] = ()
 
     def signature(self) -> dict:
         """Argument types: pointers as given, ``scale`` fp32, the remaining scalars i32."""
@@ -73,8 +75,18 @@ def cases() -> list[KernelCase]:
                 KernelCase(
                     f"compaction {dt} gather={gather}",
                     compaction._move_rows_kernel,
-                    dict(cache_ptrs="i64", slots_ptr="i64", layer_ptr="i64", buffer_ptr=dt),
-                    dict(BLOCK_SIZE=16, HEAD_SIZE=128, BLOCK_D=128, BLOCK_M=16, GATHER=gather),
+                    dict(
+                        cache_ptr=dt, layer_offsets_ptr="i64", slots_ptr="i64", layer_ptr="i64", buffer_ptr=dt
+                    ),
+                    dict(
+                        BLOCK_SIZE=16,
+                        HEAD_SIZE=128,
+                        BLOCK_D=128,
+                        BLOCK_M=16,
+                        VECTOR=16 // ELEMENT_SIZE[dt],
+                        GATHER=gather,
+                    ),
+                    expect_ptx=("ld.global.v4.b32", "st.global.v4.b32"),
                 )
             )
     for dt in ("fp16", "bf16", "fp32"):
@@ -108,6 +120,8 @@ def cases() -> list[KernelCase]:
                         ),
                         num_warps,
                         spills_fail=dt != "fp32",
+                        # K/V tiles gathered through the tables still arrive as 16-byte async copies
+                        expect_ptx=("cp.async.cg.shared.global",) if dt != "fp32" else (),
                     )
                 )
     out.append(
@@ -205,6 +219,9 @@ def main() -> int:
                 options=dict(num_warps=case.num_warps),
             )
             assert len(compiled.asm["cubin"]) > 0, case.label
+            missing = [op for op in case.expect_ptx if op not in compiled.asm["ptx"]]
+            if missing:
+                failures.append(f"sm_{arch} {case.label} lacks {missing}")
             registers, spills = ptxas_report(compiled.asm["ptx"], arch)
             status = "OK" if spills == 0 else "SPILL" if case.spills_fail else "SPILL (fp32, tests only)"
             if spills and case.spills_fail:
