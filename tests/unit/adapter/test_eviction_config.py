@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -89,3 +90,40 @@ def test_argparse_rejects_unknown_method_with_choices():
 def test_config_round_trips_through_dict():
     config = EvictionConfig(method="nacl", budget=0.2, params={"seed": 7})
     assert EvictionConfig.from_dict(config.to_dict()) == config
+
+
+def test_guard_rails_turn_off_prefix_caching_and_chunked_prefill(monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    engine_args = EngineArgs(model="unused", enable_prefix_caching=True, enable_chunked_prefill=True)
+    apply_eviction_to_engine_args(parse(["--kv-eviction", "snapkv", "--kv-budget", "256"]), engine_args)
+    assert engine_args.additional_config["kv_eviction"] == {"method": "snapkv", "budget": 256, "params": {}}
+    assert engine_args.enable_prefix_caching is False
+    assert engine_args.enable_chunked_prefill is False
+    assert engine_args.enforce_eager is True
+
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_no_eviction_leaves_engine_args_alone():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
+
+    engine_args = EngineArgs(model="unused", enable_prefix_caching=True)
+    apply_eviction_to_engine_args(parse([]), engine_args)
+    assert engine_args.enable_prefix_caching is True
+    assert "kv_eviction" not in (engine_args.additional_config or {})
+
+
+def test_bad_setting_exits_with_one_line():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
+
+    engine_args = EngineArgs(model="unused", additional_config={"kv_eviction": {"method": "x", "budget": 1}})
+    with pytest.raises(SystemExit, match=r"^vllm serve: error: kv_eviction.method='x' is not a known method"):
+        apply_eviction_to_engine_args(parse([]), engine_args)
