@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 STAMP := $(VENV)/.kvevict-installed
 REF_STAMP := $(REF_VENV)/.kvevict-installed
 
-.PHONY: install install-ref model serve test lint clean
+.PHONY: install install-ref test-tools model serve test lint clean
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ $(REF_STAMP): requirements/reference.txt
 	$(REF_VENV)/bin/python -m pip install -q -r requirements/reference.txt
 	touch $@
 
+# Debian's Prometheus: the dashboard test evaluates every panel's PromQL against a real server.
+test-tools:
+	@command -v prometheus >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
 model: install
 	$(VENV)/bin/vllm-kvevict prepare-model
 
@@ -52,7 +57,7 @@ serve: install
 	  VLLM_USE_V2_MODEL_RUNNER=0 $(VENV)/bin/vllm serve "$$dir" --served-model-name SmolLM2-135M-Instruct \
 	    --host $(HOST) --port $(PORT) --kv-eviction $(METHOD) --kv-budget $(BUDGET)
 
-test: install install-ref
+test: install install-ref test-tools
 	$(VENV)/bin/vllm-kvevict prepare-model
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
