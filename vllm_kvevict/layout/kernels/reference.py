@@ -29,7 +29,8 @@ def compact_subblocks(
 ) -> None:
     """Move kept token rows to their new slots, in place, for many requests and layers at once.
 
-    caches: one layer cache or a list of L, each ``[S, bs, D]`` or ``[P, S, bs, D]`` (all planes move).
+    caches: one layer cache or a list of L, each ``[S, bs, D]`` or ``[P, S, bs, D]`` (all planes move);
+        layers stacked in one tensor ``[L, ...]`` go in as ``stacked.unbind(0)`` (views, nothing copied).
     src_slots, dst_slots: [M] slots (``subblock * bs + offset``) of move m, in layer ``layer_idx[m]``.
     layer_idx: [M] index into ``caches``; may be None with a single layer.
     Sources and destinations may overlap (compaction slides entries towards the front), so every source
