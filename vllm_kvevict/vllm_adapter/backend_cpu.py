@@ -44,7 +44,7 @@ from vllm_kvevict.vllm_adapter.eviction_step import (
 )
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_spec_from
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.kvevict.backend_cpu")
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cpu.EvictingCPUAttentionBackend"
 

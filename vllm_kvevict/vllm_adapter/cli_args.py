@@ -24,7 +24,7 @@ from vllm_kvevict.vllm_adapter.config import (
 )
 from vllm_kvevict.vllm_adapter.metrics_multiprocess import ensure_multiprocess_collection
 
-logger = init_logger("vllm_kvevict")
+logger = init_logger("vllm.kvevict")
 
 FLAG_GROUP_TITLE = "KVEviction"
 

@@ -31,7 +31,7 @@ from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
 from vllm_kvevict.vllm_adapter import metrics
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.kvevict.eviction_step")
 
 #: When set, the worker saves each compacted request's kept indices per layer/head there (off by default).
 DEBUG_DUMP_ENV = "KVEVICT_DEBUG_DUMP_DIR"

@@ -22,7 +22,7 @@ from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request
 from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.config import EvictionConfig, get_eviction_config
 
-logger = init_logger("vllm_kvevict")
+logger = init_logger("vllm.kvevict")
 
 #: prompt length the start-up capacity estimate uses when max_model_len is unknown.
 _REFERENCE_PROMPT_LEN = 4096

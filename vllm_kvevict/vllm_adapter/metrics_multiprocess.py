@@ -22,7 +22,8 @@ from pathlib import Path
 
 from prometheus_client import values
 
-logger = logging.getLogger(__name__)
+# Under "vllm." so that vLLM's logging configuration (handlers, level) shows it.
+logger = logging.getLogger("vllm.kvevict.metrics")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
