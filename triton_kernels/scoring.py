@@ -4,8 +4,8 @@ Pass 1 (grid: sequence x key range) runs an online softmax over its key range fo
 (group x w rows per sequence) and stores the partial row max and exp-sum. Pass 2 (grid: sequence x key
 tile) merges those partials into each row's softmax denominator, recomputes its tile's logits, and writes
 softmax averaged over the w window queries per query head. Nothing larger than a [rows, BLOCK_N] tile is
-ever live, so memory is O(group * w) per sequence plus the [group, n] output. Pooling along the keys and
-the GQA mean are cheap elementwise work left to torch. Callers validate inputs.
+ever live, so memory is O(group * w) per sequence plus the [group, n] output. A third tiny kernel pools
+along the keys and averages over the GQA group. Callers validate inputs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -344,23 +343,40 @@ def window_attention_paged(
     return scores
 
 
-def pool_ragged(
-    scores: torch.Tensor, seq_lens: torch.Tensor, num_pooled: torch.Tensor | None, kernel: int, kind: str
-) -> torch.Tensor:
-    """Pool [num_seqs, group, n] scores along n over each sequence's first num_pooled keys (stride 1, same
-    length, kvpress's padding: -inf for max, zeros counted for avg); later keys keep their score, keys past
-    seq_len are 0."""
-    if kernel == 1 or scores.shape[-1] == 0:
-        return scores
-    num_seqs, group, n = scores.shape
-    positions = torch.arange(n, device=scores.device)
-    pooled_len = seq_lens if num_pooled is None else num_pooled
-    in_pool = positions[None, None, :] < pooled_len.to(scores.device)[:, None, None]
-    fill = float("-inf") if kind == "max" else 0.0
-    flat = scores.masked_fill(~in_pool, fill).reshape(num_seqs * group, 1, n)
-    pool = F.max_pool1d if kind == "max" else F.avg_pool1d
-    pooled = pool(flat, kernel_size=kernel, stride=1, padding=kernel // 2).reshape(num_seqs, group, n)
-    return torch.where(in_pool, pooled, scores)
+@triton.jit
+def _pool_group_mean_kernel(
+    scores_ptr,  # [num_seqs, group, max_len] float32 window means per query head
+    seq_lens_ptr,  # [num_seqs] int32
+    pooled_lens_ptr,  # [num_seqs] int32: pool over keys [0, pooled_len) only
+    out_ptr,  # [num_seqs, max_len] float32
+    group,
+    max_len,
+    KERNEL: tl.constexpr,
+    IS_MAX: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Same-length pooling along the keys (kvpress padding: -inf for max, zeros counted for avg), then the
+    mean over the GQA group; keys from pooled_len on keep their raw score, keys past seq_len are 0."""
+    seq = tl.program_id(0)
+    keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    pooled_len = tl.load(pooled_lens_ptr + seq)
+    valid = keys < seq_len
+    pad = float("-inf") if IS_MAX else 0.0
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for head in range(group):
+        row = scores_ptr + (seq.to(tl.int64) * group + head) * max_len
+        raw = tl.load(row + keys, mask=valid, other=0.0)
+        pooled = tl.full([BLOCK_N], pad, tl.float32)
+        for shift in tl.static_range(KERNEL):
+            neighbour = keys + (shift - KERNEL // 2)
+            inside = (neighbour >= 0) & (neighbour < pooled_len)
+            value = tl.load(row + neighbour, mask=inside, other=pad)
+            pooled = tl.maximum(pooled, value) if IS_MAX else pooled + value
+        if not IS_MAX:
+            pooled = pooled / KERNEL
+        total += tl.where(keys < pooled_len, pooled, raw)
+    tl.store(out_ptr + seq.to(tl.int64) * max_len + keys, total / group, mask=keys < max_len)
 
 
 def paged_window_scores(
@@ -378,4 +394,21 @@ def paged_window_scores(
     per_query_head = window_attention_paged(
         queries, k_cache, subblock_tables, seq_lens, query_positions, num_splits=num_splits
     )
-    return pool_ragged(per_query_head, seq_lens, num_pooled, pool_kernel, pool_kind).mean(dim=1)
+    num_seqs, group, max_len = per_query_head.shape
+    scores = torch.zeros(num_seqs, max_len, dtype=torch.float32, device=queries.device)
+    if num_seqs == 0 or max_len == 0:
+        return scores
+    pooled_lens = (seq_lens if num_pooled is None else num_pooled).to(torch.int32).contiguous()
+    block_n = 128
+    _pool_group_mean_kernel[(num_seqs, triton.cdiv(max_len, block_n))](
+        per_query_head,
+        seq_lens,
+        pooled_lens,
+        scores,
+        group,
+        max_len,
+        KERNEL=pool_kernel,
+        IS_MAX=pool_kind == "max",
+        BLOCK_N=block_n,
+    )
+    return scores

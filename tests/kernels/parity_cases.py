@@ -107,7 +107,7 @@ def test_ragged_attention_split_over_key_ranges_matches_reference(num_splits):
 
 
 @pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize(("pool_kernel", "pool_kind"), [(7, "max"), (5, "avg")])
+@pytest.mark.parametrize(("pool_kernel", "pool_kind"), [(7, "max"), (5, "avg"), (1, "max")])
 @pytest.mark.parametrize("window", [1, 8])
 def test_window_scores_match_reference(group, pool_kernel, pool_kind, window):
     seq_lens = [8, 17, 33, 70]

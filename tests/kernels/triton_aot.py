@@ -163,6 +163,15 @@ def cases() -> list[KernelCase]:
                     common,
                 )
             )
+    for kind in ("max", "avg"):
+        out.append(
+            KernelCase(
+                f"pool + group mean {kind}",
+                scoring._pool_group_mean_kernel,
+                dict(scores_ptr="fp32", seq_lens_ptr="i32", pooled_lens_ptr="i32", out_ptr="fp32"),
+                dict(KERNEL=7, IS_MAX=kind == "max", BLOCK_N=128),
+            )
+        )
     return out
 
 
@@ -176,6 +185,7 @@ QUICK = (
     "merge splits fp16",
     "window stats fp16 g4 w32",
     "window scores fp16 g4 w32",
+    "pool + group mean max",
 )
 
 
