@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="bf16 as vLLM serves"
     )
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a shared CPU)")
     args = parser.parse_args(argv)
 
     configs = [parse_config(c) for c in args.configs.split(",") if c.strip()]

@@ -22,6 +22,8 @@ def _pyplot():
 def plot_accuracy_vs_kept(overall: Mapping[EvalConfig, float], path: Path) -> None:
     """Mean accuracy (percent) against kept fraction; full-cache runs are horizontal reference lines."""
     plt = _pyplot()
+    from matplotlib.ticker import NullLocator
+
     fig, ax = plt.subplots(figsize=(8, 5))
     methods = sorted({c.method for c in overall if not c.is_full_cache})
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
@@ -46,8 +48,9 @@ def plot_accuracy_vs_kept(overall: Mapping[EvalConfig, float], path: Path) -> No
             linestyle=_STYLE[(config.system, config.mode)],
         )
     ax.set_xscale("log")
-    kept = sorted({c.kept for c in overall if not c.is_full_cache})
+    kept = sorted({c.kept for c in overall} | {1.0})
     ax.set_xticks(kept, [f"{k:g}" for k in kept])
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("kept fraction of the prompt's KV cache")
     ax.set_ylabel("accuracy (%), mean over tasks")
     ax.set_ylim(-2, 102)
@@ -67,7 +70,7 @@ def plot_task_heatmap(per_task: Mapping[EvalConfig, Mapping[str, float]], path: 
     configs = sorted(per_task, key=lambda c: (c.system, c.method, c.mode, -c.kept))
     tasks = sorted({t for scores in per_task.values() for t in scores})
     grid = [[100 * per_task[c].get(t, float("nan")) for t in tasks] for c in configs]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(tasks), 1.2 + 0.28 * len(configs)))
+    fig, ax = plt.subplots(figsize=(max(6.0, 3.5 + 0.6 * len(tasks)), 2.0 + 0.25 * len(configs)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
     ax.set_xticks(range(len(tasks)), tasks, rotation=45, ha="right", fontsize=7)
     ax.set_yticks(range(len(configs)), [c.name for c in configs], fontsize=7)
