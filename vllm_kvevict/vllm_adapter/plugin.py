@@ -25,4 +25,8 @@ def _register_worker_side() -> None:
         from vllm_kvevict.vllm_adapter.backend_cpu import register_cpu_backend
 
         register_cpu_backend()
+    elif current_platform.is_cuda():
+        from vllm_kvevict.vllm_adapter.backend_cuda import register_cuda_backend
+
+        register_cuda_backend()  # selected with --attention-backend CUSTOM
     runner_hooks.install()
