@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from bench_common import base_parser, emit_table, time_ms
 
-from triton_kernels.paged_attention import ragged_paged_attention
 from vllm_kvevict.layout.kernels import reference
+from vllm_kvevict.triton_kernels.paged_attention import ragged_paged_attention
 
 
 def ragged_lengths(num_seqs: int, average: int, spread: float, gen: torch.Generator) -> torch.Tensor:

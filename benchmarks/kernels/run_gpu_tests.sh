@@ -19,7 +19,7 @@ $PY -m pytest tests/kernels tests/kernels/parity_cases.py --confcutdir=tests/ker
 rm -f "$OUT/kernels.md"
 $PY benchmarks/kernels/bench_compaction.py --markdown "$OUT/kernels.md"
 $PY benchmarks/kernels/bench_ragged_attention.py --markdown "$OUT/kernels.md"
-# tile sweep on a few shapes, to retune triton_kernels/paged_attention.py:tile_config from data
+# tile sweep on a few shapes, to retune vllm_kvevict/triton_kernels/paged_attention.py:tile_config from data
 $PY benchmarks/kernels/bench_ragged_attention.py --batch 1 16 64 --context 32768 --budget 0.1 \
   --tile default 32x4 64x4 64x8 128x8 --check --markdown "$OUT/kernels.md"
 $PY benchmarks/kernels/bench_scoring.py --markdown "$OUT/kernels.md"

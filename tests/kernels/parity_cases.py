@@ -95,7 +95,7 @@ def test_ragged_attention_matches_reference(dtype, group, seq_lens, query_lens, 
 
 @pytest.mark.parametrize("num_splits", [2, 3])
 def test_ragged_attention_split_over_key_ranges_matches_reference(num_splits):
-    from triton_kernels.paged_attention import ragged_paged_attention as triton_attention
+    from vllm_kvevict.triton_kernels.paged_attention import ragged_paged_attention as triton_attention
 
     seq_lens, query_lens = [70, 1, 33], [1, 1, 4]
     case = paged_sequences(seq_lens, head_size=32, device=DEVICE, seed=num_splits)
@@ -122,7 +122,7 @@ def test_window_scores_match_reference(group, pool_kernel, pool_kind, window):
 
 
 def test_window_scores_split_over_key_ranges_and_explicit_positions_match_reference():
-    from triton_kernels.scoring import paged_window_scores as triton_scores
+    from vllm_kvevict.triton_kernels.scoring import paged_window_scores as triton_scores
 
     seq_lens, window = [40, 70], 4
     case = paged_sequences(seq_lens, head_size=32, device=DEVICE, seed=7)

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
-from triton_kernels import compaction, paged_attention, scoring  # noqa: E402
+from vllm_kvevict.triton_kernels import compaction, paged_attention, scoring  # noqa: E402
 
 ELEMENT_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 

@@ -2,7 +2,8 @@
 
 Backends:
     cuda    the ``csrc/`` compaction op (compaction only; other ops continue down the chain)
-    triton  ``triton_kernels/`` on a CUDA device, or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``
+    triton  ``vllm_kvevict/triton_kernels/`` on a CUDA device, or on CPU under Triton's interpreter
+            (``TRITON_INTERPRET=1``
             set before triton is imported, as Triton reads it when a kernel is decorated and when it runs)
     torch   ``reference.py``, everywhere
 ``KVEVICT_KERNEL_BACKEND=cuda|triton|torch|auto`` (default auto) names the first backend to try; naming one
@@ -122,7 +123,7 @@ def compact_subblocks(
     if chosen == "cuda":
         cuda_ext.load_compaction_op()(caches, src, dst, layer_idx.contiguous())
     else:
-        from triton_kernels.compaction import compact_slots
+        from vllm_kvevict.triton_kernels.compaction import compact_slots
 
         compact_slots(caches, src, dst, layer_idx)
     return chosen
@@ -157,7 +158,7 @@ def ragged_paged_attention(
         )
     elif query_start_loc is None:
         query_start_loc = torch.arange(subblock_tables.shape[0] + 1, device=query.device, dtype=torch.int32)
-    from triton_kernels.paged_attention import ragged_paged_attention as triton_attention
+    from vllm_kvevict.triton_kernels.paged_attention import ragged_paged_attention as triton_attention
 
     return triton_attention(
         query, k_cache, v_cache, subblock_tables, seq_lens, query_start_loc, scale=scale, causal=causal
@@ -186,7 +187,7 @@ def paged_window_scores(
     reference.check_window(
         queries, seq_lens, k_cache.shape[2], query_positions, num_pooled, pool_kernel, pool_kind
     )
-    from triton_kernels.scoring import paged_window_scores as triton_scores
+    from vllm_kvevict.triton_kernels.scoring import paged_window_scores as triton_scores
 
     return triton_scores(
         queries, k_cache, subblock_tables, seq_lens, query_positions, num_pooled, pool_kernel, pool_kind

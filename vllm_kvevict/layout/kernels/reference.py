@@ -1,6 +1,7 @@
 """Plain-torch reference ops on the paged views of ``views.py``: slow, obvious, and the ground truth.
 
-Every faster implementation (Triton in ``triton_kernels/``, CUDA in ``csrc/``) is tested against these.
+Every faster implementation (Triton in ``vllm_kvevict/triton_kernels/``, CUDA in ``csrc/``) is tested
+against these.
 """
 
 from __future__ import annotations
