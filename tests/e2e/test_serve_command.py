@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kvevict.cli.model_conversion import VERIFY_QUESTION
 from vllm_kvevict.cli.server_process import ServerStartError, VLLMServer, free_port, vllm_executable
 
-QUESTION = "What is the capital of France?"
+QUESTION = VERIFY_QUESTION  # the one prepare-model verified with HF transformers; a clear greedy margin
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +99,10 @@ def test_chat_completion_answers_greedily(client, server):
 def test_completion_answers_a_raw_chatml_prompt(client, server):
     prompt = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
     response = client.completions.create(model=server.served_model_name, prompt=prompt, temperature=0,
-                                         max_tokens=24)
+                                         max_tokens=24, extra_body={"return_token_ids": True})
     assert "Paris" in response.choices[0].text
-    assert response.usage.prompt_tokens == 16  # no BOS prepended by the tokenizer
+    # <|im_start|> (id 1) is also the BOS: a prepended BOS would show as [1, 1, ...]; 4093 is "user".
+    assert response.choices[0].model_extra["prompt_token_ids"][:2] == [1, 4093]
 
 
 @pytest.mark.e2e

@@ -40,7 +40,9 @@ SMOLLM2 = BundledModel(
     dtype="bfloat16",
 )
 
-VERIFY_QUESTION = "What is the capital of France?"
+# "in one word" gives the greedy first token a clear margin (1.4 nats; the bare question has 0.1, a near-tie
+# that bf16 rounding can flip).
+VERIFY_QUESTION = "What is the capital of France? Answer in one word."
 VERIFY_EXPECTED = "Paris"
 ROUND_TRIP_TEXTS = (
     "The year 2024 had 366 days.",

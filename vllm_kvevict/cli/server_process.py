@@ -65,9 +65,10 @@ class VLLMServer:
     ``env`` entries are added to (and override) the inherited environment; ``VLLM_USE_V2_MODEL_RUNNER=0``
     and ``VLLM_CPU_KVCACHE_SPACE=<kv_cache_space_gib>`` are set unless ``env`` overrides them.
 
-    ``enforce_eager`` (default on) adds ``--enforce-eager``: on vllm-cpu 0.32.0 + torch 2.13.0 the
-    torch.compile (inductor) path answers the bundled model's 37-token chat prompt with garbage where eager
-    mode and HF transformers answer "Paris", and compiling takes minutes at start-up on two cores.
+    ``enforce_eager`` (default on) adds ``--enforce-eager``: on two CPU cores the torch.compile (inductor)
+    warm-up adds minutes to every start, and its bf16 rounding differs from eager mode and HF transformers
+    enough to flip near-ties (measured: first-token logprobs -1.906/-1.906 compiled vs -1.81/-1.935 eager
+    for the default-system-prompt "capital of France" chat). Benchmarks may turn it off.
     """
 
     def __init__(
