@@ -196,6 +196,7 @@ def test_build_tokenizer_rejects_malformed_merge():
         build_tokenizer(["a", "b", "c"], [1, 1, 1], ["a b c"])
 
 
+@pytest.mark.model
 def test_second_prepare_returns_at_once_in_process(model_dir):
     start = time.perf_counter()
     assert prepared_model_dir() == model_dir
