@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
+from vllm.config import get_current_vllm_config_or_none
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
@@ -35,6 +36,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict.vllm_adapter import metrics
+from vllm_kvevict.vllm_adapter.config import get_eviction_config
 from vllm_kvevict.vllm_adapter.eviction_step import (
     EvictionStep,
     EvictionWorker,
@@ -150,6 +152,21 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
     """CPU attention that reads and writes per-head sub-blocks for compacted requests."""
 
     _layer_idx: int | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if get_eviction_config(get_current_vllm_config_or_none()) is None:
+            return
+        # The head-as-sequence call passes neither ALiBi slopes, sinks nor a window: refuse such models.
+        unsupported = {
+            "alibi_slopes": self.alibi_slopes is not None,
+            "attention sinks": self.sinks is not None,
+            "sliding_window": self.sliding_window != -1,
+        }
+        bad = [name for name, present in unsupported.items() if present]
+        if bad and self.attn_type == AttentionType.DECODER:
+            raise ValueError(f"kv eviction does not support attention with {', '.join(bad)}; start without "
+                             "--kv-eviction")
 
     def _layer_index(self, layer: torch.nn.Module) -> int:
         if self._layer_idx is None:
