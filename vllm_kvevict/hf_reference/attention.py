@@ -6,9 +6,10 @@ builder), it delegates to transformers' own sdpa attention. Per-layer state live
 as two optional attributes, set by ``capture``/``generation`` and removed when they are done:
 
 - ``kvevict_recorder``: a ``LayerRecorder`` that keeps the post-RoPE queries, keys and values of the call;
-- ``kvevict_evicted``: [kv_heads, m] bool, True where cache entry (head, token < m) is evicted. Queries of
-  this call never attend to those entries; entries at m and later (tokens added after eviction) stay
-  visible, under the usual causal rule.
+- ``kvevict_evicted``: [batch, kv_heads, m] bool, True where cache entry (head, token < m) of a batch row is
+  evicted. Queries of this call never attend to those entries; entries at m and later (tokens added after
+  eviction) stay visible, under the usual causal rule. Batch rows are independent sequences that share
+  the prompt and differ in what they evicted.
 """
 
 from __future__ import annotations
@@ -45,21 +46,20 @@ class LayerRecorder:
 
 
 def visibility_mask(evicted: torch.Tensor, q_len: int, kv_len: int, group: int) -> torch.Tensor:
-    """[1, kv_heads * group, q_len, kv_len] bool, True where a query may attend.
+    """[batch, kv_heads * group, q_len, kv_len] bool, True where a query may attend.
 
-    The last q_len of the kv_len cache entries are this call's own tokens (causal among themselves); an
-    entry (head h, token j < evicted.shape[1]) is hidden from every query head of h's group when
-    ``evicted[h, j]``.
+    evicted: [batch, kv_heads, m]. The last q_len of the kv_len cache entries are this call's own tokens
+    (causal among themselves); an entry (head h, token j < m) is hidden from every query head of h's
+    group when ``evicted[b, h, j]``.
     """
-    kv_heads, evicted_len = evicted.shape
+    batch, kv_heads, evicted_len = evicted.shape
     if evicted_len > kv_len:
         raise ValueError(f"eviction mask covers {evicted_len} tokens but the cache holds only {kv_len}")
     query_pos = torch.arange(kv_len - q_len, kv_len, device=evicted.device)
     causal = torch.arange(kv_len, device=evicted.device)[None, :] <= query_pos[:, None]
-    hidden = torch.zeros(kv_heads, kv_len, dtype=torch.bool, device=evicted.device)
-    hidden[:, :evicted_len] = evicted
-    visible = causal[None] & ~hidden.repeat_interleave(group, dim=0)[:, None, :]
-    return visible[None]
+    hidden = torch.zeros(batch, kv_heads, kv_len, dtype=torch.bool, device=evicted.device)
+    hidden[:, :, :evicted_len] = evicted
+    return causal[None, None] & ~hidden.repeat_interleave(group, dim=1)[:, :, None, :]
 
 
 def kvevict_attention(
@@ -76,8 +76,8 @@ def kvevict_attention(
         recorder.record(query, key, value)
     evicted: torch.Tensor | None = getattr(module, "kvevict_evicted", None)
     if evicted is not None and bool(evicted.any()):
-        if query.shape[0] != 1:
-            raise ValueError("per-head eviction in the reference runner supports batch size 1 only")
+        if evicted.shape[0] != query.shape[0]:
+            raise ValueError(f"eviction masks for {evicted.shape[0]} rows, batch has {query.shape[0]}")
         group = query.shape[1] // key.shape[1]
         attention_mask = visibility_mask(evicted.to(query.device), query.shape[2], key.shape[2], group)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

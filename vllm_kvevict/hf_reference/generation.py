@@ -7,7 +7,7 @@ against ``generate_with_kept`` on the same kept sets.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,13 +32,20 @@ def evicted_mask(kept: KeptTokens, num_tokens: int) -> torch.Tensor:
 
 
 @contextmanager
-def evicting(model: PreTrainedModel, kept: Sequence[KeptTokens], num_tokens: int) -> Iterator[None]:
-    """Hide the evicted entries of the first ``num_tokens`` cache positions in every layer."""
+def evicting(
+    model: PreTrainedModel, kept_rows: Sequence[Sequence[KeptTokens]], num_tokens: int
+) -> Iterator[None]:
+    """Hide, for every batch row and layer, the evicted entries of the first ``num_tokens`` positions.
+
+    kept_rows: per batch row, one ``KeptTokens`` per layer.
+    """
     modules = attention_modules(model)
-    if len(kept) != len(modules):
-        raise ValueError(f"need one KeptTokens per layer ({len(modules)}); got {len(kept)}")
-    for module, layer_kept in zip(modules, kept, strict=True):
-        module.kvevict_evicted = evicted_mask(layer_kept, num_tokens).to(model.device)
+    for row in kept_rows:
+        if len(row) != len(modules):
+            raise ValueError(f"need one KeptTokens per layer ({len(modules)}); got {len(row)}")
+    for idx, module in enumerate(modules):
+        masks = [evicted_mask(row[idx], num_tokens) for row in kept_rows]
+        module.kvevict_evicted = torch.stack(masks).to(model.device)
     try:
         yield
     finally:
@@ -46,15 +53,72 @@ def evicting(model: PreTrainedModel, kept: Sequence[KeptTokens], num_tokens: int
             del module.kvevict_evicted
 
 
-def _cache_prefix(model: PreTrainedModel, prompt: PrefilledPrompt, length: int) -> DynamicCache:
-    """A fresh cache holding the prompt's first ``length`` tokens (copies; the prompt stays reusable)."""
+def _cache_prefix(model: PreTrainedModel, prompt: PrefilledPrompt, length: int, batch: int) -> DynamicCache:
+    """A fresh cache holding the prompt's first ``length`` tokens for ``batch`` rows (copies; the prompt
+    stays reusable)."""
     cache = DynamicCache(config=model.config)
     for idx, (keys, values) in enumerate(zip(prompt.keys, prompt.values, strict=True)):
-        cache.update(keys[:, :, :length].clone(), values[:, :, :length].clone(), idx)
+        keys = keys[:, :, :length].expand(batch, -1, -1, -1).contiguous()
+        values = values[:, :, :length].expand(batch, -1, -1, -1).contiguous()
+        cache.update(keys, values, idx)
     return cache
 
 
 @torch.inference_mode()
+def decode_batch_with_kept(
+    model: PreTrainedModel,
+    prompt: PrefilledPrompt,
+    kept_rows: Sequence[Sequence[KeptTokens]],
+    max_new_tokens: int,
+    context_len: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    finished: Callable[[list[int]], bool] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``decode_with_kept`` for several kept sets of one prompt at once, one batch row each.
+
+    A row stops growing after a stop token, ``max_new_tokens`` tokens, or when ``finished(tokens)`` says
+    its answer is decided (the needle benchmark stops at the first wrong digit); the batch runs until
+    every row has stopped. Returns per row (token_ids [T_r], logits [T_r, vocab]).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    n = prompt.num_tokens
+    context_len = n if context_len is None else context_len
+    if not 0 < context_len <= n:
+        raise ValueError(f"context_len={context_len} must be in [1, {n}]")
+    batch = len(kept_rows)
+    stops = set(stop_token_ids)
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    cache = _cache_prefix(model, prompt, context_len, batch)
+    with evicting(model, kept_rows, context_len):
+        if context_len == n:
+            step_logits = prompt.last_logits.expand(batch, -1)
+        else:
+            suffix = prompt.input_ids[context_len:].to(model.device).expand(batch, -1)
+            out = model(input_ids=suffix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            step_logits = out.logits[:, -1].float()
+        while True:
+            next_tokens = step_logits.argmax(dim=-1)
+            for row in range(batch):
+                if done[row]:
+                    continue
+                token = int(next_tokens[row])
+                tokens[row].append(token)
+                logits[row].append(step_logits[row].cpu())
+                decided = finished is not None and finished(tokens[row])
+                done[row] = len(tokens[row]) >= max_new_tokens or token in stops or decided
+            if all(done):
+                break
+            out = model(input_ids=next_tokens[:, None], past_key_values=cache, use_cache=True)
+            step_logits = out.logits[:, -1].float()
+    return [
+        (torch.tensor(row_tokens, dtype=torch.int64), torch.stack(row_logits))
+        for row_tokens, row_logits in zip(tokens, logits, strict=True)
+    ]
+
+
 def decode_with_kept(
     model: PreTrainedModel,
     prompt: PrefilledPrompt,
@@ -72,33 +136,7 @@ def decode_with_kept(
     again on the evicted cache, then decoding goes on. Stops after ``max_new_tokens`` or a stop token.
     Returns (token_ids [T] int64, logits [T, vocab] float32), logits[t] being what chose token t.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    n = prompt.num_tokens
-    context_len = n if context_len is None else context_len
-    if not 0 < context_len <= n:
-        raise ValueError(f"context_len={context_len} must be in [1, {n}]")
-    stops = set(stop_token_ids)
-    tokens: list[int] = []
-    logits: list[torch.Tensor] = []
-    cache = _cache_prefix(model, prompt, context_len)
-    with evicting(model, kept, context_len):
-        if context_len == n:
-            step_logits = prompt.last_logits
-        else:
-            suffix = prompt.input_ids[context_len:].reshape(1, -1).to(model.device)
-            out = model(input_ids=suffix, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            step_logits = out.logits[0, -1].float()
-        while True:
-            token = int(step_logits.argmax())
-            tokens.append(token)
-            logits.append(step_logits.cpu())
-            if len(tokens) >= max_new_tokens or token in stops:
-                break
-            step = torch.tensor([[token]], device=model.device)
-            out = model(input_ids=step, past_key_values=cache, use_cache=True)
-            step_logits = out.logits[0, -1].float()
-    return torch.tensor(tokens, dtype=torch.int64), torch.stack(logits)
+    return decode_batch_with_kept(model, prompt, [kept], max_new_tokens, context_len, stop_token_ids)[0]
 
 
 def generate_with_kept(

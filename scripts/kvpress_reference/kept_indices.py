@@ -1,0 +1,181 @@
+"""Kept token sets of kvpress 0.5.5 presses on given tensors. Run with ``.venv-ref/bin/python``.
+
+Imports only kvpress, transformers and torch (no vllm_kvevict): the main environment writes the inputs, this
+script writes kvpress's answer, both as ``torch.save`` files.
+
+Input case file (``torch.save``): ``{"layers": [{"keys": [kv_heads, n, d], "values": [kv_heads, n, d],
+"queries": [q_heads, w, d] post-RoPE queries of the last w prompt positions, "o_proj": [hidden, q_heads*d],
+"layer_idx": int, "num_layers": int}, ...]}``, float32.
+Jobs (a JSON file, or a ``"jobs"`` entry of the case itself, which wins): ``[{"key": str, "press": one of
+PRESSES, "compression_ratio": float, "params": {...}}]``, params being kvpress's own field names.
+Output (``torch.save``, one per case, ``<out_dir>/<case stem>.kvpress.pt``): ``{key: kept bool
+[num_layers, kv_heads, n]}``.
+
+How the press sees our tensors: kvpress recomputes window queries from hidden states
+(``q_proj(hidden_states[:, -window:])`` then RoPE with ``position_embeddings``). We hand it a module whose
+q_proj is the identity and position embeddings cos = 1, sin = 0, and hidden states whose last w rows are
+the given post-RoPE queries: kvpress then computes on exactly our queries (multiplying by 1 and adding 0
+are exact). Kept sets: ScorerPress.compress gathers the kept keys, which are matched back to their
+positions (every key row of a head is distinct); AdaKV/CriticalAdaKV record their evicted entries in
+``module.masked_key_indices``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from kvpress import (
+    AdaKVPress,
+    CriticalAdaKVPress,
+    CriticalKVPress,
+    PyramidKVPress,
+    SnapKVPress,
+    StreamingLLMPress,
+)
+from torch import nn
+
+PRESSES = ("snapkv", "pyramidkv", "ada-snapkv", "critical-snapkv", "critical-ada-snapkv", "streamingllm")
+
+
+def build_press(name: str, compression_ratio: float, params: dict):
+    """A kvpress press for one of our method names; ``params`` are kvpress's own field names."""
+    snap_fields = {k: params[k] for k in ("window_size", "kernel_size") if k in params}
+    if name == "snapkv":
+        return SnapKVPress(compression_ratio=compression_ratio, **snap_fields)
+    if name == "pyramidkv":
+        beta = {"beta": params["beta"]} if "beta" in params else {}
+        return PyramidKVPress(compression_ratio=compression_ratio, **snap_fields, **beta)
+    if name == "ada-snapkv":
+        alpha = {k: params[k] for k in ("alpha_safeguard",) if k in params}
+        return AdaKVPress(SnapKVPress(compression_ratio=compression_ratio, **snap_fields), **alpha)
+    if name == "critical-snapkv":
+        crit = {k: params[k] for k in ("epsilon", "first_stage_ratio") if k in params}
+        return CriticalKVPress(SnapKVPress(compression_ratio=compression_ratio, **snap_fields), **crit)
+    if name == "critical-ada-snapkv":
+        rest = {k: params[k] for k in ("alpha_safeguard", "epsilon", "first_stage_ratio") if k in params}
+        return CriticalAdaKVPress(SnapKVPress(compression_ratio=compression_ratio, **snap_fields), **rest)
+    if name == "streamingllm":
+        sinks = {"n_sink": params["n_sink"]} if "n_sink" in params else {}
+        return StreamingLLMPress(compression_ratio=compression_ratio, **sinks)
+    raise ValueError(f"unknown press {name!r}; choose one of {', '.join(PRESSES)}")
+
+
+class ReplayAttention(nn.Module):
+    """The attributes of a Llama attention layer that the presses read, around given tensors."""
+
+    def __init__(
+        self,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        o_proj: torch.Tensor,
+        layer_idx: int,
+        num_layers: int,
+    ) -> None:
+        super().__init__()
+        hidden = o_proj.shape[0]
+        self.config = SimpleNamespace(
+            num_attention_heads=q_heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            num_hidden_layers=num_layers,
+            _attn_implementation="sdpa",
+        )
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.num_key_value_groups = q_heads // kv_heads
+        self.q_proj = nn.Linear(q_heads * head_dim, q_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(q_heads * head_dim, hidden, bias=False)
+        with torch.no_grad():
+            self.q_proj.weight.copy_(torch.eye(q_heads * head_dim))
+            self.o_proj.weight.copy_(o_proj)
+
+
+def press_inputs(layer: dict) -> tuple[ReplayAttention, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """(module, hidden_states [1, n, q_heads*d], keys [1, kv, n, d], values, kwargs) for one layer."""
+    keys, values, queries = layer["keys"].float(), layer["values"].float(), layer["queries"].float()
+    kv_heads, n, d = keys.shape
+    q_heads, w, _ = queries.shape
+    module = ReplayAttention(
+        q_heads, kv_heads, d, layer["o_proj"].float(), layer["layer_idx"], layer["num_layers"]
+    )
+    hidden = torch.zeros(1, n, q_heads * d)
+    hidden[0, n - w :] = queries.transpose(0, 1).reshape(w, q_heads * d)
+    cos, sin = torch.ones(1, n, d), torch.zeros(1, n, d)
+    return module, hidden, keys[None], values[None], {"position_embeddings": (cos, sin)}
+
+
+def row_fingerprints(rows: torch.Tensor) -> torch.Tensor:
+    """[m] int64 hash of the exact bits of each float32 row of ``rows`` [m, d] (wrapping arithmetic)."""
+    bits = rows.contiguous().view(torch.int32).to(torch.int64)
+    generator = torch.Generator().manual_seed(1234)
+    coefficients = torch.randint(1, 2**62, (rows.shape[1],), generator=generator) * 2 + 1
+    return (bits * coefficients).sum(dim=1)
+
+
+def positions_of_rows(original: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Token index of every kept key row: original [n, d], kept [m, d] -> [m] int64."""
+    prints = row_fingerprints(original)
+    order = prints.argsort()
+    sorted_prints = prints[order]
+    if bool((sorted_prints[1:] == sorted_prints[:-1]).any()):
+        raise ValueError("two key rows of a head are identical: kept sets are ambiguous")
+    wanted = row_fingerprints(kept)
+    where = torch.searchsorted(sorted_prints, wanted).clamp(max=len(order) - 1)
+    if not bool((sorted_prints[where] == wanted).all()):
+        raise ValueError("a kept key row is not among the original rows")
+    positions = order[where]
+    if not torch.equal(original[positions], kept):
+        raise ValueError("kept key rows do not match the original rows they were traced to")
+    return positions
+
+
+@torch.inference_mode()
+def kept_mask(press, layer: dict) -> torch.Tensor:
+    """[kv_heads, n] bool: the tokens ``press`` keeps in this layer."""
+    module, hidden, keys, values, kwargs = press_inputs(layer)
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    module.masked_key_indices = None
+    new_keys, _ = press.compress(module, hidden, keys.clone(), values.clone(), None, kwargs)
+    masked = getattr(module, "masked_key_indices", None)
+    if masked is not None:
+        _, heads, tokens = masked
+        keep = torch.ones(kv_heads, n, dtype=torch.bool)
+        keep[heads, tokens] = False
+        return keep
+    keep = torch.zeros(kv_heads, n, dtype=torch.bool)
+    for h in range(kv_heads):
+        keep[h, positions_of_rows(keys[0, h], new_keys[0, h])] = True
+    return keep
+
+
+def run_case(case_path: Path, jobs: list[dict], out_dir: Path) -> Path:
+    case = torch.load(case_path, weights_only=True)
+    result = {}
+    for job in case.get("jobs", jobs):
+        press = build_press(job["press"], job["compression_ratio"], job.get("params", {}))
+        result[job["key"]] = torch.stack([kept_mask(press, layer) for layer in case["layers"]])
+    out = out_dir / f"{case_path.stem}.kvpress.pt"
+    torch.save(result, out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=Path, help="JSON list of presses to run (a case's own jobs win)")
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("cases", type=Path, nargs="+", help="case files written with torch.save")
+    args = parser.parse_args()
+    jobs = json.loads(args.jobs.read_text()) if args.jobs else []
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for case_path in args.cases:
+        print(run_case(case_path, jobs, args.out_dir), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Running kvpress 0.5.5 (in ``.venv-ref``) on our tensors, and comparing its kept sets with ours."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_kvevict.hf_reference.eviction import kept_per_layer
+from vllm_kvevict.hf_reference.generation import evicted_mask
+from vllm_kvevict.policies.base import LayerKV
+from vllm_kvevict.policies.registry import build_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+REF_PYTHON = ROOT / ".venv-ref" / "bin" / "python"
+SCRIPT = ROOT / "scripts" / "kvpress_reference" / "kept_indices.py"
+
+#: kvpress's defaults (SnapKVPress: window_size 64, kernel_size 5, average pooling) on our side. We
+#: configure OUR policies like kvpress, since kvpress has no max pooling.
+KVPRESS_ALIKE = {"window": 64, "kernel": 5, "pooling": "avg"}
+SHARED_METHODS = (
+    "snapkv",
+    "pyramidkv",
+    "ada-snapkv",
+    "critical-snapkv",
+    "critical-ada-snapkv",
+    "streamingllm",
+)
+
+
+def require_reference_env() -> None:
+    if not REF_PYTHON.exists():
+        pytest.fail(f"{REF_PYTHON} is missing: run `make install-ref` (make test does it)")
+
+
+def case_dict(layers: list[LayerKV], jobs: list[dict] | None = None) -> dict:
+    """The script's input for ``layers``; queries are the last ones captured (kvpress takes its window)."""
+    case: dict = {
+        "layers": [
+            {
+                "keys": layer.keys.float(),
+                "values": layer.values.float(),
+                "queries": layer.queries.float(),
+                "o_proj": layer.o_proj.float(),
+                "layer_idx": layer.layer_idx,
+                "num_layers": layer.num_layers,
+            }
+            for layer in layers
+        ]
+    }
+    if jobs is not None:
+        case["jobs"] = jobs
+    return case
+
+
+def run_kvpress(cases: dict[str, dict], work: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """{case name: {job key: kept bool [layers, kv_heads, n]}}; one subprocess for all cases."""
+    require_reference_env()
+    paths = []
+    for name, case in cases.items():
+        path = work / f"{name}.pt"
+        torch.save(case, path)
+        paths.append(path)
+    done = subprocess.run(
+        [str(REF_PYTHON), str(SCRIPT), "--out-dir", str(work), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"kvpress reference script failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return {name: torch.load(work / f"{name}.kvpress.pt", weights_only=True) for name in cases}
+
+
+def kvpress_budget(num_tokens: int, compression_ratio: float) -> int:
+    """kvpress's ``compute_n_kept``: per-head kept tokens for a compression ratio."""
+    return max(1, int(num_tokens * (1 - compression_ratio)))
+
+
+def our_kept(method: str, layers: list[LayerKV], compression_ratio: float, **params) -> torch.Tensor:
+    """Our kept mask [layers, kv_heads, n] for ``method`` at kvpress's per-head budget."""
+    policy = build_policy(method, **params)
+    n = layers[0].num_tokens
+    kept = kept_per_layer(policy, layers, kvpress_budget(n, compression_ratio))
+    return torch.stack([~evicted_mask(layer_kept, n) for layer_kept in kept])
+
+
+def method_params(method: str, extra: dict | None = None) -> dict:
+    """Our parameters matching kvpress's defaults for ``method`` (+ ``extra``)."""
+    params = {} if method == "streamingllm" else dict(KVPRESS_ALIKE)
+    params.update(extra or {})
+    return params

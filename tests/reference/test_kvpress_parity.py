@@ -1,0 +1,195 @@
+"""Our kept token sets equal kvpress 0.5.5's for the six methods both implement, on identical tensors.
+
+Configuration: our policies are set to kvpress's defaults (window 64, average pooling, kernel 5; sinks 4,
+Ada alpha 0.2, CriticalKV first-stage ratio 0.5 and epsilon 1e-4 are already the same). Budgets are
+kvpress's ``int(n * (1 - compression_ratio))`` per head, with ratios that make ``n * (1 - ratio)`` an
+integer (PyramidKVPress feeds the float into its layer formula). kvpress runs in ``.venv-ref`` on the same
+float32 tensors (``scripts/kvpress_reference/kept_indices.py``).
+
+One known difference, outside these cases: when a CriticalKV first stage (``first_stage_ratio * B``) is
+smaller than the window, kvpress picks part of the window by an arbitrary top-k among its equal scores
+and lets the rest compete in stage 2, so it can drop window tokens; we always keep the whole window.
+The budgets here keep stage 1 at least as large as the window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kvpress_runner import (
+    SHARED_METHODS,
+    case_dict,
+    method_params,
+    our_kept,
+    run_kvpress,
+)
+
+from vllm_kvevict.hf_reference import capture_layers, load_reference_model
+from vllm_kvevict.policies.base import LayerKV
+
+pytestmark = [pytest.mark.reference, pytest.mark.model]
+
+#: (case, compression ratios). n is a multiple of 8 so n * (1 - ratio) is exact.
+RANDOM_N = 2560  # large enough that PyramidKV's default beta = 20 gives a real pyramid at ratio 0.5
+REAL_N = 512
+RATIOS = (0.5, 0.75)
+#: PyramidKV at beta 2 makes a pyramid (not the uniform fallback) on the 512-token real prompt.
+PYRAMID_STEEP = {"beta": 2}
+
+
+def jobs_for(ratios: tuple[float, ...]) -> list[dict]:
+    jobs = [
+        {"key": f"{method}@{ratio}", "press": method, "compression_ratio": ratio, "params": {}}
+        for method in SHARED_METHODS
+        for ratio in ratios
+    ]
+    jobs += [
+        {
+            "key": f"pyramidkv-beta2@{ratio}",
+            "press": "pyramidkv",
+            "compression_ratio": ratio,
+            "params": PYRAMID_STEEP,
+        }
+        for ratio in ratios
+    ]
+    return jobs
+
+
+def random_layers(n: int, seed: int = 0) -> list[LayerKV]:
+    """Three layers of a 30-layer model (first, middle, last: PyramidKV budgets differ) with Llama-like
+    shapes: 3 KV heads, 9 query heads, head_dim 64, hidden 576."""
+    generator = torch.Generator().manual_seed(seed)
+    layers = []
+    for layer_idx in (0, 14, 29):
+        layers.append(
+            LayerKV(
+                keys=torch.randn(3, n, 64, generator=generator),
+                values=torch.randn(3, n, 64, generator=generator),
+                queries=torch.randn(9, 64, 64, generator=generator) * 0.5,
+                layer_idx=layer_idx,
+                num_layers=30,
+                o_proj=torch.randn(576, 576, generator=generator) * 0.05,
+            )
+        )
+    return layers
+
+
+def hand_layers() -> list[LayerKV]:
+    """Two KV heads with one query head each, 8 tokens, d 4, window 2 (tokens 6, 7, zero keys).
+
+    Both window queries are e0, so a token's score orders like its key's first coordinate: head 0 has
+    10 on token 1, head 1 has 10 on tokens 1, 2, 3; the other tokens get small distinct values
+    (0.05, 0.25, 0.35, 0.45, 0.55 on tokens 0, 2, 3, 4, 5 where not strong), so no ties decide anything.
+    The second coordinate (unseen by the queries) only makes every key row distinct.
+    """
+    small = {0: 0.05, 2: 0.25, 3: 0.35, 4: 0.45, 5: 0.55}
+    keys = torch.zeros(2, 8, 4)
+    for token, value in small.items():
+        keys[:, token, 0] = value
+    keys[0, 1, 0] = 10.0
+    keys[1, 1:4, 0] = 10.0
+    keys[:, :, 1] = torch.arange(8) / 10
+    queries = torch.zeros(2, 2, 4)
+    queries[:, :, 0] = 1.0
+    values = torch.arange(2 * 8 * 4, dtype=torch.float32).reshape(2, 8, 4) / 64
+    return [LayerKV(keys=keys, values=values, queries=queries, o_proj=torch.eye(8))]
+
+
+#: Kept sets worked out by hand for ``hand_layers`` at compression ratio 0.5 (4 of 8 per head on average).
+HAND_EXPECTED = {
+    # Window {6, 7} + the two best: token 1 (logit 5), then token 5 (0.275). Head 1 would pick 2 of the
+    # equal tokens 1-3, a tie top-k may break either way, so SnapKV is checked on head 0.
+    "snapkv": {0: [1, 5, 6, 7]},
+    # Sinks {0, 1} + the last two tokens, per head.
+    "streamingllm": {0: [0, 1, 6, 7], 1: [0, 1, 6, 7]},
+    # 8 slots for the layer: the windows take 4 (the 1-token safeguard per head is a window token); of
+    # the other 4, head 0's token 1 (attention ~0.96) and head 1's tokens 1-3 (~0.33 each) beat all else.
+    "ada-snapkv": {0: [1, 6, 7], 1: [1, 2, 3, 6, 7]},
+}
+HAND_PARAMS = {
+    "snapkv": {"window": 2, "kernel": 1},
+    "ada-snapkv": {"window": 2, "kernel": 1},
+    "streamingllm": {"sinks": 2},
+}
+HAND_KVPRESS = {
+    "snapkv": {"window_size": 2, "kernel_size": 1},
+    "ada-snapkv": {"window_size": 2, "kernel_size": 1},
+    "streamingllm": {"n_sink": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def real_layers(model_dir: Path) -> list[LayerKV]:
+    """Every layer of the bundled model on a real 512-token chat prompt, captured post-RoPE."""
+    model, tokenizer = load_reference_model(model_dir)
+    paragraph = (
+        "The committee met on a rainy Tuesday to review the harbour accounts. The treasurer reported that "
+        "the new crane cost 4,812 crowns, twice the estimate, and that the ferry tolls had fallen. "
+    )
+    messages = [{"role": "user", "content": paragraph * 40 + "How much did the new crane cost?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    ids = torch.tensor(ids[-REAL_N:])
+    assert ids.shape[0] == REAL_N
+    return capture_layers(model, ids, query_window=64)
+
+
+@pytest.fixture(scope="module")
+def kvpress_kept(real_layers: list[LayerKV], tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    """kvpress's kept masks for the random, real and hand cases, from one ``.venv-ref`` subprocess."""
+    hand_jobs = [
+        {"key": method, "press": method, "compression_ratio": 0.5, "params": HAND_KVPRESS[method]}
+        for method in HAND_EXPECTED
+    ]
+    cases = {
+        "random": case_dict(random_layers(RANDOM_N), jobs_for(RATIOS)),
+        "real": case_dict(real_layers, jobs_for(RATIOS)),
+        "hand": case_dict(hand_layers(), hand_jobs),
+    }
+    return run_kvpress(cases, tmp_path_factory.mktemp("kvpress"))
+
+
+def assert_same_kept(ours: torch.Tensor, theirs: torch.Tensor, label: str) -> None:
+    assert ours.shape == theirs.shape, label
+    differ = (ours != theirs).nonzero().tolist()
+    assert not differ, (
+        f"{label}: kept sets differ at (layer, head, token) {differ[:10]} ({len(differ)} in all)"
+    )
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("method", SHARED_METHODS)
+def test_random_tensors_keep_the_same_tokens_as_kvpress(kvpress_kept, method: str, ratio: float) -> None:
+    ours = our_kept(method, random_layers(RANDOM_N), ratio, **method_params(method))
+    assert_same_kept(ours, kvpress_kept["random"][f"{method}@{ratio}"], f"random {method}@{ratio}")
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("method", SHARED_METHODS)
+def test_real_model_tensors_keep_the_same_tokens_as_kvpress(
+    kvpress_kept, real_layers: list[LayerKV], method: str, ratio: float
+) -> None:
+    ours = our_kept(method, real_layers, ratio, **method_params(method))
+    assert_same_kept(ours, kvpress_kept["real"][f"{method}@{ratio}"], f"real {method}@{ratio}")
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_steep_pyramid_layer_budgets_match_kvpress(
+    kvpress_kept, real_layers: list[LayerKV], ratio: float
+) -> None:
+    ours = our_kept("pyramidkv", real_layers, ratio, **method_params("pyramidkv", PYRAMID_STEEP))
+    theirs = kvpress_kept["real"][f"pyramidkv-beta2@{ratio}"]
+    per_layer = theirs[:, 0].sum(dim=-1)
+    assert per_layer[0] > per_layer[-1], "beta=2 must give a real pyramid, not the uniform fallback"
+    assert_same_kept(ours, theirs, f"real pyramidkv beta=2 @{ratio}")
+
+
+@pytest.mark.parametrize("method", sorted(HAND_EXPECTED))
+def test_hand_checked_case_matches_kvpress_and_the_worked_answer(kvpress_kept, method: str) -> None:
+    ours = our_kept(method, hand_layers(), 0.5, **HAND_PARAMS[method])[0]
+    theirs = kvpress_kept["hand"][method][0]
+    for head, expected in HAND_EXPECTED[method].items():
+        assert ours[head].nonzero().flatten().tolist() == expected, f"ours, head {head}"
+        assert theirs[head].nonzero().flatten().tolist() == expected, f"kvpress, head {head}"
