@@ -7,6 +7,7 @@ One server for the module (vanilla vLLM until the eviction adapter adds ``--kv-e
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import urllib.request
 from pathlib import Path
@@ -73,9 +74,12 @@ def test_launcher_rejects_non_model_dir_and_bad_kv_space(tmp_path, model_dir):
 
 @pytest.mark.e2e
 def test_server_that_dies_at_startup_fails_with_its_log_tail(model_dir):
-    launcher = VLLMServer(model_dir, extra_args=["--max-model-len", "not-a-number"], startup_timeout_s=300)
-    with pytest.raises(ServerStartError, match="(?s)exited with code.*not-a-number"):
-        launcher.start()
+    with socket.socket() as holder:  # an explicit port that is taken: vLLM exits, no retry on another port
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        launcher = VLLMServer(model_dir, port=holder.getsockname()[1], startup_timeout_s=300)
+        with pytest.raises(ServerStartError, match="(?s)exited with code 1 .*Address already in use"):
+            launcher.start()
     assert not launcher.is_running()
 
 

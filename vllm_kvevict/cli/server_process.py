@@ -24,6 +24,9 @@ from types import TracebackType
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 HOST = "127.0.0.1"
+# Between free_port() and vLLM binding it (tens of seconds of imports) another process may take the port.
+PORT_ATTEMPTS = 3
+ADDRESS_IN_USE = "Address already in use"
 
 
 class ServerStartError(RuntimeError):
@@ -99,6 +102,7 @@ class VLLMServer:
         self.served_model_name = served_model_name
         self.startup_timeout_s = startup_timeout_s
         self.port = port if port is not None else free_port()
+        self._port_chosen_here = port is None
         self.env = {
             "VLLM_USE_V2_MODEL_RUNNER": "0",
             "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_space_gib:g}",
@@ -106,6 +110,7 @@ class VLLMServer:
         }
         # Chosen at start() when not given, so that an unstarted launcher leaves no file behind.
         self.log_path: Path | None = Path(log_path) if log_path is not None else None
+        self._log_path_chosen_here = False
         self._process: subprocess.Popen[bytes] | None = None
 
     # -- addresses ---------------------------------------------------------------------------------------
@@ -132,13 +137,35 @@ class VLLMServer:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> VLLMServer:
-        """Launch the server and block until ``/health`` is 200; raise :class:`ServerStartError` otherwise."""
+        """Launch the server and block until ``/health`` is 200; raise :class:`ServerStartError` otherwise.
+
+        If the port was chosen here and another process took it before vLLM bound it, retry on a new port.
+        """
         if self._process is not None:
             raise RuntimeError(f"server on port {self.port} was already started")
-        if self.log_path is None:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._launch()
+            try:
+                self._wait_healthy()
+                return self
+            except ServerStartError:
+                self.stop()
+                port_taken = ADDRESS_IN_USE in self.log_tail()
+                if not (self._port_chosen_here and port_taken and attempt < PORT_ATTEMPTS):
+                    raise
+                self.port = free_port()
+                self._process = None
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _launch(self) -> None:
+        if self.log_path is None or self._log_path_chosen_here:
             fd, name = tempfile.mkstemp(prefix=f"vllm-serve-{self.port}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
+            self._log_path_chosen_here = True
         with self.log_path.open("wb") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
@@ -147,12 +174,6 @@ class VLLMServer:
                 env={**os.environ, **self.env}, start_new_session=True,
             )
         atexit.register(self.stop)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
