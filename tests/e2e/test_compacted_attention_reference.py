@@ -1,0 +1,178 @@
+"""The compacted attention inside vLLM equals attention that keeps the same per-head entries in HF.
+
+One request goes through a real ``vllm serve --kv-eviction ada-snapkv`` (ragged per-head budgets) with
+``KVEVICT_DEBUG_DUMP_DIR`` set, so the worker saves the kept token indices of every layer and KV head. HF
+transformers (float32, ``vllm_kvevict.hf_reference``) then runs the same prompt with full attention, hides
+every evicted (layer, head, token) entry, and is fed vLLM's 512 generated tokens (teacher forcing). Each
+step's log-probability of vLLM's token must match within bf16 tolerance: the first steps check the compacted
+read, all 512 steps check that no head's cache is corrupted when heads cross sub-block boundaries at
+different steps.
+A full-cache HF run is the control: it must be clearly farther from vLLM than the masked run.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+BUDGET = 64
+BLOCK_SIZE = 128
+PROMPT_TOKENS = 1100
+NEW_TOKENS = 512
+FIRST_STEPS = 16
+SERVER_ARGS = (
+    "--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET),
+    "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
+    "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What vLLM produced and what HF computes along vLLM's tokens.
+
+    prompt_ids [P]; tokens [T] vLLM's greedy tokens; vllm_logprobs [T] their log-probabilities in vLLM;
+    kept: per layer (indices [H, max], counts [H]); masked / full: [T, vocab] HF log-probabilities with the
+    evicted entries hidden / with the full cache.
+    """
+
+    prompt_ids: list[int]
+    tokens: torch.Tensor
+    vllm_logprobs: torch.Tensor
+    kept: list[tuple[torch.Tensor, torch.Tensor]]
+    masked: torch.Tensor
+    full: torch.Tensor
+
+    def gap(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """[T] |log p_vllm(token) - log p_ref(token)| per step."""
+        return (self.vllm_logprobs - logprobs[torch.arange(len(self.tokens)), self.tokens]).abs()
+
+
+def travel_prompt(tokenizer, num_tokens: int) -> list[int]:
+    rng = random.Random(11)
+    names = ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi"]
+    cities = ["Paris", "Lima", "Oslo", "Cairo", "Quito", "Seoul", "Perth", "Rome"]
+    lines = ["Travel log of the club."]
+    tail = "\nNow write a long story about all these journeys, day by day.\n"
+    while len(tokenizer("\n".join(lines) + tail)["input_ids"]) < num_tokens:
+        lines.append(
+            f"On day {len(lines)}, {rng.choice(names)} went from {rng.choice(cities)} to "
+            f"{rng.choice(cities)} and paid {rng.randint(10, 99)} coins."
+        )
+    return tokenizer("\n".join(lines) + tail)["input_ids"]
+
+
+def generate_in_vllm(server: VLLMServer, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
+    result = client.completions.create(
+        model=server.served_model_name, prompt=prompt_ids, max_tokens=NEW_TOKENS, temperature=0, logprobs=1,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    logprobs = result.choices[0].logprobs
+    tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+    return torch.tensor(tokens), torch.tensor(logprobs.token_logprobs, dtype=torch.float32)
+
+
+def kept_argument(evicting, kept: list) -> list:
+    """``evicting`` takes one kept set per layer, or (batched form) a list of those per batch row."""
+    import inspect
+
+    batched = "kept_rows" in inspect.signature(evicting).parameters
+    return [kept] if batched else kept
+
+
+@torch.inference_mode()
+def teacher_forced(model, prompt_ids: list[int], tokens: torch.Tensor, kept) -> torch.Tensor:
+    """[T, vocab] float32 HF log-probabilities of each step along ``tokens`` with per-layer ``kept`` sets."""
+    from transformers import DynamicCache
+
+    from vllm_kvevict.hf_reference.capture import prefill
+    from vllm_kvevict.hf_reference.generation import evicting
+
+    prompt = prefill(model, torch.tensor(prompt_ids), capture=False)
+    cache = DynamicCache(config=model.config)
+    for layer, (keys, values) in enumerate(zip(prompt.keys, prompt.values, strict=True)):
+        cache.update(keys.clone(), values.clone(), layer)
+    with evicting(model, kept_argument(evicting, kept), len(prompt_ids)):
+        out = model(input_ids=tokens[None, :-1], past_key_values=cache, use_cache=True)
+    # Step 0 comes from the prefill logits, before any eviction (as in vLLM).
+    logits = torch.cat([prompt.last_logits[None], out.logits[0].float()])
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.fixture(scope="module")
+def run(model_dir, tmp_path_factory) -> Run:
+    from vllm_kvevict.hf_reference.model import load_reference_model
+    from vllm_kvevict.policies.base import KeptTokens
+
+    dump_dir: Path = tmp_path_factory.mktemp("kept")
+    model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
+    prompt_ids = travel_prompt(tokenizer, PROMPT_TOKENS)
+    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
+        tokens, vllm_logprobs = generate_in_vllm(server, prompt_ids)
+    dumps = sorted(dump_dir.glob("*.pt"))
+    assert len(dumps) == 1, f"expected the kept sets of exactly one request, found {dumps}"
+    record = torch.load(dumps[0])
+    assert record["prompt_len"] == len(prompt_ids)
+    kept = [KeptTokens(i, c) for i, c in zip(record["indices"], record["counts"], strict=True)]
+    everything = [KeptTokens.everything(k.counts.shape[0], len(prompt_ids)) for k in kept]
+    return Run(
+        prompt_ids=prompt_ids,
+        tokens=tokens,
+        vllm_logprobs=vllm_logprobs,
+        kept=[(k.indices, k.counts) for k in kept],
+        masked=teacher_forced(model, prompt_ids, tokens, kept),
+        full=teacher_forced(model, prompt_ids, tokens, everything),
+    )
+
+
+def test_kept_sets_are_ragged_per_head_and_cross_sub_blocks_at_different_steps(run: Run):
+    assert len(run.tokens) == NEW_TOKENS
+    for _indices, counts in run.kept:
+        assert int(counts.max()) < len(run.prompt_ids), "a layer kept its whole prompt: nothing was evicted"
+        assert counts.sum() % counts.numel() == 0  # layer total = H x layer budget
+    # Ada-KV: heads keep different counts, so their sub-blocks fill up at different decode steps.
+    assert any(len({int(c) % BLOCK_SIZE for c in counts}) > 1 for _, counts in run.kept)
+
+
+def test_first_decode_steps_match_hf_keeping_the_same_entries(run: Run):
+    gap = run.gap(run.masked)[:FIRST_STEPS]
+    assert float(gap.max()) < 0.15, f"per-step |delta logprob| {gap.tolist()}"
+    # vLLM's greedy token is HF's best, or within a near-tie of it (bf16 vs float32).
+    assert float(near_tie_margin(run)[:FIRST_STEPS].max()) < 0.1
+
+
+def test_512_tokens_after_compaction_match_hf_keeping_the_same_entries(run: Run):
+    gap = run.gap(run.masked)
+    assert float(gap.mean()) < 0.03 and float(gap.quantile(0.99)) < 0.25 and float(gap.max()) < 0.6, (
+        f"mean {gap.mean():.4f} p99 {gap.quantile(0.99):.4f} max {gap.max():.4f} at step {int(gap.argmax())}"
+    )
+    assert float(near_tie_margin(run).max()) < 0.25
+
+
+def near_tie_margin(run: Run) -> torch.Tensor:
+    """[T] how far vLLM's token is below HF's best log-probability at each step (0 where they agree)."""
+    chosen = run.masked[torch.arange(len(run.tokens)), run.tokens]
+    return run.masked.max(dim=-1).values - chosen
+
+
+def test_vllm_follows_the_masked_reference_where_eviction_changes_the_output(run: Run):
+    """The control: where hiding the evicted entries moves HF's log-probability of vLLM's token by more than
+    0.1, vLLM sides with the masked run, not the full-cache one (so the checks above can fail)."""
+    index = torch.arange(len(run.tokens))
+    moved = (run.masked[index, run.tokens] - run.full[index, run.tokens]).abs() > 0.1
+    assert int(moved.sum()) >= 10, "eviction barely changed this request: the comparison would prove nothing"
+    masked, full = run.gap(run.masked), run.gap(run.full)
+    assert float((masked[moved] < full[moved]).float().mean()) >= 0.9
+    assert float(masked.mean()) < 0.5 * float(full.mean())

@@ -1,0 +1,178 @@
+"""Per-head eviction inside a real ``vllm serve``, through HTTP and the ``openai`` client (issue 5, item 5).
+
+Two servers for the module, started once with the same settings except eviction: vanilla vLLM, and
+``--kv-eviction ada-snapkv --kv-budget 512`` (ragged per-head budgets, the headline method).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from vllm_kvevict.cli.server_process import VLLMServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+BUDGET = 512
+MAX_MODEL_LEN = 8192
+# Both servers: whole prompts in one step (what eviction needs), so vanilla runs the very same schedule.
+COMMON_ARGS = (
+    "--max-model-len", str(MAX_MODEL_LEN),
+    "--max-num-batched-tokens", str(MAX_MODEL_LEN),
+    "--no-enable-prefix-caching",
+    "--no-enable-chunked-prefill",
+    "--max-num-seqs", "16",
+)
+EVICTION_ARGS = ("--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET))
+USAGE = "vllm:kv_cache_usage_perc"
+
+
+@pytest.fixture(scope="module")
+def vanilla(model_dir):
+    with VLLMServer(model_dir, extra_args=COMMON_ARGS, kv_cache_space_gib=1) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def evicting(model_dir):
+    with VLLMServer(model_dir, extra_args=COMMON_ARGS + EVICTION_ARGS, kv_cache_space_gib=1) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def client_of(server: VLLMServer):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
+
+
+def travel_log(num_tokens: int, tokenizer, seed: int) -> str:
+    """A deterministic prose-like prompt of about ``num_tokens`` tokens ending in a question."""
+    rng = random.Random(seed)
+    names = ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi", "Ivan", "Judy"]
+    cities = ["Paris", "Lima", "Oslo", "Cairo", "Quito", "Seoul", "Perth", "Rome", "Tunis", "Riga"]
+    question = "\nQuestion: who travelled to Riga, and what did they pay? Answer:"
+    lines = ["Travel log of the club."]
+    while len(tokenizer("\n".join(lines) + question)["input_ids"]) < num_tokens:
+        day = len(lines)
+        lines.append(
+            f"On day {day}, {rng.choice(names)} went from {rng.choice(cities)} to {rng.choice(cities)} "
+            f"by {rng.choice(['train', 'bus', 'boat', 'plane'])} and paid {rng.randint(10, 99)} coins."
+        )
+    return "\n".join(lines) + question
+
+
+def greedy(server: VLLMServer, prompt: str, max_tokens: int) -> str:
+    result = client_of(server).completions.create(
+        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0
+    )
+    return result.choices[0].text
+
+
+def wait_for_usage(server: VLLMServer, expected: float, timeout_s: float = 60.0) -> float:
+    """Poll the usage gauge until it equals ``expected``; returns the last value seen."""
+    deadline = time.monotonic() + timeout_s
+    value = server.metric_value(USAGE)
+    while value != expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = server.metric_value(USAGE)
+    return value
+
+
+def usage_while_decoding(server: VLLMServer, prompt: str, chunks_before_reading: int = 6) -> float:
+    """``vllm:kv_cache_usage_perc`` read while the only request decodes (after its first chunks)."""
+    stream = client_of(server).completions.create(
+        model=server.served_model_name, prompt=prompt, max_tokens=64, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    usage = None
+    for index, _chunk in enumerate(stream):
+        if index == chunks_before_reading:
+            usage = server.metric_value(USAGE)
+    assert usage is not None, "the stream ended before the usage could be read"
+    return usage
+
+
+VARIED_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "def fibonacci(n):",
+    "Translate to French: Good morning, my friend.",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Q: What is 12 times 12?\nA:",
+    "import numpy as np\n# compute the mean of an array\n",
+    "The largest planet in the solar system is",
+    "Dear team, I am writing to",
+    "A recipe for pancakes: first,",
+    "SELECT name FROM users WHERE",
+    "The theory of relativity states that",
+    "Roses are red, violets are blue,",
+]
+
+
+def varied_prompts(tokenizer) -> list[str]:
+    """20 prompts from 5 to ~450 tokens, all within the 512-token budget."""
+    long_ones = [travel_log(n, tokenizer, seed=n) for n in (120, 250, 330, 400, 450)]
+    prompts = VARIED_PROMPTS + long_ones
+    assert len(prompts) == 20
+    assert max(len(tokenizer(p)["input_ids"]) for p in prompts) <= BUDGET
+    return prompts
+
+
+def test_budget_at_least_prompt_gives_the_same_greedy_outputs_as_vanilla(vanilla, evicting, tokenizer):
+    prompts = varied_prompts(tokenizer)
+    expected = [greedy(vanilla, p, 24) for p in prompts]
+    got = [greedy(evicting, p, 24) for p in prompts]
+    assert sum(bool(text.strip()) for text in expected) >= 15, "vanilla produced mostly empty answers"
+    mismatches = [(p[:40], e, g) for p, e, g in zip(prompts, expected, got, strict=True) if e != g]
+    assert not mismatches
+
+
+def test_kv_cache_usage_while_decoding_a_4k_prompt_is_at_most_0_4_of_vanilla(vanilla, evicting, tokenizer):
+    prompt = travel_log(4000, tokenizer, seed=4)
+    assert wait_for_usage(vanilla, 0.0) == 0.0 and wait_for_usage(evicting, 0.0) == 0.0
+    full = usage_while_decoding(vanilla, prompt)
+    evicted = usage_while_decoding(evicting, prompt)
+    assert full > 0 and evicted > 0
+    # ada-snapkv at 512 tokens per head keeps ~6 of the prompt's 32 blocks of 128 tokens.
+    assert evicted <= 0.4 * full, f"usage with eviction {evicted:.4f} vs vanilla {full:.4f}"
+
+
+def test_eight_concurrent_mixed_requests_all_answer_and_free_every_block(evicting, tokenizer):
+    lengths = [3000, 40, 2200, 300, 1500, 12, 3600, 480]  # four compact, four stay below the budget
+    prompts = [travel_log(n, tokenizer, seed=n) if n > 20 else "The capital of Italy is" for n in lengths]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(lambda p: client_of(evicting).completions.create(
+            model=evicting.served_model_name, prompt=p, max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True},
+        ), prompts))
+    assert [a.usage.completion_tokens for a in answers] == [24] * 8
+    assert all(a.choices[0].finish_reason == "length" for a in answers)
+    assert wait_for_usage(evicting, 0.0) == 0.0, "blocks leaked after all requests finished"
+
+
+def test_aborting_a_compacted_request_mid_decode_returns_its_blocks(evicting, tokenizer):
+    prompt = travel_log(2500, tokenizer, seed=7)
+    assert wait_for_usage(evicting, 0.0) == 0.0
+    stream = client_of(evicting).completions.create(
+        model=evicting.served_model_name, prompt=prompt, max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for index, _chunk in enumerate(stream):
+        if index == 5:
+            assert evicting.metric_value(USAGE) > 0
+            break
+    stream.close()  # the server sees the client go away and aborts the request
+    assert wait_for_usage(evicting, 0.0) == 0.0, "the aborted request's blocks were not returned"
+    assert greedy(evicting, "The capital of France is", 8).strip(), "server unusable after the abort"
