@@ -55,8 +55,7 @@ KVPRESS_PRESSES = (
 )
 KVPRESS_WINDOW = 64
 MODES = ("question-aware", "question-agnostic")
-MAX_NEW_TOKENS = 12
-CACHE_BYTES_PER_BATCH = 2.5e9
+MAX_NEW_TOKENS = 10
 
 
 def answer_decided(expected: str, tokenizer):
@@ -138,11 +137,19 @@ def kvpress_rows(result_path: Path, fractions: list[float]) -> list[dict]:
     return rows
 
 
-def decode_rows(model, tokenizer, prompt: PrefilledPrompt, rows: list[dict], context_len: int, answer: str):
+def decode_rows(
+    model,
+    tokenizer,
+    prompt: PrefilledPrompt,
+    rows: list[dict],
+    context_len: int,
+    answer: str,
+    batch_bytes: float,
+):
     """Fill ``answer_text``/``correct`` of every row that has a kept set, in memory-bounded batches."""
     runnable = [row for row in rows if "kept" in row]
     per_row = sum(k.numel() * k.element_size() * 2 for k in prompt.keys) * context_len / prompt.num_tokens
-    batch = max(1, int(CACHE_BYTES_PER_BATCH // per_row))
+    batch = max(1, int(batch_bytes // per_row))
     finished = answer_decided(answer, tokenizer)
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     for start in range(0, len(runnable), batch):
@@ -188,7 +195,7 @@ def run_prompt(model, tokenizer, sample: NeedlePrompt, args, work: Path) -> list
                 raise RuntimeError(f"kvpress reference script failed with exit code {kvpress.returncode}")
             result = work / f"{sample.length}-{sample.sample}-{mode}.kvpress.pt"
             rows += kvpress_rows(result, args.fractions)
-        decode_rows(model, tokenizer, prompt, rows, context_len, sample.answer)
+        decode_rows(model, tokenizer, prompt, rows, context_len, sample.answer, args.batch_bytes)
         for row in rows:
             kept = row.pop("kept", None)
             record = {
@@ -232,6 +239,7 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/kvevict-policy-quality"))
     parser.add_argument("--ref-python", type=Path, default=ROOT / ".venv-ref" / "bin" / "python")
     parser.add_argument("--no-kvpress", action="store_true")
+    parser.add_argument("--batch-bytes", type=float, default=1e9, help="KV cache bytes per decode batch")
     args = parser.parse_args()
     args.fractions = [float(x) for x in args.fractions.split(",")]
     args.methods = args.methods.split(",")
