@@ -57,7 +57,10 @@ def test_short_fractional_budget_never_drops_below_the_window():
     assert min(plan.layer_budgets) >= 32
 
 
-@pytest.mark.parametrize("method", ["snapkv", "ada-snapkv", "pyramidkv", "critical-ada-snapkv", "streamingllm"])
+METHODS = ["snapkv", "ada-snapkv", "pyramidkv", "critical-ada-snapkv", "streamingllm"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_invariant_enough_sub_blocks_for_every_head_at_every_step(method):
     """Σ_h ceil((B_h + t) / bs) <= H · blocks_held(t) for ragged per-head budgets, every layer and step."""
     rng = random.Random(hash(method) & 0xFFFF)
