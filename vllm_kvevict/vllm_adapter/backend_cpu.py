@@ -240,12 +240,16 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
     ) -> None:
         """Attention of the whole batch with each (request, KV head) as one sequence.
 
-        query [T, Hq, D] -> gathered [T*H, g, D] in sequence order; the result is scattered back into
-        output [T, Hq, D]."""
+        query [T, Hq, D] -> [T*H, g, D] in sequence order (a plain reshape for decode-only batches, a row
+        gather otherwise); the result lands in output [T, Hq, D] the same way."""
         tokens, heads, group = step.num_tokens, self.num_kv_heads, self.num_queries_per_kv
-        token_idx, head_idx = step.gather_index()
-        grouped = query[:tokens].view(tokens, heads, group, self.head_size)[token_idx, head_idx]
-        result = torch.empty_like(grouped)
+        rows = step.sequence_rows()
+        grouped = query[:tokens].reshape(tokens * heads, group, self.head_size)
+        if rows is not None:
+            grouped = grouped.index_select(0, rows)
+        target = output[:tokens]
+        direct = rows is None and target.is_contiguous() and target.dtype == grouped.dtype
+        result = target.view(tokens * heads, group, -1) if direct else torch.empty_like(grouped)
         if batch.kernel_metadata is None:
             batch.kernel_metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=batch.seq_lens.shape[0],
@@ -281,7 +285,14 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
             v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype,
         )
-        output[:tokens].view(tokens, heads, group, -1)[token_idx, head_idx] = result.to(output.dtype)
+        if not direct:
+            flat = target.reshape(tokens * heads, group, -1)
+            if rows is None:
+                flat.copy_(result)
+            else:
+                flat.index_copy_(0, rows, result.to(output.dtype))
+            if flat.data_ptr() != target.data_ptr():
+                target.copy_(flat.view_as(target))
 
     def _compact(
         self,

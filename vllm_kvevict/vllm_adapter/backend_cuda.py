@@ -200,8 +200,11 @@ def backend_classes() -> dict[str, type]:
                 )
             block_table, seq_lens, query_start_loc, max_seqlen_k, max_seqlen_q = batch.kernel_metadata
             tokens, heads, group = step.num_tokens, self.num_kv_heads, self.num_queries_per_kv
-            token_idx, head_idx = (t.to(device) for t in step.gather_index())
-            grouped = query[:tokens].view(tokens, heads, group, self.head_size)[token_idx, head_idx]
+            rows = step.sequence_rows()
+            rows = None if rows is None else rows.to(device)
+            grouped = query[:tokens].reshape(tokens * heads, group, self.head_size)
+            if rows is not None:
+                grouped = grouped.index_select(0, rows)
             result = torch.empty_like(grouped)
             key_cache, value_cache = one_head_caches(kv_cache)
             flash_attn_varlen_func(
@@ -219,7 +222,11 @@ def backend_classes() -> dict[str, type]:
                 softcap=self.logits_soft_cap,
                 fa_version=self.vllm_flash_attn_version,
             )
-            output[:tokens].view(tokens, heads, group, -1)[token_idx, head_idx] = result.to(output.dtype)
+            flat = output[:tokens].view(tokens * heads, group, -1)
+            if rows is None:
+                flat.copy_(result)
+            else:
+                flat.index_copy_(0, rows, result.to(output.dtype))
 
     return {
         "EvictingFlashAttentionBackend": EvictingFlashAttentionBackend,

@@ -109,7 +109,7 @@ class EvictionStep:
         self._block_table = block_table
         self._slot_mapping = slot_mapping
         self._batches: dict[tuple[int, ...], HeadSequenceBatch] = {}
-        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows: torch.Tensor | None = None
         self._kept_for_dump: dict[str, list[KeptTokens]] = {}
         self._kept_counts: dict[str, list[list[int]]] = {}  # req -> [layer][kv head] kept, for metrics
         self.eviction_seconds = 0.0  # scoring, selection and compaction planning in this step
@@ -120,18 +120,20 @@ class EvictionStep:
         return bool(self.compacted)
 
     # ----- head as sequence -----------------------------------------------------------------------------
-    def gather_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token [T*H], head [T*H]) int64: row i of the head-as-sequence query is query[token[i], head[i]]
-        (sequence order r*H + h, then the request's tokens)."""
-        if self._gather is None:
+    def sequence_rows(self) -> torch.Tensor | None:
+        """[T*H] int64 ``token * H + head`` of each row of the head-as-sequence query (sequence r*H + h, then
+        the request's tokens), indexing ``query.reshape(T*H, g, D)``; None when every request has one token
+        this step (pure decode): the order is then the identity and no gather is needed."""
+        if all(req.q_len == 1 for req in self.requests):
+            return None
+        if self._rows is None:
             heads = self.worker.num_kv_heads
-            tokens, head_ids = [], []
+            rows = []
             for req in self.requests:
-                rows = torch.arange(req.q_start, req.q_start + req.q_len, dtype=torch.int64)
-                tokens.append(rows.repeat(heads))
-                head_ids.append(torch.arange(heads, dtype=torch.int64).repeat_interleave(req.q_len))
-            self._gather = (torch.cat(tokens), torch.cat(head_ids))
-        return self._gather
+                tokens = torch.arange(req.q_start, req.q_start + req.q_len, dtype=torch.int64)
+                rows.append((tokens[None, :] * heads + torch.arange(heads)[:, None]).reshape(-1))
+            self._rows = torch.cat(rows)
+        return self._rows
 
     def head_batch(self, layer_idx: int) -> HeadSequenceBatch:
         """The head-as-sequence view of the batch for ``layer_idx`` (shared by layers with equal tables)."""
