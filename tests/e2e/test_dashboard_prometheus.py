@@ -209,6 +209,15 @@ def test_eviction_series_match_the_traffic(scraped_server):
     assert (info["method"], info["budget"]) == ("ada-snapkv", "256")
 
 
+def test_usage_without_eviction_exceeds_usage_with_it_while_requests_run(scraped_server):
+    prometheus, start = scraped_server
+    with_eviction, without_eviction = [
+        grafana_to_promql(target["expr"]) for target in DASHBOARD["panels"][0]["targets"]
+    ]
+    gap = prometheus.query_range(f"({without_eviction}) - ({with_eviction})", start, time.time())
+    assert max(float(value) for series in gap for _, value in series["values"]) > 0
+
+
 def test_variables_resolve_to_the_scraped_server(scraped_server):
     prometheus, _ = scraped_server
     instances = prometheus.api("label/instance/values", **{"match[]": "vllm:num_requests_running"})
