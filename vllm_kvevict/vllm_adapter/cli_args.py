@@ -146,7 +146,29 @@ def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
             "captured graphs and compiled regions must not freeze)"
         )
         engine_args.enforce_eager = True
+    select_cuda_backend(engine_args)
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
         logger.info("kv-eviction: VLLM_USE_V2_MODEL_RUNNER=0 (eviction hooks the V1 model runner)")
         # Set before the EngineCore and workers are spawned, so every child process inherits it.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def select_cuda_backend(engine_args: Any, is_cuda: bool | None = None) -> None:
+    """On CUDA, eviction runs in the evicting FlashAttention backend, registered as ``CUSTOM``.
+
+    On CPU the plugin overrides ``CPU_ATTN`` itself (vLLM ignores --attention-backend there)."""
+    if is_cuda is None:
+        from vllm.platforms import current_platform
+
+        is_cuda = current_platform.is_cuda()
+    if not is_cuda:
+        return
+    chosen = engine_args.attention_backend
+    if chosen is not None and str(getattr(chosen, "name", chosen)).upper() != "CUSTOM":
+        raise SystemExit(
+            f"vllm serve: error: --attention-backend {getattr(chosen, 'name', chosen)} cannot evict; with "
+            "--kv-eviction leave it unset or use CUSTOM (the evicting FlashAttention backend)"
+        )
+    if chosen is None:
+        logger.info("kv-eviction: attention backend CUSTOM (the evicting FlashAttention backend)")
+        engine_args.attention_backend = "CUSTOM"

@@ -98,6 +98,12 @@ def test_guard_rails_turn_off_prefix_caching_and_chunked_prefill(monkeypatch):
     from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    # The real call turns on multi-process Prometheus for this whole pytest process; record it instead.
+    multiprocess_calls = []
+    monkeypatch.setattr(
+        "vllm_kvevict.vllm_adapter.cli_args.ensure_multiprocess_collection",
+        lambda: multiprocess_calls.append(True),
+    )
     engine_args = EngineArgs(model="unused", enable_prefix_caching=True, enable_chunked_prefill=True)
     apply_eviction_to_engine_args(parse(["--kv-eviction", "snapkv", "--kv-budget", "256"]), engine_args)
     assert engine_args.additional_config["kv_eviction"] == {"method": "snapkv", "budget": 256, "params": {}}
@@ -106,6 +112,7 @@ def test_guard_rails_turn_off_prefix_caching_and_chunked_prefill(monkeypatch):
     assert engine_args.enforce_eager is True
 
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert multiprocess_calls == [True]
 
 
 def test_no_eviction_leaves_engine_args_alone():
@@ -127,3 +134,26 @@ def test_bad_setting_exits_with_one_line():
     engine_args = EngineArgs(model="unused", additional_config={"kv_eviction": {"method": "x", "budget": 1}})
     with pytest.raises(SystemExit, match=r"^vllm serve: error: kv_eviction.method='x' is not a known method"):
         apply_eviction_to_engine_args(parse([]), engine_args)
+
+
+def test_cuda_selects_the_evicting_custom_backend():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.vllm_adapter.cli_args import select_cuda_backend
+
+    engine_args = EngineArgs(model="unused")
+    select_cuda_backend(engine_args, is_cuda=True)
+    assert engine_args.attention_backend == "CUSTOM"
+    cpu_args = EngineArgs(model="unused")
+    select_cuda_backend(cpu_args, is_cuda=False)
+    assert cpu_args.attention_backend is None
+
+
+def test_cuda_refuses_a_backend_that_cannot_evict():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.vllm_adapter.cli_args import select_cuda_backend
+
+    engine_args = EngineArgs(model="unused", attention_backend="FLASH_ATTN")
+    with pytest.raises(SystemExit, match="FLASH_ATTN cannot evict"):
+        select_cuda_backend(engine_args, is_cuda=True)
