@@ -1,18 +1,20 @@
 """The compacted attention inside vLLM equals attention that keeps the same per-head entries in HF.
 
-One request goes through a real ``vllm serve --kv-eviction ada-snapkv`` (ragged per-head budgets) with
-``KVEVICT_DEBUG_DUMP_DIR`` set, so the worker saves the kept token indices of every layer and KV head. HF
-transformers (float32, ``vllm_kvevict.hf_reference``) then runs the same prompt with full attention, hides
-every evicted (layer, head, token) entry, and is fed vLLM's 512 generated tokens (teacher forcing). Each
-step's log-probability of vLLM's token must match within bf16 tolerance: the first steps check the compacted
-read, all 512 steps check that no head's cache is corrupted when heads cross sub-block boundaries at
-different steps.
-A full-cache HF run is the control: it must be clearly farther from vLLM than the masked run.
+One request goes through a real ``vllm serve --kv-eviction ada-snapkv`` (ragged per-head budgets), batched
+with neighbours that prefill and compact while it decodes, with ``KVEVICT_DEBUG_DUMP_DIR`` set, so the worker
+saves the kept token indices of every layer and KV head. HF transformers (float32,
+``vllm_kvevict.hf_reference``) then runs the same prompt with full attention, hides every evicted (layer,
+head, token) entry, and is fed vLLM's 512 generated tokens (teacher forcing). Each step's log-probability of
+vLLM's token must match within bf16 tolerance: the first steps check the compacted read, all 512 steps check
+that no head's cache is corrupted when heads cross sub-block boundaries at different steps, in mixed batches.
+A full-cache HF run is the control: vLLM must side with the masked run where the two differ.
 """
 
 from __future__ import annotations
 
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,8 +59,8 @@ class Run:
         return (self.vllm_logprobs - logprobs[torch.arange(len(self.tokens)), self.tokens]).abs()
 
 
-def travel_prompt(tokenizer, num_tokens: int) -> list[int]:
-    rng = random.Random(11)
+def travel_prompt(tokenizer, num_tokens: int, seed: int = 11) -> list[int]:
+    rng = random.Random(seed)
     names = ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi"]
     cities = ["Paris", "Lima", "Oslo", "Cairo", "Quito", "Seoul", "Perth", "Rome"]
     lines = ["Travel log of the club."]
@@ -71,14 +73,28 @@ def travel_prompt(tokenizer, num_tokens: int) -> list[int]:
     return tokenizer("\n".join(lines) + tail)["input_ids"]
 
 
-def generate_in_vllm(server: VLLMServer, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def generate_in_vllm(
+    server: VLLMServer, prompt_ids: list[int], neighbours: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's greedy tokens and their log-probabilities for ``prompt_ids``, while ``neighbours`` (other
+    prompts) run in the same batches: a short one from the start, the others arriving mid-decode, so the
+    checked request also decodes in steps where other requests prefill and compact."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
-    result = client.completions.create(
-        model=server.served_model_name, prompt=prompt_ids, max_tokens=NEW_TOKENS, temperature=0, logprobs=1,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-    )
+
+    def complete(ids: list[int], max_tokens: int, delay_s: float = 0.0):
+        time.sleep(delay_s)
+        return client.completions.create(
+            model=server.served_model_name, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )
+
+    with ThreadPoolExecutor(max_workers=1 + len(neighbours)) as pool:
+        checked = pool.submit(complete, prompt_ids, NEW_TOKENS)
+        others = [pool.submit(complete, ids, 48, 3.0 * i) for i, ids in enumerate(neighbours)]
+        result = checked.result()
+        assert all(o.result().usage.completion_tokens == 48 for o in others)
     logprobs = result.choices[0].logprobs
     tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
     return torch.tensor(tokens), torch.tensor(logprobs.token_logprobs, dtype=torch.float32)
@@ -119,12 +135,14 @@ def run(model_dir, tmp_path_factory) -> Run:
     dump_dir: Path = tmp_path_factory.mktemp("kept")
     model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
     prompt_ids = travel_prompt(tokenizer, PROMPT_TOKENS)
+    # A short request that never compacts, and two that prefill and compact while the checked one decodes.
+    neighbours = [travel_prompt(tokenizer, 60, seed=1), travel_prompt(tokenizer, 700, seed=2),
+                  travel_prompt(tokenizer, 900, seed=3)]
     with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
-        tokens, vllm_logprobs = generate_in_vllm(server, prompt_ids)
-    dumps = sorted(dump_dir.glob("*.pt"))
-    assert len(dumps) == 1, f"expected the kept sets of exactly one request, found {dumps}"
-    record = torch.load(dumps[0])
-    assert record["prompt_len"] == len(prompt_ids)
+        tokens, vllm_logprobs = generate_in_vllm(server, prompt_ids, neighbours)
+    records = [torch.load(path) for path in dump_dir.glob("*.pt")]
+    assert sorted(r["prompt_len"] for r in records) == sorted(len(p) for p in (prompt_ids, *neighbours[1:]))
+    (record,) = [r for r in records if r["prompt_len"] == len(prompt_ids)]
     kept = [KeptTokens(i, c) for i, c in zip(record["indices"], record["counts"], strict=True)]
     everything = [KeptTokens.everything(k.counts.shape[0], len(prompt_ids)) for k in kept]
     return Run(

@@ -75,12 +75,15 @@ class SubBlockTable:
 
     def append(self, num_tokens: int) -> torch.Tensor:
         """Room for ``num_tokens`` new tokens on every head; [num_tokens, H] int64 slots they go to."""
-        slots = torch.empty((num_tokens, self.num_kv_heads), dtype=torch.int64)
+        bs = self.block_size
+        columns = []
         for head in range(self.num_kv_heads):
             start = self.lengths[head]
             self._grow(head, num_tokens)
-            slots[:, head] = self.head_slots(head, start, start + num_tokens)
-        return slots
+            # Plain ints: this runs for every table and head of every decoding request at every step.
+            table = self.subblocks[head]
+            columns.append([table[j // bs] * bs + j % bs for j in range(start, start + num_tokens)])
+        return torch.tensor(columns, dtype=torch.int64).T.reshape(num_tokens, self.num_kv_heads)
 
     def head_slots(self, head: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """[stop - start] int64 slots of tokens start..stop-1 of ``head`` (stop defaults to its length)."""
