@@ -4,10 +4,11 @@ and new tokens go, and what the head-as-sequence view of a mixed batch looks lik
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_kvevict.layout.accounting import cdiv
-from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.policies.registry import available_methods, build_policy
 from vllm_kvevict.vllm_adapter.eviction_step import EvictionWorker, StepInputs
 
 HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 16, 32, 4
@@ -134,3 +135,24 @@ def test_a_dummy_batch_that_does_not_match_the_step_gets_no_eviction_data() -> N
     assert worker.make_step(1, 4, torch.tensor([4]), table, slots) is None
     worker.end_step()
     assert worker.make_step(1, 10, torch.tensor([10]), table, slots) is None
+
+
+@pytest.mark.parametrize("method", [m.name for m in available_methods()])
+def test_every_method_compacts_exactly_its_layer_budgets_through_the_worker(method: str) -> None:
+    """The worker hands each policy the in-hand tensors it asks for (window queries, o_proj) and every
+    registered method's selection lands in sub-blocks with the accounting's exact per-layer totals."""
+    torch.manual_seed(2)
+    worker = EvictionWorker(build_policy(method), 0.25, LAYERS, HEADS, BS)
+    worker.o_proj = {layer: torch.randn(HEADS * GROUP * DIM, HEADS * GROUP * DIM) for layer in range(LAYERS)}
+    prompt = 400
+    step = run_step(worker, ["r"], [prompt], [0], [prompt], [list(range(1, 1 + cdiv(prompt, BS)))])
+    plan = worker.plan_for(prompt)
+    assert plan.compacts
+    for layer in range(LAYERS):
+        write = step.compact_layer(
+            layer, torch.randn(prompt, HEADS * GROUP, DIM), torch.randn(prompt, HEADS, DIM),
+            torch.randn(prompt, HEADS, DIM),
+        )
+        assert write.slots.numel() == HEADS * plan.layer_budgets[layer]
+        assert write.slots.unique().numel() == write.slots.numel()
+    assert worker.requests["r"].fully_compacted
