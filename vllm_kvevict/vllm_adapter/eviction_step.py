@@ -204,12 +204,7 @@ class EvictionStep:
                 o_proj=worker.o_proj.get(layer_idx),
             )
             budget = plan.layer_budgets[layer_idx]
-            kept = worker.policy.select(layer, budget)
-            if kept.total != worker.num_kv_heads * budget or int(kept.counts.max()) > req.prompt_len:
-                raise RuntimeError(
-                    f"policy {worker.policy.name!r} kept {kept.counts.tolist()} tokens per head in layer "
-                    f"{layer_idx}; the accounting needs exactly {worker.num_kv_heads} x {budget}"
-                )
+            kept = worker.select(layer, budget, req)
             subblocks = worker.subblocks_for(req, self._block_table[req.index])
             trailing = req.q_len - req.prompt_len
             counts = kept.counts.tolist()
@@ -336,6 +331,29 @@ class EvictionWorker:
         return self._step
 
     # ----- called by the step ---------------------------------------------------------------------------
+    def select(self, layer: LayerKV, budget: int, req: StepRequest) -> KeptTokens:
+        """The policy's kept tokens, checked against the accounting (exactly H x budget, within the prompt).
+
+        The scheduler frees the request's blocks whatever happens here, so a policy failure must still
+        compact: it is logged and the layer keeps the most recent ``budget`` tokens of every head instead
+        of taking the engine down."""
+        try:
+            kept = self.policy.select(layer, budget)
+            if kept.total == self.num_kv_heads * budget and int(kept.counts.max()) <= req.prompt_len:
+                return kept
+            problem = f"kept {kept.counts.tolist()} tokens per head, the accounting needs {budget} on average"
+        except (ValueError, RuntimeError) as exc:
+            problem = str(exc)
+        logger.error(
+            "policy %r failed on request %s layer %d (%s); keeping its most recent %d tokens per head",
+            self.policy.name, req.req_id, layer.layer_idx, problem, budget,
+        )
+        recent = torch.arange(req.prompt_len - budget, req.prompt_len)
+        return KeptTokens(
+            indices=recent.expand(self.num_kv_heads, budget).contiguous(),
+            counts=torch.full((self.num_kv_heads,), budget, dtype=torch.int64),
+        )
+
     def subblocks_for(self, req: StepRequest, block_row: torch.Tensor) -> RequestSubBlocks:
         """The request's sub-block owner, created at its first compacted layer from blocks [s, n)."""
         subblocks = self.requests.get(req.req_id)

@@ -156,3 +156,31 @@ def test_every_method_compacts_exactly_its_layer_budgets_through_the_worker(meth
         assert write.slots.numel() == HEADS * plan.layer_budgets[layer]
         assert write.slots.unique().numel() == write.slots.numel()
     assert worker.requests["r"].fully_compacted
+
+
+class _BrokenPolicy:
+    """Keeps one token too many in every layer (a policy bug)."""
+
+    name = "broken"
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+    def select(self, layer, budget):
+        return self.inner.select(layer, budget + 1)
+
+
+def test_a_failing_policy_still_compacts_within_the_accounting_instead_of_crashing() -> None:
+    worker = EvictionWorker(build_policy("snapkv", window=8), BUDGET, LAYERS, HEADS, BS)
+    worker.policy = _BrokenPolicy(worker.policy)
+    step = run_step(worker, ["r"], [PROMPT], [0], [PROMPT], [list(range(1, 11))])
+    budget = worker.plan_for(PROMPT).layer_budgets[0]
+    write = step.compact_layer(
+        0, torch.randn(PROMPT, HEADS * GROUP, DIM), torch.randn(PROMPT, HEADS, DIM),
+        torch.randn(PROMPT, HEADS, DIM),
+    )
+    assert write.slots.numel() == HEADS * budget
+    assert write.tokens.tolist() == list(range(PROMPT - budget, PROMPT)) * HEADS  # the most recent tokens
