@@ -89,25 +89,12 @@ class ReplayAttention(nn.Module):
         self.head_dim = head_dim
         self.layer_idx = layer_idx
         self.num_key_value_groups = q_heads // kv_heads
-        self.q_proj = nn.Linear(q_heads * head_dim, q_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(q_heads * head_dim, hidden, bias=False)
+        # skip_init: the weights are overwritten at once, a random init would only cost time.
+        self.q_proj = nn.utils.skip_init(nn.Linear, q_heads * head_dim, q_heads * head_dim, bias=False)
+        self.o_proj = nn.utils.skip_init(nn.Linear, q_heads * head_dim, hidden, bias=False)
         with torch.no_grad():
             self.q_proj.weight.copy_(torch.eye(q_heads * head_dim))
             self.o_proj.weight.copy_(o_proj)
-
-
-def press_inputs(layer: dict) -> tuple[ReplayAttention, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """(module, hidden_states [1, n, q_heads*d], keys [1, kv, n, d], values, kwargs) for one layer."""
-    keys, values, queries = layer["keys"].float(), layer["values"].float(), layer["queries"].float()
-    kv_heads, n, d = keys.shape
-    q_heads, w, _ = queries.shape
-    module = ReplayAttention(
-        q_heads, kv_heads, d, layer["o_proj"].float(), layer["layer_idx"], layer["num_layers"]
-    )
-    hidden = torch.zeros(1, n, q_heads * d)
-    hidden[0, n - w :] = queries.transpose(0, 1).reshape(w, q_heads * d)
-    cos, sin = torch.ones(1, n, d), torch.zeros(1, n, d)
-    return module, hidden, keys[None], values[None], {"position_embeddings": (cos, sin)}
 
 
 def row_fingerprints(rows: torch.Tensor) -> torch.Tensor:
@@ -118,48 +105,78 @@ def row_fingerprints(rows: torch.Tensor) -> torch.Tensor:
     return (bits * coefficients).sum(dim=1)
 
 
-def positions_of_rows(original: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """Token index of every kept key row: original [n, d], kept [m, d] -> [m] int64."""
-    prints = row_fingerprints(original)
-    order = prints.argsort()
-    sorted_prints = prints[order]
-    if bool((sorted_prints[1:] == sorted_prints[:-1]).any()):
-        raise ValueError("two key rows of a head are identical: kept sets are ambiguous")
-    wanted = row_fingerprints(kept)
-    where = torch.searchsorted(sorted_prints, wanted).clamp(max=len(order) - 1)
-    if not bool((sorted_prints[where] == wanted).all()):
-        raise ValueError("a kept key row is not among the original rows")
-    positions = order[where]
-    if not torch.equal(original[positions], kept):
-        raise ValueError("kept key rows do not match the original rows they were traced to")
-    return positions
+class RowIndex:
+    """Finds the token index of key rows of one head: original [n, d]; every row must be distinct."""
+
+    def __init__(self, original: torch.Tensor) -> None:
+        prints = row_fingerprints(original)
+        self.order = prints.argsort()
+        self.sorted_prints = prints[self.order]
+        if bool((self.sorted_prints[1:] == self.sorted_prints[:-1]).any()):
+            raise ValueError("two key rows of a head are identical: kept sets are ambiguous")
+        self.original = original
+
+    def positions(self, kept: torch.Tensor) -> torch.Tensor:
+        """[m] int64 token index of each row of kept [m, d]."""
+        wanted = row_fingerprints(kept)
+        where = torch.searchsorted(self.sorted_prints, wanted).clamp(max=len(self.order) - 1)
+        if not bool((self.sorted_prints[where] == wanted).all()):
+            raise ValueError("a kept key row is not among the original rows")
+        positions = self.order[where]
+        if not torch.equal(self.original[positions], kept):
+            raise ValueError("kept key rows do not match the original rows they were traced to")
+        return positions
 
 
-@torch.inference_mode()
-def kept_mask(press, layer: dict) -> torch.Tensor:
-    """[kv_heads, n] bool: the tokens ``press`` keeps in this layer."""
-    module, hidden, keys, values, kwargs = press_inputs(layer)
-    kv_heads, n = keys.shape[1], keys.shape[2]
-    module.masked_key_indices = None
-    new_keys, _ = press.compress(module, hidden, keys.clone(), values.clone(), None, kwargs)
-    masked = getattr(module, "masked_key_indices", None)
-    if masked is not None:
-        _, heads, tokens = masked
-        keep = torch.ones(kv_heads, n, dtype=torch.bool)
-        keep[heads, tokens] = False
+class LayerReplay:
+    """One layer as the presses see it: module, hidden states [1, n, q_heads*d], keys/values
+    [1, kv_heads, n, d] and forward kwargs, built once and reused by every press."""
+
+    def __init__(self, layer: dict) -> None:
+        keys, values, queries = layer["keys"].float(), layer["values"].float(), layer["queries"].float()
+        kv_heads, n, d = keys.shape
+        q_heads, w, _ = queries.shape
+        self.module = ReplayAttention(
+            q_heads, kv_heads, d, layer["o_proj"].float(), layer["layer_idx"], layer["num_layers"]
+        )
+        self.hidden = torch.zeros(1, n, q_heads * d)
+        self.hidden[0, n - w :] = queries.transpose(0, 1).reshape(w, q_heads * d)
+        self.keys, self.values = keys[None], values[None]
+        self.kwargs = {"position_embeddings": (torch.ones(1, n, d), torch.zeros(1, n, d))}
+        self.row_indices = [RowIndex(keys[h]) for h in range(kv_heads)]
+
+    @torch.inference_mode()
+    def kept_mask(self, press) -> torch.Tensor:
+        """[kv_heads, n] bool: the tokens ``press`` keeps in this layer."""
+        kv_heads, n = self.keys.shape[1], self.keys.shape[2]
+        self.module.masked_key_indices = None
+        new_keys, _ = press.compress(
+            self.module, self.hidden, self.keys.clone(), self.values.clone(), None, self.kwargs
+        )
+        masked = self.module.masked_key_indices
+        if masked is not None:
+            _, heads, tokens = masked
+            keep = torch.ones(kv_heads, n, dtype=torch.bool)
+            keep[heads, tokens] = False
+            return keep
+        keep = torch.zeros(kv_heads, n, dtype=torch.bool)
+        for h in range(kv_heads):
+            keep[h, self.row_indices[h].positions(new_keys[0, h])] = True
         return keep
-    keep = torch.zeros(kv_heads, n, dtype=torch.bool)
-    for h in range(kv_heads):
-        keep[h, positions_of_rows(keys[0, h], new_keys[0, h])] = True
-    return keep
 
 
 def run_case(case_path: Path, jobs: list[dict], out_dir: Path) -> Path:
     case = torch.load(case_path, weights_only=True)
-    result = {}
-    for job in case.get("jobs", jobs):
-        press = build_press(job["press"], job["compression_ratio"], job.get("params", {}))
-        result[job["key"]] = torch.stack([kept_mask(press, layer) for layer in case["layers"]])
+    case_jobs = case.get("jobs", jobs)
+    presses = [
+        build_press(job["press"], job["compression_ratio"], job.get("params", {})) for job in case_jobs
+    ]
+    per_job: list[list[torch.Tensor]] = [[] for _ in case_jobs]
+    for layer in case["layers"]:
+        replay = LayerReplay(layer)
+        for masks, press in zip(per_job, presses, strict=True):
+            masks.append(replay.kept_mask(press))
+    result = {job["key"]: torch.stack(masks) for job, masks in zip(case_jobs, per_job, strict=True)}
     out = out_dir / f"{case_path.stem}.kvpress.pt"
     torch.save(result, out)
     return out
