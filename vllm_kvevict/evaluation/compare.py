@@ -119,8 +119,17 @@ def _sample_summary(samples: list[Sample]) -> str:
     )
 
 
+def score_kvpress_outputs(results_dir: Path, samples: list[Sample]) -> None:
+    """Score every complete kvpress output in ``RESULTS_DIR/kvpress-raw`` into a results file."""
+    for raw in sorted((results_dir / "kvpress-raw").glob("*.raw.jsonl")):
+        name = raw.name.removesuffix(".raw.jsonl")
+        write_results(results_dir / f"{name}.jsonl", score_raw(raw, samples))
+
+
 def write_report(results_dir: Path, report: Path, plots_dir: Path, command: str) -> None:
-    """Tables into ``report`` and PNG plots into ``plots_dir`` from the results in ``results_dir``."""
+    """Tables into ``report`` and PNG plots into ``plots_dir`` from the results in ``results_dir``
+    (kvpress outputs are scored first)."""
+    score_kvpress_outputs(results_dir, read_samples(results_dir / "samples.jsonl"))
     results = load_results(results_dir)
     if not results:
         raise FileNotFoundError(f"no results in {results_dir}")
@@ -164,6 +173,7 @@ def run_compare(args: argparse.Namespace, samples: list[Sample], model_dir: Path
         except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
             failures[config.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
             print(f"{config.name}: FAILED: {failures[config.name]}", file=sys.stderr)
+            failures_path.write_text(json.dumps(failures, indent=1))
             continue
         failures.pop(config.name, None)
         write_results(path, results)
@@ -171,15 +181,10 @@ def run_compare(args: argparse.Namespace, samples: list[Sample], model_dir: Path
         print(f"\n{config.name}\n{summary_table(results)}\n", file=sys.stderr)
     if args.kvpress:
         configs = kvpress_configs(args.kvpress, args.budgets, args.kvpress_modes)
-        raw_dir = results_dir / "kvpress-raw"
         try:
-            run_kvpress(args.kvpress_python, model_dir, samples_path, raw_dir, configs)
+            run_kvpress(args.kvpress_python, model_dir, samples_path, results_dir / "kvpress-raw", configs)
         except Exception as exc:  # noqa: BLE001 - keep whatever the script finished
             failures["kvpress"] = f"{type(exc).__name__}: {exc}"
-        for config in configs:
-            raw = raw_dir / f"{config.name}.raw.jsonl"
-            if raw.exists():
-                write_results(results_dir / f"{config.name}.jsonl", score_raw(raw, samples))
     failures_path.write_text(json.dumps(failures, indent=1))
     write_report(results_dir, args.report, args.plots_dir, command)
     print(f"report written to {args.report}", file=sys.stderr)

@@ -145,8 +145,22 @@ def test_report_has_tables_plots_and_keeps_hand_written_text(tmp_path: Path):
     write_samples(results_dir / "samples.jsonl", SAMPLES)
     write_results(results_dir / "vllm-vanilla.jsonl", _results("vllm-vanilla", [" 1234567", " 11 22"]))
     write_results(results_dir / "vllm-snapkv-0.5.jsonl", _results("vllm-snapkv-0.5", [" 1234567", " 11"]))
-    write_results(
-        results_dir / "kvpress-snapkv-aware-0.5.jsonl", _results("kvpress-snapkv-aware-0.5", [" 7", " 11"])
+    raw_dir = results_dir / "kvpress-raw"
+    raw_dir.mkdir()
+    (raw_dir / "kvpress-snapkv-aware-0.5.raw.jsonl").write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "config": "kvpress-snapkv-aware-0.5",
+                    "sample_id": s.id,
+                    "output": o,
+                    "prompt_tokens": 1024,
+                    "kept_tokens": 512,
+                    "latency_s": 1.0,
+                }
+            )
+            for s, o in zip(SAMPLES, [" 7", " 11"], strict=True)
+        )
     )
     report = tmp_path / "docs" / "quality.md"
     report.parent.mkdir()
