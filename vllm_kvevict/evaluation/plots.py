@@ -55,7 +55,7 @@ def plot_accuracy_vs_kept(overall: Mapping[EvalConfig, float], path: Path) -> No
     ax.set_ylabel("accuracy (%), mean over tasks")
     ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
     ax.set_title(
         "Accuracy vs kept fraction (solid: ours in vLLM, dashed: kvpress aware, dotted: agnostic)", fontsize=9
     )
