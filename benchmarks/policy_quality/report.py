@@ -126,6 +126,7 @@ def plot(records: list[dict], cells: dict, path: Path) -> None:
             )
         ax.set_xscale("log")
         ax.set_xticks(fractions, [f"{int(f * 100)}%" for f in fractions])
+        ax.minorticks_off()
         ax.set_xlabel("kept fraction of the prompt (per KV head, average)")
         ax.set_title(f"needle retrieval, {mode}")
         ax.grid(alpha=0.3)
