@@ -248,6 +248,7 @@ class EvictionWorker:
         self.requests: dict[str, RequestSubBlocks] = {}
         self.kept_tokens: dict[str, float] = {}  # req -> mean kept prompt entries per KV head (metrics)
         self.o_proj: dict[int, torch.Tensor] = {}
+        self.o_proj_collected = False  # collected once, after the model is loaded (empty unless CriticalKV)
         self.pending: StepInputs | None = None
         self._step: EvictionStep | None = None
         dump = os.environ.get(DEBUG_DUMP_ENV)

