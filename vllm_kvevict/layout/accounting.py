@@ -13,7 +13,9 @@ ordinary per-position growth hands it the next block exactly when the rule needs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from vllm_kvevict.policies.base import EvictionPolicy
 
@@ -91,3 +93,16 @@ def plan_request(
         return RequestPlan(prompt_len, block_size, (prompt_len,) * num_layers, prompt_len, 0, False)
     blocks_to_free = max(0, (prompt_len - kept_bound) // block_size - 1)
     return RequestPlan(prompt_len, block_size, layer_budgets, kept_bound, blocks_to_free, True)
+
+
+def request_planner(
+    budget: int | float, block_size: int, policy: EvictionPolicy, num_layers: int
+) -> Callable[[int], RequestPlan]:
+    """``plan_request`` with everything but the prompt length fixed, memoised per prompt length (the
+    scheduler and the worker both ask for the same plans on every step)."""
+
+    @lru_cache(maxsize=4096)
+    def plan_for(prompt_len: int) -> RequestPlan:
+        return plan_request(prompt_len, budget, block_size, policy, num_layers)
+
+    return plan_for

@@ -150,11 +150,12 @@ def eviction_config_from_additional(additional_config: dict[str, Any] | None) ->
     if not isinstance(raw, dict):
         return EvictionConfig.from_dict(raw)
     # Called on hot paths (per layer, per step): validate each distinct setting once.
-    return _config_from_json(json.dumps(raw, sort_keys=True))
+    return eviction_config_from_json(json.dumps(raw, sort_keys=True))
 
 
 @lru_cache(maxsize=8)
-def _config_from_json(text: str) -> EvictionConfig:
+def eviction_config_from_json(text: str) -> EvictionConfig:
+    """An EvictionConfig from its JSON dict, validated once per distinct text (hot paths call this)."""
     return EvictionConfig.from_dict(json.loads(text))
 
 

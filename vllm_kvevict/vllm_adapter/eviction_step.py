@@ -19,13 +19,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv, request_planner
 from vllm_kvevict.layout.compaction import CompactionPlan, plan_compaction
 from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
@@ -254,11 +253,7 @@ class EvictionWorker:
         dump = os.environ.get(DEBUG_DUMP_ENV)
         self.dump_dir = Path(dump) if dump else None
 
-        @lru_cache(maxsize=4096)
-        def plan_for(prompt_len: int) -> RequestPlan:
-            return plan_request(prompt_len, budget, block_size, policy, num_layers)
-
-        self.plan_for = plan_for
+        self.plan_for = request_planner(budget, block_size, policy, num_layers)
 
     # ----- called by the runner hooks -------------------------------------------------------------------
     def begin_step(self, inputs: StepInputs) -> None:

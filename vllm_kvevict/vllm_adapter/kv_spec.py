@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from functools import lru_cache
 
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
@@ -18,9 +17,9 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv, request_planner
 from vllm_kvevict.vllm_adapter import metrics
-from vllm_kvevict.vllm_adapter.config import EvictionConfig, get_eviction_config
+from vllm_kvevict.vllm_adapter.config import EvictionConfig, eviction_config_from_json, get_eviction_config
 
 logger = init_logger("vllm.kvevict")
 
@@ -51,12 +50,7 @@ class EvictingAttentionSpec(FullAttentionSpec):
         return cls(**inherited, eviction=eviction, num_model_layers=num_model_layers)
 
     def eviction_config(self) -> EvictionConfig:
-        return _config_from_json(self.eviction)
-
-
-@lru_cache(maxsize=8)
-def _config_from_json(text: str) -> EvictionConfig:
-    return EvictionConfig.from_dict(json.loads(text))
+        return eviction_config_from_json(self.eviction)
 
 
 class EvictingAttentionManager(FullAttentionManager):
@@ -71,15 +65,11 @@ class EvictingAttentionManager(FullAttentionManager):
         block_size = kv_cache_spec.block_size
         num_layers = kv_cache_spec.num_model_layers
 
-        @lru_cache(maxsize=4096)
-        def plan_for(prompt_len: int) -> RequestPlan:
-            return plan_request(prompt_len, config.budget, block_size, policy, num_layers)
-
-        self.plan_for = plan_for
+        self.plan_for = request_planner(config.budget, block_size, policy, num_layers)
         self.saved_blocks: dict[str, int] = {}  # request -> leading blocks freed (metrics)
         vllm_config = get_current_vllm_config_or_none()
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
-        logger.info("%s", capacity_summary(config, plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
+        logger.info("%s", capacity_summary(config, self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
 
     def remove_skipped_blocks(
         self,
