@@ -124,6 +124,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     compare.add_argument(
         "--kv-cache-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per server"
     )
+    compare.add_argument(
+        "--block-size",
+        type=int,
+        default=32,
+        help="--block-size of every server: eviction frees whole blocks, so a kept fraction is rounded up "
+        "to them; 32 (the CPU backend's smallest) keeps 5%% and 10%% of a 1k prompt apart",
+    )
     compare.add_argument("--report-only", action="store_true", help="rebuild the report from --results-dir")
     parser.set_defaults(handler=run)
 

@@ -73,18 +73,26 @@ def eviction_evidence(metrics_text: str) -> dict[str, float]:
     return totals
 
 
+def server_args(config: EvalConfig, block_size: int) -> tuple[str, ...]:
+    """``vllm serve`` arguments of a configuration: every server (vanilla too) gets the same block size,
+    since eviction frees whole blocks and rounds a kept fraction up to them."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size!r}")
+    args: tuple[str, ...] = ("--block-size", str(block_size))
+    if not config.is_full_cache:
+        args += ("--kv-eviction", config.method, "--kv-budget", f"{config.kept:g}")
+    return args
+
+
 def run_server_config(
     config: EvalConfig, samples: list[Sample], model_dir: Path, args: argparse.Namespace, log_dir: Path
 ) -> tuple[list[Result], dict[str, float]]:
     """Start the server of ``config``, answer every sample, read its eviction counters, stop it."""
     from vllm_kvevict.cli.server_process import VLLMServer
 
-    extra = (
-        () if config.is_full_cache else ("--kv-eviction", config.method, "--kv-budget", f"{config.kept:g}")
-    )
     with VLLMServer(
         model_dir,
-        extra_args=extra,
+        extra_args=server_args(config, args.block_size),
         kv_cache_space_gib=args.kv_cache_space_gib,
         log_path=log_dir / f"{config.name}.log",
     ) as server:

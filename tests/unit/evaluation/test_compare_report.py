@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.evaluation.compare import server_configs, write_report
+from vllm_kvevict.evaluation.compare import server_args, server_configs, write_report
 from vllm_kvevict.evaluation.configs import EvalConfig
 from vllm_kvevict.evaluation.kvpress_bridge import kvpress_configs, score_raw
 from vllm_kvevict.evaluation.report import BEGIN, END
@@ -87,6 +87,14 @@ def test_server_configs_are_vanilla_then_every_method_and_budget():
         "vllm-ada-snapkv-0.5",
         "vllm-ada-snapkv-0.1",
     ]
+
+
+def test_every_server_gets_the_block_size_and_eviction_servers_their_method():
+    vanilla, snapkv = server_configs(["snapkv"], [0.05])
+    assert server_args(vanilla, 32) == ("--block-size", "32")
+    assert server_args(snapkv, 32) == ("--block-size", "32", "--kv-eviction", "snapkv", "--kv-budget", "0.05")
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        server_args(snapkv, 0)
 
 
 def test_kvpress_configs_reject_an_unknown_press():
