@@ -92,6 +92,11 @@ def config_name(press: str, kept: float, mode: str) -> str:
     return f"kvpress-{press}-{mode}-{kept:g}"
 
 
+def _uniform_layers(cache: DynamicCache, num_layers: int) -> bool:
+    """Whether every layer of ``cache`` holds the same number of entries."""
+    return len({cache.get_seq_length(layer) for layer in range(num_layers)}) == 1
+
+
 @torch.inference_mode()
 def answer(model, token_ids: list[int], compress_upto: int, press, max_new_tokens: int, eos: set[int]):
     """Greedy answer, the first ``compress_upto`` tokens prefilled under ``press``; returns (ids, kept)."""
@@ -103,12 +108,16 @@ def answer(model, token_ids: list[int], compress_upto: int, press, max_new_token
     kept = cache.get_seq_length()
     position = compress_upto
     rest = token_ids[compress_upto:]
-    if rest:
-        positions = torch.arange(position, position + len(rest)).unsqueeze(0)
+    # transformers builds a multi-token chunk's mask from layer 0's cache length, which fails when the
+    # press left layers of different lengths (PyramidKV); one token at a time needs no mask.
+    chunk = max(1, len(rest)) if _uniform_layers(cache, model.config.num_hidden_layers) else 1
+    for start in range(0, len(rest), chunk):
+        piece = rest[start : start + chunk]
+        positions = torch.arange(position, position + len(piece)).unsqueeze(0)
         out = model(
-            input_ids=torch.tensor([rest]), past_key_values=cache, position_ids=positions, logits_to_keep=1
+            input_ids=torch.tensor([piece]), past_key_values=cache, position_ids=positions, logits_to_keep=1
         )
-        position += len(rest)
+        position += len(piece)
     generated = [int(out.logits[0, -1].argmax())]
     while len(generated) < max_new_tokens and generated[-1] not in eos:
         out = model(

@@ -27,7 +27,9 @@ def test_kvpress_script_answers_with_full_cache_and_compresses_to_the_kept_fract
     sample = generate_sample(get_task("niah_single_noise"), prompt_format, 400, seed=0, index=0)
     samples_path = tmp_path / "samples.jsonl"
     write_samples(samples_path, [sample])
-    configs = "none:1:aware,snapkv:0.5:aware,snapkv:0.5:agnostic"
+    # PyramidKV at 0.5 of ~400 tokens is a real pyramid (layers of different lengths): the question must
+    # still run on it in agnostic mode.
+    configs = "none:1:aware,snapkv:0.5:aware,snapkv:0.5:agnostic,pyramidkv:0.5:agnostic"
     subprocess.run(
         [
             str(REFERENCE_PYTHON),
@@ -51,6 +53,9 @@ def test_kvpress_script_answers_with_full_cache_and_compresses_to_the_kept_fract
     assert aware["prompt_tokens"] == sample.prompt_tokens
     assert aware["kept_tokens"] == int(sample.prompt_tokens * 0.5)
     assert agnostic["kept_tokens"] == int(sample.context_tokens * 0.5)
+    pyramid = json.loads((tmp_path / "kvpress-pyramidkv-agnostic-0.5.raw.jsonl").read_text())
+    assert pyramid["kept_tokens"] > int(sample.context_tokens * 0.5)  # layer 0 keeps more than the mean
+    assert pyramid["output"]
 
 
 def test_kvpress_script_rejects_an_unknown_press_naming_the_valid_ones(tmp_path: Path):
