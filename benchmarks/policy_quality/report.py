@@ -100,8 +100,11 @@ def ada_vs_snap(cells: dict) -> str:
 
 
 def plot(records: list[dict], cells: dict, path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6), sharey=True)
     fractions = sorted({r["kept_fraction"] for r in records if r["side"] != "full"})
+    # One colour per method: ours solid, kvpress's press of the same method dashed in the same colour.
+    methods = list(dict.fromkeys(r["method"] for r in records if r["side"] != "full"))
+    colours = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
     for ax, mode in zip(axes, MODES, strict=True):
         for name in ordered_labels(records):
             if name == "full cache":
@@ -114,7 +117,8 @@ def plot(records: list[dict], cells: dict, path: Path) -> None:
                     xs.append(fraction)
                     ys.append(100 * sum(c[0] for c in hits) / count)
             style = "--" if name.startswith("kvpress") else "-"
-            ax.plot(xs, ys, style, marker="o", label=name)
+            colour = colours[name.removeprefix("kvpress ")]
+            ax.plot(xs, ys, style, marker="o", color=colour, label=name)
         full = [c for k, c in cells.items() if k[0] == mode and k[1] == "full cache"]
         if full:
             ax.axhline(
@@ -131,8 +135,9 @@ def plot(records: list[dict], cells: dict, path: Path) -> None:
         ax.set_title(f"needle retrieval, {mode}")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy over lengths and samples (%)")
-    axes[1].legend(fontsize=7, ncol=2, loc="lower right")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, ncol=6, loc="lower center")
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
