@@ -126,23 +126,26 @@ def test_failed_requests_are_not_scored_and_are_counted():
     assert "1 of 1 requests failed" in summary_table([failed])
 
 
+def _kvpress_raw_lines(outputs: list[str]) -> str:
+    """The kvpress script's raw output for SAMPLES: one JSON line per sample, answer ``outputs[i]``."""
+    return "\n".join(
+        json.dumps(
+            {
+                "config": "kvpress-snapkv-aware-0.5",
+                "sample_id": sample.id,
+                "output": output,
+                "prompt_tokens": 1024,
+                "kept_tokens": 512,
+                "latency_s": 1.0,
+            }
+        )
+        for sample, output in zip(SAMPLES, outputs, strict=True)
+    )
+
+
 def test_kvpress_raw_outputs_are_scored_against_the_samples(tmp_path: Path):
     raw = tmp_path / "kvpress-snapkv-aware-0.5.raw.jsonl"
-    raw.write_text(
-        "\n".join(
-            json.dumps(
-                {
-                    "config": "kvpress-snapkv-aware-0.5",
-                    "sample_id": s.id,
-                    "output": o,
-                    "prompt_tokens": 1024,
-                    "kept_tokens": 512,
-                    "latency_s": 1.0,
-                }
-            )
-            for s, o in zip(SAMPLES, [" 1234567.", " 22."], strict=True)
-        )
-    )
+    raw.write_text(_kvpress_raw_lines([" 1234567.", " 22."]))
     results = score_raw(raw, SAMPLES)
     assert [r.score for r in results] == [1.0, 0.5]
 
@@ -155,21 +158,7 @@ def test_report_has_tables_plots_and_keeps_hand_written_text(tmp_path: Path):
     write_results(results_dir / "vllm-snapkv-0.5.jsonl", _results("vllm-snapkv-0.5", [" 1234567", " 11"]))
     raw_dir = results_dir / "kvpress-raw"
     raw_dir.mkdir()
-    (raw_dir / "kvpress-snapkv-aware-0.5.raw.jsonl").write_text(
-        "\n".join(
-            json.dumps(
-                {
-                    "config": "kvpress-snapkv-aware-0.5",
-                    "sample_id": s.id,
-                    "output": o,
-                    "prompt_tokens": 1024,
-                    "kept_tokens": 512,
-                    "latency_s": 1.0,
-                }
-            )
-            for s, o in zip(SAMPLES, [" 7", " 11"], strict=True)
-        )
-    )
+    (raw_dir / "kvpress-snapkv-aware-0.5.raw.jsonl").write_text(_kvpress_raw_lines([" 7", " 11"]))
     report = tmp_path / "docs" / "quality.md"
     report.parent.mkdir()
     report.write_text(
