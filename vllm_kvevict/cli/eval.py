@@ -155,6 +155,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
     if args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if not args.compare and not args.base_url:
         raise ValueError("--base-url is required (or use --compare to start servers)")
 

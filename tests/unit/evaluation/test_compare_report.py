@@ -97,6 +97,13 @@ def test_every_server_gets_the_block_size_and_eviction_servers_their_method():
         server_args(snapkv, 0)
 
 
+def test_a_bad_block_size_stops_eval_before_any_server_starts(capsys: pytest.CaptureFixture[str]):
+    from vllm_kvevict.cli.main import main
+
+    assert main(["eval", "--compare", "--methods", "snapkv", "--block-size", "0"]) == 2
+    assert "--block-size must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_kvpress_configs_reject_an_unknown_press():
     with pytest.raises(ValueError, match="unknown kvpress press 'h2o'; valid presses: snapkv"):
         kvpress_configs(["h2o"], [0.5], ["aware"])
