@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 STAMP := $(VENV)/.kvevict-installed
 REF_STAMP := $(REF_VENV)/.kvevict-installed
 
-.PHONY: install install-ref test-tools model serve test lint clean
+.PHONY: install install-ref test-tools cpu-tools model serve test lint clean
 
 install: $(STAMP)
 
@@ -53,16 +53,27 @@ test-tools:
 	@command -v prometheus >/dev/null 2>&1 || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
+# tcmalloc, which vLLM's CPU worker asks to preload (vllm_kvevict/cpu_setup.py preloads it when present).
+# Optional: without it (no apt, no network) the servers run with glibc malloc, a little slower.
+cpu-tools:
+	@ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || { { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4; } \
+	  || echo "libtcmalloc-minimal4 not installed: servers run without tcmalloc"; }
+
 model: install
 	$(VENV)/bin/vllm-kvevict prepare-model
 
-serve: install
+# The dtype (bf16 where the CPU has it natively, else float32) and LD_PRELOAD come from cpu_setup.py,
+# the same choice as bench, eval --compare and the tests.
+serve: install cpu-tools
 	@dir=$$($(VENV)/bin/vllm-kvevict prepare-model --quiet) && \
+	  dtype=$$($(PY) -m vllm_kvevict.cpu_setup dtype) && preload=$$($(PY) -m vllm_kvevict.cpu_setup preload 2>/dev/null) && \
 	  echo "Serving $$dir on http://$(HOST):$(PORT)/v1 with --kv-eviction $(METHOD) --kv-budget $(BUDGET)" && \
-	  VLLM_USE_V2_MODEL_RUNNER=0 VLLM_CPU_KVCACHE_SPACE=$(KV_CACHE_GIB) $(VENV)/bin/vllm serve "$$dir" --served-model-name SmolLM2-135M-Instruct \
-	    --host $(HOST) --port $(PORT) --kv-eviction $(METHOD) --kv-budget $(BUDGET) --block-size $(BLOCK_SIZE)
+	  LD_PRELOAD=$$preload VLLM_USE_V2_MODEL_RUNNER=0 VLLM_CPU_KVCACHE_SPACE=$(KV_CACHE_GIB) $(VENV)/bin/vllm serve "$$dir" \
+	    --served-model-name SmolLM2-135M-Instruct --host $(HOST) --port $(PORT) --dtype $$dtype \
+	    --kv-eviction $(METHOD) --kv-budget $(BUDGET) --block-size $(BLOCK_SIZE)
 
-test: install install-ref test-tools
+test: install install-ref test-tools cpu-tools
 	$(VENV)/bin/vllm-kvevict prepare-model
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -72,6 +72,9 @@ class VLLMServer:
     warm-up adds minutes to every start, and its bf16 rounding differs from eager mode and HF transformers
     enough to flip near-ties (measured: first-token logprobs -1.906/-1.906 compiled vs -1.81/-1.935 eager
     for the default-system-prompt "capital of France" chat). Benchmarks may turn it off.
+
+    ``cpu_setup`` (default on) applies :mod:`vllm_kvevict.cpu_setup`: ``--dtype`` from the CPU's
+    capabilities (unless ``extra_args`` give one) and tcmalloc in ``LD_PRELOAD`` when the system has it.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class VLLMServer:
         port: int | None = None,
         log_path: Path | str | None = None,
         enforce_eager: bool = True,
+        cpu_setup: bool = True,
     ) -> None:
         if kv_cache_space_gib <= 0:
             raise ValueError(f"kv_cache_space_gib must be > 0 GiB, got {kv_cache_space_gib!r}")
@@ -96,6 +100,13 @@ class VLLMServer:
         self.extra_args = tuple(str(arg) for arg in extra_args)
         if enforce_eager and "--enforce-eager" not in self.extra_args:
             self.extra_args = ("--enforce-eager", *self.extra_args)
+        setup_env: dict[str, str] = {}
+        if cpu_setup:
+            from vllm_kvevict.cpu_setup import cpu_setup as machine_setup
+
+            setup = machine_setup()
+            self.extra_args = (*setup.server_args(self.extra_args), *self.extra_args)
+            setup_env = setup.server_env({**os.environ, **(dict(env) if env else {})})
         for reserved in ("--host", "--port", "--served-model-name"):
             if any(arg == reserved or arg.startswith(reserved + "=") for arg in self.extra_args):
                 raise ValueError(f"{reserved} is set by VLLMServer; pass it to the constructor instead")
@@ -107,6 +118,7 @@ class VLLMServer:
             "VLLM_USE_V2_MODEL_RUNNER": "0",
             "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_space_gib:g}",
             **(dict(env) if env else {}),
+            **setup_env,
         }
         # Chosen at start() when not given, so that an unstarted launcher leaves no file behind.
         self.log_path: Path | None = Path(log_path) if log_path is not None else None
@@ -167,6 +179,9 @@ class VLLMServer:
             self.log_path = Path(name)
             self._log_path_chosen_here = True
         with self.log_path.open("wb") as log:
+            preload = self.env.get("LD_PRELOAD")
+            if preload:
+                log.write(f"$ export LD_PRELOAD={preload}\n".encode())
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self._process = subprocess.Popen(
