@@ -120,6 +120,7 @@ def _worker_for(spec: EvictingAttentionSpec, builder: CPUAttentionMetadataBuilde
             num_layers=spec.num_model_layers,
             num_kv_heads=spec.num_kv_heads,
             block_size=spec.block_size,
+            config=config,
         )
         set_worker(worker)
         logger.info(

@@ -110,6 +110,7 @@ def backend_classes() -> dict[str, type]:
                         num_layers=kv_cache_spec.num_model_layers,
                         num_kv_heads=kv_cache_spec.num_kv_heads,
                         block_size=kv_cache_spec.block_size,
+                        config=config,
                     )
                     set_worker(self.worker)
 

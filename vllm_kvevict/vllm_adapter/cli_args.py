@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_kvevict.policies.presets import Preset
 from vllm_kvevict.vllm_adapter.config import (
     ADDITIONAL_CONFIG_KEY,
     EvictionConfig,
@@ -20,9 +21,10 @@ from vllm_kvevict.vllm_adapter.config import (
     eviction_config_from_additional,
     method_names,
     parse_budget,
-    parse_params_json,
+    parse_params_or_preset,
 )
 from vllm_kvevict.vllm_adapter.metrics_multiprocess import ensure_multiprocess_collection
+from vllm_kvevict.vllm_adapter.request_validation import VALIDATOR_FQCN, publish_server_config
 
 logger = init_logger("vllm.kvevict")
 
@@ -36,9 +38,9 @@ def _budget_type(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(exc).replace("kv_eviction.budget", "--kv-budget")) from exc
 
 
-def _params_type(text: str) -> dict[str, Any]:
+def _params_type(text: str) -> dict[str, Any] | Preset:
     try:
-        return parse_params_json(text)
+        return parse_params_or_preset(text)
     except EvictionConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
@@ -74,10 +76,11 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-eviction-config",
         dest="kv_eviction_config",
-        metavar="JSON",
+        metavar="JSON|FILE",
         type=_params_type,
         default=None,
-        help='Method parameters as a JSON object, e.g. \'{"window": 32, "kernel": 7, "alpha": 0.2}\'.',
+        help='Method parameters as a JSON object, e.g. \'{"window": 32, "kernel": 7, "alpha": 0.2}\', or a '
+        "preset file such as configs/ada-snapkv.yaml (its method is used unless --kv-eviction names it).",
     )
 
 
@@ -89,6 +92,13 @@ def eviction_config_from_args(args: argparse.Namespace, additional_config: dict[
     budget = getattr(args, "kv_budget", None)
     params = getattr(args, "kv_eviction_config", None)
     existing = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    if isinstance(params, Preset):
+        if method is not None and method != params.method:
+            raise EvictionConfigError(
+                f"--kv-eviction {method} contradicts the preset's method {params.method!r} "
+                "(--kv-eviction-config); drop --kv-eviction or use a preset of that method"
+            )
+        method, params = params.method, params.params
     if method is None and existing is None:
         if budget is not None or params is not None:
             raise EvictionConfigError(
@@ -124,13 +134,29 @@ def apply_eviction_to_engine_args(args: argparse.Namespace, engine_args: Any) ->
     additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
     engine_args.additional_config = additional
     apply_guard_rails(engine_args, config)
+    enable_request_validation(engine_args, config)
     # Before EngineCore/workers start: their vllm_kvevict_* metrics reach /metrics only this way.
     ensure_multiprocess_collection()
+
+
+def enable_request_validation(engine_args: Any, config: EvictionConfig) -> None:
+    """Per-request ``vllm_xargs`` overrides are checked by the API server (HTTP 400 before scheduling),
+    through vLLM's logits-processor ``validate_params`` hook (``request_validation.py``)."""
+    publish_server_config(config)
+    processors = list(engine_args.logits_processors or [])
+    if VALIDATOR_FQCN not in processors:
+        engine_args.logits_processors = [*processors, VALIDATOR_FQCN]
 
 
 def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
     """Settings eviction needs; every change is logged, none is silent."""
     logger.info("kv-eviction: %s", config.describe())
+    if getattr(engine_args, "speculative_config", None):
+        raise SystemExit(
+            "vllm serve: error: --speculative-config is not supported with --kv-eviction (never tested, and "
+            "vLLM refuses the per-request vllm_xargs validator, a logits processor, with speculative "
+            "decoding); drop one of them"
+        )
     if engine_args.enable_prefix_caching is not False:
         logger.info("kv-eviction: prefix caching turned off (compressed blocks are not reusable prefixes)")
         engine_args.enable_prefix_caching = False

@@ -9,9 +9,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
+import yaml
+
 from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.policies.presets import Preset, load_preset
 from vllm_kvevict.policies.registry import available_methods, build_policy
 
 #: key of the eviction settings inside vLLM's ``additional_config``.
@@ -134,6 +138,27 @@ def parse_params_json(text: str) -> dict[str, Any]:
             f"--kv-eviction-config={text!r} must be a JSON object, e.g. '{{\"window\": 32}}'"
         )
     return value
+
+
+def parse_params_or_preset(text: str) -> dict[str, Any] | Preset:
+    """``--kv-eviction-config`` value: a JSON object of method parameters, or the path of a preset file
+    (``configs/*.yaml``: method, description, params). Errors name the file and the problem in one line."""
+    if text.lstrip().startswith("{"):
+        return parse_params_json(text)
+    path = Path(text).expanduser()
+    try:
+        return load_preset(path)
+    except FileNotFoundError:
+        problem = "no such file (give a preset file such as configs/ada-snapkv.yaml, or a JSON object)"
+    except IsADirectoryError:
+        problem = "is a directory, not a preset file"
+    except OSError as exc:
+        problem = f"cannot be read ({exc.strerror or exc})"
+    except yaml.YAMLError as exc:
+        problem = f"is not valid YAML ({exc})"
+    except (TypeError, ValueError) as exc:
+        problem = str(exc).removeprefix(f"{path}: ")
+    raise EvictionConfigError(f"--kv-eviction-config {text}: {' '.join(problem.split())}")
 
 
 def eviction_config_from_additional(additional_config: dict[str, Any] | None) -> EvictionConfig | None:

@@ -29,6 +29,8 @@ from vllm_kvevict.layout.compaction import CompactionPlan, plan_compaction
 from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
 from vllm_kvevict.vllm_adapter import metrics
+from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.vllm_adapter.request_settings import RequestSettings
 
 logger = logging.getLogger("vllm.kvevict.eviction_step")
 
@@ -44,6 +46,7 @@ class StepInputs:
     prompt_lens: np.ndarray  # [R] prompt tokens
     computed: np.ndarray  # [R] tokens already in the cache before this step
     scheduled: np.ndarray  # [R] tokens computed in this step
+    extra_args: list[dict | None] | None = None  # [R] SamplingParams.extra_args (per-request settings)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class StepRequest:
     prompt_len: int
     subblocks: RequestSubBlocks | None = None  # compacted in an earlier step
     plan: RequestPlan | None = None  # compacts in this step
+    policy: EvictionPolicy | None = None  # the request's policy when it compacts in this step
     new_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # id(table) -> [q_len, H] slots
 
 
@@ -193,7 +197,7 @@ class EvictionStep:
             plan = req.plan
             assert plan is not None
             prompt = slice(req.q_start, req.q_start + req.prompt_len)
-            window = worker.policy.query_window(req.prompt_len)
+            window = req.policy.query_window(req.prompt_len)
             layer = LayerKV(
                 keys=key[prompt].transpose(0, 1),
                 values=value[prompt].transpose(0, 1),
@@ -238,6 +242,7 @@ class EvictionWorker:
         num_layers: int,
         num_kv_heads: int,
         block_size: int,
+        config: EvictionConfig | None = None,
     ) -> None:
         self.policy = policy
         self.budget = budget
@@ -254,6 +259,9 @@ class EvictionWorker:
         self.dump_dir = Path(dump) if dump else None
 
         self.plan_for = request_planner(budget, block_size, policy, num_layers)
+        # Per-request settings (vllm_xargs), resolved exactly like the scheduler's manager does.
+        server = config if config is not None else EvictionConfig(policy.name, budget)
+        self.settings = RequestSettings(server, block_size, num_layers)
 
     # ----- called by the runner hooks -------------------------------------------------------------------
     def begin_step(self, inputs: StepInputs) -> None:
@@ -312,9 +320,11 @@ class EvictionWorker:
                 req.subblocks = subblocks
                 req.new_slots = subblocks.append(q_len)
             elif computed < prompt_len <= computed + q_len:
-                plan = self.plan_for(prompt_len)
+                setting = self.settings.resolve(inputs.extra_args[index] if inputs.extra_args else None)
+                plan = (setting.plan_for if setting else self.plan_for)(prompt_len)
+                req.policy = setting.policy if setting else self.policy
                 if not plan.compacts:
-                    metrics.record_request_skipped(self.policy.name)
+                    metrics.record_request_skipped(setting.method if setting else self.policy.name)
                 elif computed != 0:
                     raise RuntimeError(
                         f"request {req_id}: its prompt completes in a step starting at token {computed}; "
@@ -334,7 +344,7 @@ class EvictionWorker:
         compact: it is logged and the layer keeps the most recent ``budget`` tokens of every head instead
         of taking the engine down."""
         try:
-            kept = self.policy.select(layer, budget)
+            kept = req.policy.select(layer, budget)
             if kept.total == self.num_kv_heads * budget and int(kept.counts.max()) <= req.prompt_len:
                 return kept
             problem = f"kept {kept.counts.tolist()} tokens per head, the accounting needs {budget} on average"
@@ -342,7 +352,7 @@ class EvictionWorker:
             problem = str(exc)
         logger.error(
             "policy %r failed on request %s layer %d (%s); keeping its most recent %d tokens per head",
-            self.policy.name, req.req_id, layer.layer_idx, problem, budget,
+            req.policy.name, req.req_id, layer.layer_idx, problem, budget,
         )
         recent = torch.arange(req.prompt_len - budget, req.prompt_len)
         return KeptTokens(
@@ -366,7 +376,7 @@ class EvictionWorker:
         """Publish a request's compaction (metrics.py): kept counts [layer][kv head], blocks freed."""
         assert req.plan is not None
         self.kept_tokens[req.req_id] = sum(map(sum, kept_per_head)) / (len(kept_per_head) * self.num_kv_heads)
-        metrics.record_kept_per_head(self.policy.name, req.prompt_len, kept_per_head, req.plan.blocks_to_free)
+        metrics.record_kept_per_head(req.policy.name, req.prompt_len, kept_per_head, req.plan.blocks_to_free)
 
     def finish_compaction(self, req: StepRequest, kept: list[KeptTokens] | None) -> None:
         """The last layer of ``req`` is compacted: record it (debug dump when enabled)."""

@@ -3,13 +3,16 @@
 The worker compacts each layer's kept entries into the blocks the accounting rule lets the request keep
 (``vllm_kvevict.layout.accounting``); this manager frees the others through vLLM's own
 ``_remove_blocks_in_range`` (the in-tree RSWAManager frees a middle gap the same way). Both sides derive
-the plan from the prompt length, so no message crosses between them.
+the plan from the prompt length and the request's sampling parameters (per-request ``vllm_xargs``,
+``request_settings.py``), so no message crosses between them.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
@@ -20,6 +23,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv, request_planner
 from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.config import EvictionConfig, eviction_config_from_json, get_eviction_config
+from vllm_kvevict.vllm_adapter.request_settings import RequestSettings
 
 logger = init_logger("vllm.kvevict")
 
@@ -66,10 +70,29 @@ class EvictingAttentionManager(FullAttentionManager):
         num_layers = kv_cache_spec.num_model_layers
 
         self.plan_for = request_planner(config.budget, block_size, policy, num_layers)
+        self.settings = RequestSettings(config, block_size, num_layers)
+        # request -> its own planner, for requests with a per-request setting (vllm_xargs)
+        self.request_planners: dict[str, Callable[[int], RequestPlan]] = {}
         self.saved_blocks: dict[str, int] = {}  # request -> leading blocks freed (metrics)
         vllm_config = get_current_vllm_config_or_none()
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         logger.info("%s", capacity_summary(config, self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
+
+    def admit_request(self, request_id: str, sampling_params: Any) -> None:
+        """Note a request's own setting (its ``extra_args``) before its first blocks are counted; called by
+        the ``KVCacheManager.allocate_slots`` wrapper (runner_hooks.py) on every allocation, cheap after
+        the first."""
+        if request_id in self.req_to_blocks:
+            return
+        setting = self.settings.resolve(getattr(sampling_params, "extra_args", None))
+        if setting is None:
+            self.request_planners.pop(request_id, None)
+        else:
+            self.request_planners[request_id] = setting.plan_for
+
+    def request_plan(self, request_id: str, num_prompt_tokens: int) -> RequestPlan:
+        """The plan of one request: its own setting when it has one, else the server's."""
+        return self.request_planners.get(request_id, self.plan_for)(num_prompt_tokens)
 
     def remove_skipped_blocks(
         self,
@@ -81,7 +104,7 @@ class EvictingAttentionManager(FullAttentionManager):
         # Free only once the whole prompt is processed and committed: until then the worker has not compacted.
         if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
             return
-        plan = self.plan_for(num_prompt_tokens)
+        plan = self.request_plan(request_id, num_prompt_tokens)
         if plan.blocks_to_free > 0:
             # Iterates backwards and stops at the first null block, so repeated calls cost O(1).
             self._remove_blocks_in_range(request_id, 0, plan.blocks_to_free)
@@ -91,6 +114,7 @@ class EvictingAttentionManager(FullAttentionManager):
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
+        self.request_planners.pop(request_id, None)
         if self.saved_blocks.pop(request_id, None) is not None:
             self._publish_saved_blocks()
 

