@@ -179,6 +179,20 @@ def test_every_eviction_metric_is_scraped(scraped_server):
     assert expected - scraped == set()
 
 
+def test_the_step_phases_scraped_are_exactly_the_declared_ones(scraped_server):
+    """The latency panel shows every declared phase and only those: none is declared and never recorded."""
+    from vllm_kvevict.vllm_adapter.metrics import STEP_PHASES
+
+    prometheus, _ = scraped_server
+    result = prometheus.query("count by (phase) (vllm_kvevict_eviction_step_seconds_count)")
+    assert {series["metric"]["phase"] for series in result} == set(STEP_PHASES)
+
+
+def test_worker_state_is_empty_once_the_traffic_is_over(scraped_server):
+    prometheus, _ = scraped_server
+    assert instant_value(prometheus, "sum(vllm_kvevict_worker_requests)") == 0
+
+
 def sample_name(family) -> str:
     suffix = {"counter": "_total", "histogram": "_count"}.get(family.type, "")
     return family.name + suffix

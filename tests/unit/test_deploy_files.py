@@ -122,6 +122,18 @@ def test_every_eviction_metric_appears_on_the_dashboard(dashboard):
     assert missing == set()
 
 
+def test_step_phases_on_the_dashboard_are_exactly_the_recorded_ones(dashboard):
+    """A panel must not promise a phase no code records (issue 13: "scoring"/"compaction" never were)."""
+    from vllm_kvevict.vllm_adapter.metrics import STEP_PHASES
+
+    [panel] = [p for p in dashboard["panels"] if "eviction_step_seconds" in json.dumps(p["targets"])]
+    text = json.dumps(panel).lower()
+    filtered = set(re.findall(r'phase\s*=~?\s*\\"([a-z|]+)', text))
+    named = {phase for phase in ("total", "scoring", "selection", "compaction") if f"phase {phase}" in text}
+    assert filtered <= set(STEP_PHASES)
+    assert named == set(STEP_PHASES), named
+
+
 def test_heatmap_panels_ask_prometheus_for_heatmap_frames(dashboard):
     heatmaps = [panel for panel in dashboard["panels"] if panel["type"] == "heatmap"]
     assert len(heatmaps) == 2

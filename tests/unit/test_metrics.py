@@ -74,11 +74,9 @@ def test_kept_tokens_outside_the_prompt_are_rejected(metrics):
         metrics.record_request_compacted("snapkv", 100, 101.0, [], [], 0)
 
 
-def test_eviction_step_time_is_kept_per_phase(metrics, registry):
-    metrics.observe_eviction_step(0.004, "scoring")
-    metrics.observe_eviction_step(0.002, "compaction")
+def test_eviction_step_time_is_kept_as_the_total_phase(metrics, registry):
     metrics.observe_eviction_step(0.006)
-    assert registry.get_sample_value("vllm_kvevict_eviction_step_seconds_sum", {"phase": "scoring"}) == 0.004
+    assert registry.get_sample_value("vllm_kvevict_eviction_step_seconds_sum", {"phase": "total"}) == 0.006
     assert registry.get_sample_value(
         "vllm_kvevict_eviction_step_seconds_bucket", {"phase": "total", "le": "0.005"}
     ) == 0
@@ -87,9 +85,10 @@ def test_eviction_step_time_is_kept_per_phase(metrics, registry):
     ) == 1
 
 
-def test_unknown_step_phase_is_rejected(metrics):
-    with pytest.raises(ValueError, match="phase='prefill'"):
-        metrics.observe_eviction_step(0.1, "prefill")
+@pytest.mark.parametrize("phase", ["prefill", "scoring", "compaction"])
+def test_a_phase_that_is_not_measured_is_rejected(metrics, phase):
+    with pytest.raises(ValueError, match=f"phase='{phase}'"):
+        metrics.observe_eviction_step(0.1, phase)
 
 
 def test_cache_saved_is_published_as_blocks_and_fraction_of_the_pool(metrics, registry):
@@ -157,7 +156,8 @@ def test_values_recorded_in_another_process_reach_a_multiprocess_registry(tmp_pa
         """
         from vllm_kvevict.vllm_adapter import metrics
         metrics.record_request_compacted("ada-snapkv", 4000, 1000.0, [900.0, 1100.0], [0.5, 1.5], 60)
-        metrics.observe_eviction_step(0.02, "compaction")
+        metrics.observe_eviction_step(0.02)
+        metrics.set_worker_requests(3)
         metrics.set_kv_cache_saved(60, 600)
         metrics.record_eviction_config("ada-snapkv", 1000, {"window": 32})
         """,
@@ -169,7 +169,8 @@ def test_values_recorded_in_another_process_reach_a_multiprocess_registry(tmp_pa
     assert get("vllm_kvevict_requests_compacted_total", {"method": "ada-snapkv"}) == 1
     assert get("vllm_kvevict_blocks_freed_total") == 60
     assert get("vllm_kvevict_kept_ratio_count") == 1
-    assert get("vllm_kvevict_eviction_step_seconds_count", {"phase": "compaction"}) == 1
+    assert get("vllm_kvevict_eviction_step_seconds_count", {"phase": "total"}) == 1
+    assert get("vllm_kvevict_worker_requests") == 3
     assert get("vllm_kvevict_kv_cache_saved_perc") == 0.1
     assert get("vllm_kvevict_layer_kept_budget", {"layer": "1"}) == 1100
     info = {"method": "ada-snapkv", "budget": "1000", "params": "window=32"}

@@ -28,8 +28,9 @@ STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 #: B_h / B: one KV head's kept entries over the layer's mean per head (1.0 = uniform budgets).
 HEAD_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
-#: phases an eviction step's time is reported for.
-STEP_PHASES = ("total", "scoring", "compaction")
+#: phases an eviction step's time is reported for. Only the total is measured (scoring, selection and
+#: compaction planning of all layers together); the dashboard shows exactly these (test_deploy_files.py).
+STEP_PHASES = ("total",)
 
 
 class EvictionMetrics:
@@ -63,7 +64,7 @@ class EvictionMetrics:
         )
         self.step_seconds = Histogram(
             PREFIX + "eviction_step_seconds",
-            "Time of the eviction work in one engine step (phase: total, scoring, compaction).",
+            "Time of the eviction work in one engine step (phase=total: scoring, selection, planning).",
             ["phase"], buckets=STEP_SECONDS_BUCKETS, registry=registry,
         )
         self.head_budget_ratio = Histogram(
@@ -90,6 +91,11 @@ class EvictionMetrics:
             PREFIX + "layer_kept_budget",
             "Kept tokens per KV head of each layer for the most recently compacted request.",
             ["layer"], registry=registry, multiprocess_mode="mostrecent",
+        )
+        self.worker_requests = Gauge(
+            PREFIX + "worker_requests",
+            "Requests whose compacted KV layout the worker holds (0 once all requests are gone: no leak).",
+            registry=registry, multiprocess_mode="mostrecent",
         )
         # An info metric by convention (``*_info`` = 1): prometheus_client's Info does not work multi-process.
         self.config_info = Gauge(
@@ -134,6 +140,9 @@ class EvictionMetrics:
 
     def set_kv_tokens_resident(self, tokens: float) -> None:
         self.kv_tokens_resident.set(tokens)
+
+    def set_worker_requests(self, count: int) -> None:
+        self.worker_requests.set(count)
 
     def set_kv_cache_saved(self, saved_blocks: int, total_blocks: int) -> None:
         if total_blocks <= 0:
@@ -203,13 +212,18 @@ def record_request_skipped(method: str) -> None:
 
 
 def observe_eviction_step(seconds: float, phase: str = "total") -> None:
-    """Time one engine step spent on eviction; phase is ``total``, ``scoring`` or ``compaction``."""
+    """Time one engine step spent on eviction; ``phase`` is one of ``STEP_PHASES``."""
     process_metrics().observe_eviction_step(seconds, phase)
 
 
 def set_kv_tokens_resident(tokens: float) -> None:
     """KV tokens per KV head now resident for all running compacted requests (after eviction)."""
     process_metrics().set_kv_tokens_resident(tokens)
+
+
+def set_worker_requests(count: int) -> None:
+    """Requests whose eviction state (sub-block tables) the worker holds after a step."""
+    process_metrics().set_worker_requests(count)
 
 
 def set_kv_cache_saved(saved_blocks: int, total_blocks: int) -> None:
