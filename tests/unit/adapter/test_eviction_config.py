@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,9 @@ from vllm_kvevict.vllm_adapter.config import (
     eviction_config_from_additional,
     parse_budget,
 )
+from vllm_kvevict.vllm_adapter.request_validation import SERVER_CONFIG_ENV, VALIDATOR_FQCN
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -98,6 +103,7 @@ def test_guard_rails_turn_off_prefix_caching_and_chunked_prefill(monkeypatch):
     from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv(SERVER_CONFIG_ENV, "")  # restored after the test
     # The real call turns on multi-process Prometheus for this whole pytest process; record it instead.
     multiprocess_calls = []
     monkeypatch.setattr(
@@ -113,6 +119,9 @@ def test_guard_rails_turn_off_prefix_caching_and_chunked_prefill(monkeypatch):
 
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert multiprocess_calls == [True]
+    # Per-request vllm_xargs are validated by the API server against the server's setting.
+    assert engine_args.logits_processors == [VALIDATOR_FQCN]
+    assert json.loads(os.environ[SERVER_CONFIG_ENV])["method"] == "snapkv"
 
 
 def test_no_eviction_leaves_engine_args_alone():
@@ -157,3 +166,45 @@ def test_cuda_refuses_a_backend_that_cannot_evict():
     engine_args = EngineArgs(model="unused", attention_backend="FLASH_ATTN")
     with pytest.raises(SystemExit, match="FLASH_ATTN cannot evict"):
         select_cuda_backend(engine_args, is_cuda=True)
+
+
+# ----- preset files -----------------------------------------------------------------------------------------
+def test_a_preset_file_gives_method_and_parameters():
+    args = parse(["--kv-eviction-config", str(CONFIGS / "kvpress-snapkv.yaml"), "--kv-budget", "512"])
+    config = eviction_config_from_args(args, {})
+    params = {"window": 64, "kernel": 5, "pooling": "avg"}
+    assert config == EvictionConfig(method="snapkv", budget=512, params=params)
+
+
+def test_a_preset_may_repeat_its_method_but_not_contradict_it():
+    preset = str(CONFIGS / "ada-snapkv.yaml")
+    same = parse(["--kv-eviction", "ada-snapkv", "--kv-eviction-config", preset, "--kv-budget", "256"])
+    assert eviction_config_from_args(same, {}).method == "ada-snapkv"
+    other = parse(["--kv-eviction", "snapkv", "--kv-eviction-config", preset, "--kv-budget", "256"])
+    with pytest.raises(EvictionConfigError, match="--kv-eviction snapkv contradicts the preset's method"):
+        eviction_config_from_args(other, {})
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "no such file"),
+        ("method: [unclosed", "is not valid YAML"),
+        ("method: bogus\nparams: {}", "unknown eviction method 'bogus'; valid methods: snapkv"),
+        ("method: snapkv\nparams: {windw: 3}", "unknown parameter(s) windw for method 'snapkv'"),
+        ("- just a list", "a preset is a mapping"),
+    ],
+)
+def test_a_bad_preset_file_is_one_line_naming_the_file_and_the_problem(tmp_path, content, problem):
+    path = tmp_path / "preset.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(argparse.ArgumentError) as raised:
+        parse(["--kv-eviction-config", str(path)])
+    message = str(raised.value)
+    assert f"--kv-eviction-config {path}: " in message and problem in message
+    assert "\n" not in message
+
+
+def test_json_parameters_still_work_beside_preset_files():
+    assert parse(["--kv-eviction-config", '{"window": 16}']).kv_eviction_config == {"window": 16}
