@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_kvevict.cli.methods",
     "vllm_kvevict.cli.eval",
     "vllm_kvevict.cli.bench",
+    "vllm_kvevict.cli.soak",
 )
 
 
