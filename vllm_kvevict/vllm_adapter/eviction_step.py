@@ -30,6 +30,7 @@ from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
 from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.vllm_adapter.policy_guard import guarded_select
 from vllm_kvevict.vllm_adapter.request_settings import RequestSettings
 
 logger = logging.getLogger("vllm.kvevict.eviction_step")
@@ -344,7 +345,7 @@ class EvictionWorker:
         compact: it is logged and the layer keeps the most recent ``budget`` tokens of every head instead
         of taking the engine down."""
         try:
-            kept = req.policy.select(layer, budget)
+            kept = guarded_select(req.policy, layer, budget)  # any policy failure -> a counted PolicyFault
             if kept.total == self.num_kv_heads * budget and int(kept.counts.max()) <= req.prompt_len:
                 return kept
             problem = f"kept {kept.counts.tolist()} tokens per head, the accounting needs {budget} on average"

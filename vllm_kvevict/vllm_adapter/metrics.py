@@ -28,6 +28,8 @@ STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 #: B_h / B: one KV head's kept entries over the layer's mean per head (1.0 = uniform budgets).
 HEAD_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
+#: why a policy's selection was replaced by the most recent tokens (vllm_adapter/policy_guard.py).
+FALLBACK_REASONS = ("raised", "wrong_counts", "nan_scores")
 #: phases an eviction step's time is reported for. Only the total is measured (scoring, selection and
 #: compaction planning of all layers together); the dashboard shows exactly these (test_deploy_files.py).
 STEP_PHASES = ("total",)
@@ -92,6 +94,11 @@ class EvictionMetrics:
             "Kept tokens per KV head of each layer for the most recently compacted request.",
             ["layer"], registry=registry, multiprocess_mode="mostrecent",
         )
+        self.policy_fallbacks = Counter(
+            PREFIX + "policy_fallbacks",
+            "Layers of a request whose policy failed (reason) and kept the most recent tokens instead.",
+            ["method", "reason"], registry=registry,
+        )
         self.worker_requests = Gauge(
             PREFIX + "worker_requests",
             "Requests whose compacted KV layout the worker holds (0 once all requests are gone: no leak).",
@@ -106,6 +113,13 @@ class EvictionMetrics:
     def record_eviction_config(self, method: str, budget: int | float, params: Mapping[str, object]) -> None:
         params_text = ",".join(f"{key}={params[key]}" for key in sorted(params))
         self.config_info.labels(method=method, budget=str(budget), params=params_text).set(1)
+        for reason in FALLBACK_REASONS:  # series at 0 from the start: a rate() panel shows 0, not "no data"
+            self.policy_fallbacks.labels(method=method, reason=reason)
+
+    def record_policy_fallback(self, method: str, reason: str) -> None:
+        if reason not in FALLBACK_REASONS:
+            raise ValueError(f"reason={reason!r} is not one of {', '.join(FALLBACK_REASONS)}")
+        self.policy_fallbacks.labels(method=method, reason=reason).inc()
 
     def record_request_compacted(
         self,
@@ -219,6 +233,11 @@ def observe_eviction_step(seconds: float, phase: str = "total") -> None:
 def set_kv_tokens_resident(tokens: float) -> None:
     """KV tokens per KV head now resident for all running compacted requests (after eviction)."""
     process_metrics().set_kv_tokens_resident(tokens)
+
+
+def record_policy_fallback(method: str, reason: str) -> None:
+    """One layer of one request fell back to its most recent tokens because its policy failed."""
+    process_metrics().record_policy_fallback(method, reason)
 
 
 def set_worker_requests(count: int) -> None:

@@ -1,0 +1,135 @@
+"""Fault containment at the policy boundary of the worker.
+
+``guarded_select`` calls a policy's ``select`` for one layer of one request and turns every way it can go
+wrong into a :class:`PolicyFault`: an exception of any type (``raised``), NaN scores (``nan_scores``), or kept
+tokens that break the block accounting — not exactly ``H x budget`` in total, a head over the prompt, an index
+outside the prompt or repeated (``wrong_counts``). Each fault is counted in
+``vllm_kvevict_policy_fallbacks_total{method, reason}`` and raised as a ``RuntimeError``, which
+``EvictionWorker.select`` logs and answers with the layer's most recent tokens: the scheduler frees the
+request's blocks whatever happens, so the request must still compact, and the other requests of the batch are
+not touched.
+
+Test hook: ``KVEVICT_FAULT_INJECTION='{"raise": 777, "wrong_counts": 778, "nan": 779}'`` injects each fault
+into every layer of the requests whose prompt has exactly that many tokens (read once per process; off unless
+set). ``raise`` injects an ``IndexError``, a type the worker did not catch before this guard existed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
+from vllm_kvevict.vllm_adapter import metrics
+
+FAULT_INJECTION_ENV = "KVEVICT_FAULT_INJECTION"
+INJECTABLE = ("raise", "wrong_counts", "nan")
+
+
+class PolicyFault(RuntimeError):
+    """A policy failed on one layer of one request; ``reason`` is one of ``metrics.FALLBACK_REASONS``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+class NaNScores(RuntimeError):
+    """A scorer returned NaN for some (head, token)."""
+
+
+def guarded_select(policy: EvictionPolicy, layer: LayerKV, budget: int) -> KeptTokens:
+    """``policy.select(layer, budget)``, validated; raises :class:`PolicyFault` (counted) on any failure."""
+    injected = injected_faults().get(layer.num_tokens)
+    try:
+        with nan_checked_scores(policy, poison=injected == "nan"):
+            if injected == "raise":
+                raise IndexError(f"injected ({FAULT_INJECTION_ENV}) for a {layer.num_tokens}-token prompt")
+            kept = policy.select(layer, budget)
+    except NaNScores as exc:
+        raise fault(policy, "nan_scores", str(exc)) from exc
+    except Exception as exc:  # any bug in any policy: contained here, never in vLLM's engine loop
+        raise fault(policy, "raised", f"{type(exc).__name__}: {exc}") from exc
+    if injected == "wrong_counts":
+        kept = KeptTokens(indices=kept.indices, counts=kept.counts + 1)
+    problem = accounting_problem(kept, layer, budget)
+    if problem is not None:
+        raise fault(policy, "wrong_counts", problem)
+    return kept
+
+
+def fault(policy: EvictionPolicy, reason: str, message: str) -> PolicyFault:
+    metrics.record_policy_fallback(policy.name or type(policy).__name__, reason)
+    return PolicyFault(reason, message)
+
+
+def accounting_problem(kept: KeptTokens, layer: LayerKV, budget: int) -> str | None:
+    """Why ``kept`` cannot be written into the blocks the scheduler leaves, or None when it can."""
+    heads, n = layer.num_kv_heads, layer.num_tokens
+    counts, indices = kept.counts, kept.indices
+    if tuple(counts.shape) != (heads,) or indices.dim() != 2 or indices.shape[0] != heads:
+        return f"counts {tuple(counts.shape)} / indices {tuple(indices.shape)} are not per KV head ({heads})"
+    most = min(n, indices.shape[1])
+    if int(counts.sum()) != heads * budget or int(counts.min()) < 0 or int(counts.max()) > most:
+        return f"kept {counts.tolist()} tokens per head; needs {budget} per head on average, <= {n} each"
+    valid = torch.arange(indices.shape[1], device=indices.device) < counts[:, None]
+    chosen = indices[valid]
+    if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= n):
+        return f"kept indices outside the {n}-token prompt"
+    rising = indices[:, 1:] > indices[:, :-1]
+    if bool((~rising & valid[:, 1:]).any()):
+        return "kept indices of a head are not ascending and unique"
+    return None
+
+
+@contextlib.contextmanager
+def nan_checked_scores(policy: EvictionPolicy, poison: bool = False) -> Iterator[None]:
+    """Within the block, every scorer of ``policy`` (itself and the ``inner`` policies it wraps) raises
+    :class:`NaNScores` on NaN scores; ``poison`` turns its scores into NaN first (fault injection)."""
+    scorers = []
+    current: object = policy
+    while isinstance(current, EvictionPolicy):
+        if isinstance(current, ScoredPolicy):
+            scorers.append(current)
+        current = getattr(current, "inner", None)
+    for scorer in scorers:
+        # Instance attribute over the class method, removed on exit; policies are frozen dataclasses.
+        object.__setattr__(scorer, "score", checked_score(scorer, poison))
+    try:
+        yield
+    finally:
+        for scorer in scorers:
+            object.__delattr__(scorer, "score")
+
+
+def checked_score(scorer: ScoredPolicy, poison: bool):
+    score = type(scorer).score.__get__(scorer)
+
+    def score_checked(layer: LayerKV, budget: int) -> torch.Tensor:
+        scores = score(layer, budget)
+        if poison:
+            scores = torch.full_like(scores, float("nan"))
+        if bool(torch.isnan(scores).any()):
+            raise NaNScores(f"{scorer.name or type(scorer).__name__} scored NaN in layer {layer.layer_idx}")
+        return scores
+
+    return score_checked
+
+
+@functools.cache
+def injected_faults() -> dict[int, str]:
+    """{prompt tokens: fault} from ``KVEVICT_FAULT_INJECTION`` (empty when unset)."""
+    text = os.environ.get(FAULT_INJECTION_ENV)
+    if not text:
+        return {}
+    spec = json.loads(text)
+    unknown = set(spec) - set(INJECTABLE)
+    if unknown:
+        valid = ", ".join(INJECTABLE)
+        raise ValueError(f"{FAULT_INJECTION_ENV}: unknown faults {sorted(unknown)}; valid: {valid}")
+    return {int(tokens): name for name, tokens in spec.items()}
