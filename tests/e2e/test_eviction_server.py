@@ -1,18 +1,25 @@
-"""Per-head eviction inside a real ``vllm serve``, through HTTP and the ``openai`` client (issue 5, item 5).
+"""Per-head eviction inside a real ``vllm serve``, through HTTP and the ``openai`` client (issue 5, item 5;
+per-request settings through ``vllm_xargs``: issue 14).
 
 Two servers for the module, started once with the same settings except eviction: vanilla vLLM, and
-``--kv-eviction ada-snapkv --kv-budget 512`` (ragged per-head budgets, the headline method).
+``--kv-eviction ada-snapkv --kv-budget 512`` (ragged per-head budgets, the headline method), which saves
+each compacted request's kept counts (``KVEVICT_DEBUG_DUMP_DIR``).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.layout.accounting import plan_request
+from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -37,8 +44,14 @@ def vanilla(model_dir):
 
 
 @pytest.fixture(scope="module")
-def evicting(model_dir):
-    with VLLMServer(model_dir, extra_args=COMMON_ARGS + EVICTION_ARGS, kv_cache_space_gib=1) as server:
+def dump_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kept")
+
+
+@pytest.fixture(scope="module")
+def evicting(model_dir, dump_dir):
+    args, env = COMMON_ARGS + EVICTION_ARGS, {DEBUG_DUMP_ENV: str(dump_dir)}
+    with VLLMServer(model_dir, extra_args=args, kv_cache_space_gib=1, env=env) as server:
         yield server
 
 
@@ -176,3 +189,117 @@ def test_aborting_a_compacted_request_mid_decode_returns_its_blocks(evicting, to
     stream.close()  # the server sees the client go away and aborts the request
     assert wait_for_usage(evicting, 0.0) == 0.0, "the aborted request's blocks were not returned"
     assert greedy(evicting, "The capital of France is", 8).strip(), "server unusable after the abort"
+
+
+# ----- per-request settings: vllm_xargs (issue 14) -------------------------------------------------------
+NUM_LAYERS = 30  # SmolLM2-135M
+
+
+def block_size_of(server: VLLMServer) -> int:
+    """The block size the server runs with, from its start-up summary line."""
+    found = re.search(r"kv-eviction active: .* block size (\d+);", server.log_path.read_text())
+    assert found, "no 'kv-eviction active' line in the server log"
+    return int(found.group(1))
+
+
+def dumped_requests(paths: set[Path], prompt_len: int) -> list[list[list[int]]]:
+    """[layer][kv head] kept counts of every dumped request (debug dump files) with this prompt length."""
+    import torch
+
+    records = [torch.load(path) for path in paths]
+    return [[c.tolist() for c in r["counts"]] for r in records if r["prompt_len"] == prompt_len]
+
+
+def kept_counts_by_prompt_len(paths: set[Path], prompt_len: int) -> list[list[int]]:
+    """[layer][kv head] kept counts of the one dumped request with this prompt length."""
+    matching = dumped_requests(paths, prompt_len)
+    assert len(matching) == 1, f"{len(matching)} dumped requests with a {prompt_len}-token prompt"
+    return matching[0]
+
+
+def method_total(server: VLLMServer, name: str, method: str) -> float:
+    return sum(v for labels, v in server.metric_samples(name) if labels.get("method") == method)
+
+
+def complete(server: VLLMServer, prompt: str, xargs: dict | None, max_tokens: int = 16):
+    return client_of(server).completions.create(
+        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"vllm_xargs": xargs} if xargs is not None else None,
+    )
+
+
+def test_two_concurrent_requests_compact_to_their_own_budgets(evicting, dump_dir, tokenizer):
+    """One request at 10% of its prompt with the server's method, one at 300 tokens per head with SnapKV."""
+    cases = [
+        (travel_log(1500, tokenizer, seed=41), {"kv_budget": 0.1}, "ada-snapkv", 0.1),
+        (travel_log(1100, tokenizer, seed=42), {"kv_eviction": "snapkv", "kv_budget": 300}, "snapkv", 300),
+    ]
+    compacted = "vllm_kvevict_requests_compacted_total"
+    before = {method: method_total(evicting, compacted, method) for _, _, method, _ in cases}
+    dumped_before = set(dump_dir.glob("*.pt"))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        answers = list(pool.map(lambda case: complete(evicting, case[0], case[1]), cases))
+    new_dumps = set(dump_dir.glob("*.pt")) - dumped_before
+    block_size = block_size_of(evicting)
+    prompt_lens = [answer.usage.prompt_tokens for answer in answers]
+    assert len(set(prompt_lens)) == 2
+    for answer, prompt_len, (_, _, method, budget) in zip(answers, prompt_lens, cases, strict=True):
+        assert answer.usage.completion_tokens > 0
+        plan = plan_request(prompt_len, budget, block_size, build_policy(method), NUM_LAYERS)
+        assert plan.compacts
+        kept = kept_counts_by_prompt_len(new_dumps, prompt_len)
+        assert [sum(heads) / len(heads) for heads in kept] == list(plan.layer_budgets)
+        assert method_total(evicting, compacted, method) == before[method] + 1
+    # The two budgets differ: 10% of 1500 tokens is ~150 per head, the other asked for 300.
+    totals = [sum(map(sum, kept_counts_by_prompt_len(new_dumps, n))) for n in prompt_lens]
+    assert totals[0] < totals[1]
+    assert "failed on request" not in evicting.log_path.read_text(), "a policy fell back to recent tokens"
+    assert wait_for_usage(evicting, 0.0) == 0.0, "blocks leaked after per-request compaction"
+
+
+def test_kv_eviction_none_gives_the_same_greedy_output_as_vanilla(vanilla, evicting, dump_dir, tokenizer):
+    prompt = travel_log(1300, tokenizer, seed=43)  # far above the server's 512-token budget
+    skipped = "vllm_kvevict_requests_skipped_total"
+    before = method_total(evicting, skipped, "none")
+    dumped_before = set(dump_dir.glob("*.pt"))
+    kept_whole = complete(evicting, prompt, {"kv_eviction": "none"}, max_tokens=32)
+    expected = complete(vanilla, prompt, None, max_tokens=32)
+    assert kept_whole.choices[0].text == expected.choices[0].text
+    assert method_total(evicting, skipped, "none") == before + 1
+    assert set(dump_dir.glob("*.pt")) == dumped_before, "a request with kv_eviction=none was compacted"
+
+
+BAD_XARGS = [
+    ({"kv_eviction": "bogus"}, ["'bogus' is not a known method", "valid: none, snapkv"]),
+    ({"kv_budget": 0}, ["kv_budget=0 is out of range", "an integer >= 1"]),
+    ({"kv_budget": -3}, ["kv_budget=-3 is out of range"]),
+    ({"kv_budget": "lots"}, ["kv_budget='lots' is a string, not a number"]),
+    ({"kv_budget": 1.5}, ["kv_budget=1.5 is out of range", "a float in (0, 1)"]),
+    ({"kv_eviction": "critical-snapkv"}, ["'critical-snapkv' cannot run per request on this server",
+                                          "valid: none, snapkv"]),
+    ({"kv_budget": 8}, ["kv_budget=8 is below the 32 tokens ada-snapkv always keeps", "an integer >= 32"]),
+]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_each_bad_value_is_a_400_naming_it_and_the_server_keeps_serving(evicting, endpoint):
+    import openai
+
+    client = client_of(evicting)
+    for xargs, fragments in BAD_XARGS:
+        with pytest.raises(openai.BadRequestError) as raised:
+            if endpoint == "completions":
+                client.completions.create(model=evicting.served_model_name, prompt="Hello", max_tokens=4,
+                                          extra_body={"vllm_xargs": xargs})
+            else:
+                client.chat.completions.create(model=evicting.served_model_name, max_tokens=4,
+                                               messages=[{"role": "user", "content": "Hello"}],
+                                               extra_body={"vllm_xargs": xargs})
+        assert raised.value.status_code == 400
+        for fragment in fragments:
+            assert fragment in raised.value.message, (xargs, raised.value.message)
+    good = client.chat.completions.create(model=evicting.served_model_name, max_tokens=4,
+                                          messages=[{"role": "user", "content": "Hello"}],
+                                          extra_body={"vllm_xargs": {"kv_budget": 0.5}})
+    assert good.choices[0].message.content is not None
+    assert wait_for_usage(evicting, 0.0) == 0.0

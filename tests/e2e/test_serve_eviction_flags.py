@@ -35,7 +35,7 @@ def haystack_prompt(tokenizer, num_tokens: int) -> str:
 def test_help_documents_the_eviction_flags():
     result = run_vllm("serve", "--help=KVEviction")
     assert result.returncode == 0, result.stderr[-2000:]
-    for flag in ("--kv-eviction METHOD", "--kv-budget BUDGET", "--kv-eviction-config JSON"):
+    for flag in ("--kv-eviction METHOD", "--kv-budget BUDGET", "--kv-eviction-config JSON|FILE"):
         assert flag in result.stdout
     help_text = " ".join(result.stdout.split())  # argparse wraps long lines
     assert "streamingllm" in help_text and "kept fraction of the prompt" in help_text
@@ -47,6 +47,8 @@ def test_help_documents_the_eviction_flags():
         (("--kv-eviction", "bogus", "--kv-budget", "512"), "invalid choice: 'bogus' (choose from 'snapkv'"),
         (("--kv-eviction", "snapkv", "--kv-budget", "1.5"), "--kv-budget='1.5': a fractional budget"),
         (("--kv-eviction", "snapkv", "--kv-budget", "512", "--kv-eviction-config", '{"windw": 8}'), "windw"),
+        (("--kv-budget", "512", "--kv-eviction-config", "configs/missing.yaml"),
+         "--kv-eviction-config configs/missing.yaml: no such file"),
     ],
 )
 def test_bad_setting_stops_start_up_with_one_line(model_dir, args, message):
