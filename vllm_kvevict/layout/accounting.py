@@ -92,6 +92,10 @@ def plan_request(
     if kept_bound >= prompt_len:
         return RequestPlan(prompt_len, block_size, (prompt_len,) * num_layers, prompt_len, 0, False)
     blocks_to_free = max(0, (prompt_len - kept_bound) // block_size - 1)
+    if blocks_to_free == 0:
+        # Only one block's worth to evict: the rule keeps it as headroom, so eviction would lose tokens and
+        # free nothing. Such a request stays whole.
+        return RequestPlan(prompt_len, block_size, (prompt_len,) * num_layers, prompt_len, 0, False)
     return RequestPlan(prompt_len, block_size, layer_budgets, kept_bound, blocks_to_free, True)
 
 

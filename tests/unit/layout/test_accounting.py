@@ -51,6 +51,16 @@ def test_4k_prompt_with_512_budget_frees_most_blocks():
     assert plan.blocks_held(0) == 512 // 128 + 1
 
 
+@pytest.mark.parametrize("method", ["snapkv", "ada-snapkv"])
+def test_a_prompt_whose_plan_would_free_no_block_is_not_compacted(method):
+    """640 tokens at 608 per head, blocks of 32: one block to evict, which the rule keeps as headroom."""
+    plan = plan_request(640, 608, 32, build_policy(method), NUM_LAYERS)
+    assert not plan.compacts
+    assert plan.blocks_to_free == 0
+    assert plan.layer_budgets == (640,) * NUM_LAYERS
+    assert plan_request(672, 608, 32, build_policy(method), NUM_LAYERS).blocks_to_free == 1
+
+
 def test_short_fractional_budget_never_drops_below_the_window():
     policy = build_policy("snapkv", window=32)
     plan = plan_request(100, 0.1, 32, policy, NUM_LAYERS)
