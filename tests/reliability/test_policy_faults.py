@@ -1,0 +1,52 @@
+"""Fault injection (issue 13): the server's policy raises, returns counts that break the accounting, or
+scores NaN on one request of a batch (``INJECTED_FAULTS``: prompts of those exact lengths). That request
+falls back to its most recent tokens, logged and counted in ``vllm_kvevict_policy_fallbacks_total``; it
+completes; the other requests of the batch answer exactly as in a run without it; the engine stays up.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from reliability_traffic import INJECTED_FAULTS, client_of, long_ids, wait_for_usage_zero
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+OUTPUT_TOKENS = 24
+NUM_LAYERS = 30  # SmolLM2-135M: the policy runs once per layer of a compacting request
+FALLBACKS = "vllm_kvevict_policy_fallbacks_total"
+
+
+def greedy(server, prompt: list[int]) -> list[int]:
+    result = client_of(server).completions.create(
+        model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    return list(result.choices[0].token_ids)
+
+
+def together(server, prompts: list[list[int]]) -> list[list[int]]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda prompt: greedy(server, prompt), prompts))
+
+
+def fallbacks(server, reason: str) -> float:
+    return sum(value for labels, value in server.metric_samples(FALLBACKS) if labels["reason"] == reason)
+
+
+@pytest.mark.parametrize(("fault", "reason"), [("raise", "raised"), ("wrong_counts", "wrong_counts"),
+                                                ("nan", "nan_scores")])
+def test_a_policy_fault_on_one_request_falls_back_and_leaves_the_rest_of_the_batch_alone(
+    server, tokenizer, fault, reason
+):
+    others = [long_ids(tokenizer, 500 + 40 * index, seed=300 + index) for index in range(2)]
+    faulty = long_ids(tokenizer, INJECTED_FAULTS[fault], seed=310)
+    without_fault = together(server, others)
+    before = fallbacks(server, reason)
+    *with_fault, faulty_answer = together(server, [*others, faulty])
+    assert with_fault == without_fault
+    assert len(faulty_answer) == OUTPUT_TOKENS
+    assert fallbacks(server, reason) - before == NUM_LAYERS
+    assert server.is_running()
+    assert wait_for_usage_zero(server) == 0
