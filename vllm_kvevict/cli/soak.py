@@ -6,6 +6,9 @@ is the limit and preemption happens), sends short, long, streaming, client-abort
 aborted, answered 4xx (expected for the invalid ones), 5xx (must be 0), transport errors, preemptions,
 leaked blocks (``vllm:kv_cache_usage_perc`` once idle, must be 0), the worker's eviction state left
 (``vllm_kvevict_worker_requests``, must be 0) and ``/health``. Exits 1 when any of those checks fails.
+
+With ``--base-url http://127.0.0.1:PORT`` it soaks a server already running on this machine instead (the
+server's flags are then its own; the reliability tests use this).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add = parser.add_argument
     add("--minutes", type=positive_float, required=True, help="minutes of traffic")
+    add("--base-url", default=None,
+        help="soak this running local server (e.g. http://127.0.0.1:8000) instead of starting one")
     add("--model-dir", type=Path, default=None, help="HF model directory (default: the bundled model)")
     add("--method", default="ada-snapkv", help="eviction method (default: ada-snapkv)")
     add("--budget", default="64", help="--kv-budget (default: 64 tokens per KV head)")
@@ -82,25 +87,41 @@ class AfterTraffic:
 def run(args: argparse.Namespace) -> int:
     from vllm_kvevict.cli.prepare_model import prepared_model_dir
     from vllm_kvevict.cli.server_process import VLLMServer
+    from vllm_kvevict.soak.probe import ServerProbe
 
     model_dir = args.model_dir or prepared_model_dir()
     prompts = build_prompts(model_dir, args)
-    print(f"[soak] vllm serve {model_dir} {shlex.join(server_args(args))}", file=sys.stderr, flush=True)
-    with VLLMServer(model_dir, extra_args=tuple(server_args(args))) as server:
-        from vllm_kvevict.soak.traffic import TrafficRun
-
-        start_preemptions = server.metric_value(PREEMPTIONS)
-        started = time.monotonic()
-        traffic = TrafficRun(server.base_url, server.served_model_name, prompts, args.seed, 600)
-        counts = traffic.run(args.concurrency, deadline=started + 60 * args.minutes)
-        wall_s = time.monotonic() - started
-        after = observe_after_traffic(server, args.num_kv_blocks, start_preemptions)
-        alive = server.is_running()
+    if args.base_url is not None:
+        try:
+            probe = ServerProbe(args.base_url)
+        except ValueError as error:
+            print(f"vllm-kvevict soak: error: --base-url {error}", file=sys.stderr)
+            return 2
+        counts, after, wall_s = soak(probe, prompts, args)
+        alive = after.health == 200
+    else:
+        print(f"[soak] vllm serve {model_dir} {shlex.join(server_args(args))}", file=sys.stderr, flush=True)
+        with VLLMServer(model_dir, extra_args=tuple(server_args(args))) as server:
+            counts, after, wall_s = soak(ServerProbe(server.root_url), prompts, args)
+            alive = server.is_running()
     report = summary(args, counts, after, wall_s, alive)
     print(report)
     if args.append is not None:
         append_summary(args, report)
     return 0 if passed(counts, after, alive) else 1
+
+
+def soak(probe, prompts, args: argparse.Namespace):
+    """Traffic until the deadline, then the server's state once idle: (counts, AfterTraffic, wall seconds)."""
+    from vllm_kvevict.soak.traffic import TrafficRun
+
+    start_preemptions = probe.metric_sum(PREEMPTIONS)
+    started = time.monotonic()
+    traffic = TrafficRun(probe.base_url, probe.served_model(), prompts, args.seed, 600)
+    counts = traffic.run(args.concurrency, deadline=started + 60 * args.minutes)
+    wall_s = time.monotonic() - started
+    num_blocks = probe.num_kv_blocks() or args.num_kv_blocks
+    return counts, observe_after_traffic(probe, num_blocks, start_preemptions), wall_s
 
 
 def build_prompts(model_dir: Path, args: argparse.Namespace):
@@ -121,30 +142,22 @@ def build_prompts(model_dir: Path, args: argparse.Namespace):
     return Prompts(long=long, short=short, max_model_len=args.max_model_len, vocab_size=vocab_size)
 
 
-def observe_after_traffic(server, num_blocks: int, start_preemptions: float, timeout_s: float = 120):
+def observe_after_traffic(probe, num_blocks: int, start_preemptions: float, timeout_s: float = 120):
     """Wait until no block is held (or ``timeout_s``), then read usage, worker state, preemptions, health."""
-    import urllib.error
-    import urllib.request
-
     started = time.monotonic()
-    usage = server.metric_value(USAGE)
+    usage = probe.metric_sum(USAGE)
     while usage != 0 and time.monotonic() - started < timeout_s:
         time.sleep(0.5)
-        usage = server.metric_value(USAGE)
+        usage = probe.metric_sum(USAGE)
     seconds_to_idle = time.monotonic() - started
     time.sleep(1.0)  # one more engine step publishes the worker's state after the last finish
-    worker = server.metric_samples(WORKER_STATE)
-    try:
-        with urllib.request.urlopen(server.root_url + "/health", timeout=30) as response:
-            health = response.status
-    except urllib.error.HTTPError as error:
-        health = error.code
+    worker = probe.metric_samples(WORKER_STATE)
     return AfterTraffic(
         usage=usage,
         leaked_blocks=round(usage * num_blocks),
         worker_requests=sum(value for _, value in worker) if worker else None,
-        preemptions=server.metric_value(PREEMPTIONS) - start_preemptions,
-        health=health,
+        preemptions=probe.metric_sum(PREEMPTIONS) - start_preemptions,
+        health=probe.health(),
         seconds_to_idle=seconds_to_idle,
     )
 
