@@ -281,8 +281,9 @@ BAD_XARGS = [
 ]
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_each_bad_value_is_a_400_naming_it_and_the_server_keeps_serving(evicting, endpoint):
+def test_each_bad_value_is_a_400_naming_it_and_the_server_keeps_serving(evicting, endpoint, stream):
     import openai
 
     client = client_of(evicting)
@@ -290,11 +291,11 @@ def test_each_bad_value_is_a_400_naming_it_and_the_server_keeps_serving(evicting
         with pytest.raises(openai.BadRequestError) as raised:
             if endpoint == "completions":
                 client.completions.create(model=evicting.served_model_name, prompt="Hello", max_tokens=4,
-                                          extra_body={"vllm_xargs": xargs})
+                                          stream=stream, extra_body={"vllm_xargs": xargs})
             else:
                 client.chat.completions.create(model=evicting.served_model_name, max_tokens=4,
                                                messages=[{"role": "user", "content": "Hello"}],
-                                               extra_body={"vllm_xargs": xargs})
+                                               stream=stream, extra_body={"vllm_xargs": xargs})
         assert raised.value.status_code == 400
         for fragment in fragments:
             assert fragment in raised.value.message, (xargs, raised.value.message)

@@ -24,7 +24,11 @@ from vllm_kvevict.vllm_adapter.config import (
     parse_params_or_preset,
 )
 from vllm_kvevict.vllm_adapter.metrics_multiprocess import ensure_multiprocess_collection
-from vllm_kvevict.vllm_adapter.request_validation import VALIDATOR_FQCN, publish_server_config
+from vllm_kvevict.vllm_adapter.request_validation import (
+    MIDDLEWARE_PATH,
+    VALIDATOR_FQCN,
+    publish_server_config,
+)
 
 logger = init_logger("vllm.kvevict")
 
@@ -134,18 +138,22 @@ def apply_eviction_to_engine_args(args: argparse.Namespace, engine_args: Any) ->
     additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
     engine_args.additional_config = additional
     apply_guard_rails(engine_args, config)
-    enable_request_validation(engine_args, config)
+    enable_request_validation(args, engine_args, config)
     # Before EngineCore/workers start: their vllm_kvevict_* metrics reach /metrics only this way.
     ensure_multiprocess_collection()
 
 
-def enable_request_validation(engine_args: Any, config: EvictionConfig) -> None:
-    """Per-request ``vllm_xargs`` overrides are checked by the API server (HTTP 400 before scheduling),
-    through vLLM's logits-processor ``validate_params`` hook (``request_validation.py``)."""
+def enable_request_validation(args: argparse.Namespace, engine_args: Any, config: EvictionConfig) -> None:
+    """Per-request ``vllm_xargs`` overrides are checked by the API server (HTTP 400 before scheduling):
+    an ASGI middleware (``--middleware``, read from ``args`` when the app is built) and vLLM's
+    logits-processor ``validate_params`` hook (``request_validation.py``)."""
     publish_server_config(config)
     processors = list(engine_args.logits_processors or [])
     if VALIDATOR_FQCN not in processors:
         engine_args.logits_processors = [*processors, VALIDATOR_FQCN]
+    middleware = list(getattr(args, "middleware", None) or [])
+    if MIDDLEWARE_PATH not in middleware:
+        args.middleware = [*middleware, MIDDLEWARE_PATH]
 
 
 def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:

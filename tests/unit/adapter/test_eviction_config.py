@@ -16,7 +16,7 @@ from vllm_kvevict.vllm_adapter.config import (
     eviction_config_from_additional,
     parse_budget,
 )
-from vllm_kvevict.vllm_adapter.request_validation import SERVER_CONFIG_ENV, VALIDATOR_FQCN
+from vllm_kvevict.vllm_adapter.request_validation import MIDDLEWARE_PATH, SERVER_CONFIG_ENV, VALIDATOR_FQCN
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -111,7 +111,8 @@ def test_guard_rails_turn_off_prefix_caching_and_chunked_prefill(monkeypatch):
         lambda: multiprocess_calls.append(True),
     )
     engine_args = EngineArgs(model="unused", enable_prefix_caching=True, enable_chunked_prefill=True)
-    apply_eviction_to_engine_args(parse(["--kv-eviction", "snapkv", "--kv-budget", "256"]), engine_args)
+    args = parse(["--kv-eviction", "snapkv", "--kv-budget", "256"])
+    apply_eviction_to_engine_args(args, engine_args)
     assert engine_args.additional_config["kv_eviction"] == {"method": "snapkv", "budget": 256, "params": {}}
     assert engine_args.enable_prefix_caching is False
     assert engine_args.enable_chunked_prefill is False
@@ -121,6 +122,7 @@ def test_guard_rails_turn_off_prefix_caching_and_chunked_prefill(monkeypatch):
     assert multiprocess_calls == [True]
     # Per-request vllm_xargs are validated by the API server against the server's setting.
     assert engine_args.logits_processors == [VALIDATOR_FQCN]
+    assert args.middleware == [MIDDLEWARE_PATH]
     assert json.loads(os.environ[SERVER_CONFIG_ENV])["method"] == "snapkv"
 
 

@@ -4,6 +4,7 @@ on every request's plan without a message."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -24,6 +25,7 @@ from vllm_kvevict.vllm_adapter.request_settings import RequestOverride, RequestS
 from vllm_kvevict.vllm_adapter.request_validation import (
     SERVER_CONFIG_ENV,
     VALIDATOR_FQCN,
+    VllmXargsMiddleware,
     publish_server_config,
 )
 
@@ -104,6 +106,68 @@ def test_vllm_runs_the_validator_registered_as_a_logits_processor(monkeypatch):
 def test_without_eviction_on_the_server_the_keys_are_not_read(monkeypatch):
     monkeypatch.delenv(SERVER_CONFIG_ENV, raising=False)
     validate_logits_processors_parameters([VALIDATOR_FQCN], SamplingParams(extra_args={"kv_budget": 0}))
+
+
+# ----- the ASGI middleware (streamed requests get their 400 before vLLM answers 200) ---------------------
+def call_middleware(body_chunks: list[bytes], content_type: bytes = b"application/json"):
+    """(messages the client got, body the app behind the middleware received or None)."""
+    seen: dict[str, bytes] = {}
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        seen["body"] = body
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    incoming = [{"type": "http.request", "body": chunk, "more_body": i < len(body_chunks) - 1}
+                for i, chunk in enumerate(body_chunks)]
+    sent: list[dict] = []
+
+    async def receive():
+        return incoming.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"content-type", content_type)]}
+    asyncio.run(VllmXargsMiddleware(app)(scope, receive, send))
+    return sent, seen.get("body")
+
+
+def test_middleware_answers_400_for_a_bad_value_before_the_handler(monkeypatch):
+    monkeypatch.setenv(SERVER_CONFIG_ENV, json.dumps(SERVER.to_dict()))
+    body = json.dumps({"stream": True, "vllm_xargs": {"kv_budget": "lots"}}).encode()
+    sent, handled = call_middleware([body[:10], body[10:]])
+    assert handled is None
+    assert sent[0]["status"] == 400
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["code"] == 400 and error["param"] == "vllm_xargs"
+    assert "kv_budget='lots' is a string, not a number; valid: an integer >= 1" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "body", [{"vllm_xargs": {"kv_budget": 0.25}}, {"prompt": "no xargs"}, {"vllm_xargs": {"session_id": "s"}}]
+)
+def test_middleware_passes_valid_requests_with_their_body_intact(monkeypatch, body):
+    monkeypatch.setenv(SERVER_CONFIG_ENV, json.dumps(SERVER.to_dict()))
+    raw = json.dumps(body).encode()
+    sent, handled = call_middleware([raw[:7], raw[7:]])
+    assert handled == raw and sent[0]["status"] == 200
+
+
+def test_middleware_leaves_other_content_and_eviction_off_alone(monkeypatch):
+    bad = json.dumps({"vllm_xargs": {"kv_budget": 0}}).encode()
+    monkeypatch.setenv(SERVER_CONFIG_ENV, json.dumps(SERVER.to_dict()))
+    assert call_middleware([bad], content_type=b"multipart/form-data")[1] == bad
+    assert call_middleware([b"{not json vllm_xargs"])[1] == b"{not json vllm_xargs"
+    monkeypatch.delenv(SERVER_CONFIG_ENV)
+    assert call_middleware([bad])[1] == bad
 
 
 # ----- scheduler and worker agree -------------------------------------------------------------------------
