@@ -1,9 +1,12 @@
-"""Every private vLLM patch of the project, in one place (vLLM 0.32.0, V1 model runner).
+"""Every private vLLM patch of the engine, in one place (vLLM 0.32.0, V1 model runner; the ``vllm serve``
+flag wrappers are in ``cli_hooks.py``).
 
 vLLM's attention metadata builders see block tables and token counts but no request ids or prompt lengths,
 and nothing tells them when a request ends. The eviction worker needs both, so two model-runner methods
 are wrapped. Each wrapper does nothing unless this process has an ``EvictionWorker`` (eviction on), and
-always calls the original.
+always calls the original. On the scheduler side, ``KVCacheManager.allocate_slots`` is wrapped so that the
+evicting manager sees each request's own setting (its sampling parameters); without an evicting manager it
+does nothing.
 """
 
 from __future__ import annotations
