@@ -205,7 +205,10 @@ def append_summary(args: argparse.Namespace, report: str) -> None:
     from vllm_kvevict.bench.report import machine_description
 
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    command = "vllm-kvevict soak " + shlex.join(sys.argv[sys.argv.index("soak") + 1:])
+    argv = sys.argv[sys.argv.index("soak") + 1:]
+    if "--machine" in argv:  # shown on its own line
+        del argv[argv.index("--machine"):argv.index("--machine") + 2]
+    command = "vllm-kvevict soak " + shlex.join(argv)
     section = (
         f"\n### Soak of {now}\n\n- Machine: {args.machine or machine_description()}\n"
         f"- Command: `{command}`\n\n{report}\n"

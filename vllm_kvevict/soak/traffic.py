@@ -92,16 +92,18 @@ class TrafficRun:
     async def _run(self, concurrency: int, deadline: float) -> None:
         limits = httpx.Limits(max_connections=concurrency + 4)
         async with httpx.AsyncClient(timeout=self.timeout, limits=limits) as client:
-            await asyncio.gather(*(self._client_loop(client, deadline) for _ in range(concurrency)))
+            await asyncio.gather(*(self._client_loop(client, deadline, i) for i in range(concurrency)))
 
-    async def _client_loop(self, client: httpx.AsyncClient, deadline: float) -> None:
+    async def _client_loop(self, client: httpx.AsyncClient, deadline: float, index: int) -> None:
         kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
+        # Client i starts with kind i, so that with >= len(kinds) clients even a short soak sends every kind.
+        kind = kinds[index % len(kinds)]
         while time.monotonic() < deadline:
-            kind = self.rng.choices(kinds, weights)[0]
             try:
                 await getattr(self, f"_{kind}")(client)
             except httpx.HTTPError as error:
                 self.counts.record(kind, "transport", f"{type(error).__name__}: {error}")
+            kind = self.rng.choices(kinds, weights)[0]
 
     # -- one method per kind ------------------------------------------------------------------------------
     def _body(self, prompt: list[int], max_tokens: int, **extra: object) -> dict[str, object]:
