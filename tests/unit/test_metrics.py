@@ -206,3 +206,22 @@ def test_exposition_text_names_help_and_type(metrics, registry):
     text = generate_latest(registry).decode()
     assert "# TYPE vllm_kvevict_eviction_step_seconds histogram" in text
     assert "# HELP vllm_kvevict_eviction_step_seconds Time of the eviction work" in text
+
+
+def test_a_muted_process_records_nothing():
+    """Tensor-parallel ranks other than 0 are muted (every rank compacts the same requests)."""
+    out = run_python(
+        """
+        from prometheus_client import REGISTRY
+        from vllm_kvevict.vllm_adapter import metrics
+        metrics.mute_this_process()
+        metrics.record_request_skipped("snapkv")
+        metrics.record_kept_per_head("snapkv", 100, [[10, 10]], 2)
+        muted = REGISTRY.get_sample_value("vllm_kvevict_requests_skipped_total", {"method": "snapkv"})
+        metrics.mute_this_process(False)
+        metrics.record_request_skipped("snapkv")
+        print(muted, REGISTRY.get_sample_value("vllm_kvevict_requests_skipped_total", {"method": "snapkv"}))
+        """,
+        dict(os.environ),
+    )
+    assert out.strip() == "None 1.0"

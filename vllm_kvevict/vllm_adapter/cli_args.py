@@ -159,6 +159,12 @@ def enable_request_validation(args: argparse.Namespace, engine_args: Any, config
 def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
     """Settings eviction needs; every change is logged, none is silent."""
     logger.info("kv-eviction: %s", config.describe())
+    if (getattr(engine_args, "pipeline_parallel_size", 1) or 1) > 1:
+        raise SystemExit(
+            f"vllm serve: error: --pipeline-parallel-size {engine_args.pipeline_parallel_size} is not "
+            "supported with --kv-eviction (layers are indexed globally while a pipeline stage holds a slice "
+            "of them); use --tensor-parallel-size instead"
+        )
     if getattr(engine_args, "speculative_config", None):
         raise SystemExit(
             "vllm serve: error: --speculative-config is not supported with --kv-eviction (never tested, and "

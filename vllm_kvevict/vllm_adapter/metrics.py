@@ -15,7 +15,7 @@ on first use, so a server without eviction never creates a series and pays nothi
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -165,13 +165,32 @@ class EvictionMetrics:
         self.kv_cache_saved_perc.set(saved_blocks / total_blocks)
 
 
+class _Discarded:
+    """Takes every recording call of ``EvictionMetrics`` and records nothing (a muted process)."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
 _lock = threading.Lock()
 _process_metrics: EvictionMetrics | None = None
+_muted = False
+
+
+def mute_this_process(muted: bool = True) -> None:
+    """Stop (or resume) recording in this process. Tensor-parallel worker ranks other than 0 are muted: every
+    rank compacts the same requests (each for its own KV heads), so counting on every rank would multiply
+    the counters by the TP size. Multi-process values are written to files whatever the registry, hence a
+    switch rather than a private registry."""
+    global _muted
+    _muted = muted
 
 
 def process_metrics() -> EvictionMetrics:
-    """This process's metrics in the global registry, built on first use."""
+    """This process's metrics in the global registry, built on first use (a sink when muted)."""
     global _process_metrics
+    if _muted:
+        return _Discarded()  # type: ignore[return-value]
     if _process_metrics is None:
         with _lock:
             if _process_metrics is None:

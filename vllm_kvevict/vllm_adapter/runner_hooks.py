@@ -92,6 +92,7 @@ def _prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *a
         if not worker.o_proj_collected:
             worker.o_proj = o_proj_weights(runner.get_model())
             worker.o_proj_collected = True
+            _mute_metrics_off_tp_rank_0()
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         worker.begin_step(
@@ -104,6 +105,13 @@ def _prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *a
             )
         )
     return original(runner, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+
+def _mute_metrics_off_tp_rank_0() -> None:
+    """Every tensor-parallel rank compacts the same requests for its own heads: only rank 0 records."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    metrics.mute_this_process(get_tensor_model_parallel_rank() != 0)
 
 
 def _extra_args(runner, req_id: str) -> dict[str, Any] | None:

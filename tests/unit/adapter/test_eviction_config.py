@@ -210,3 +210,14 @@ def test_a_bad_preset_file_is_one_line_naming_the_file_and_the_problem(tmp_path,
 
 def test_json_parameters_still_work_beside_preset_files():
     assert parse(["--kv-eviction-config", '{"window": 16}']).kv_eviction_config == {"window": 16}
+
+
+def test_pipeline_parallelism_is_refused_with_one_line(monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
+
+    monkeypatch.setenv(SERVER_CONFIG_ENV, "")
+    engine_args = EngineArgs(model="unused", pipeline_parallel_size=2)
+    with pytest.raises(SystemExit, match=r"^vllm serve: error: --pipeline-parallel-size 2 is not supported"):
+        apply_eviction_to_engine_args(parse(["--kv-eviction", "snapkv", "--kv-budget", "256"]), engine_args)
