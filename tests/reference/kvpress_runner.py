@@ -19,7 +19,7 @@ SCRIPT = ROOT / "scripts" / "kvpress_reference" / "kept_indices.py"
 
 #: kvpress's defaults (SnapKVPress: window_size 64, kernel_size 5, average pooling) on our side. We
 #: configure OUR policies like kvpress, since kvpress has no max pooling.
-KVPRESS_ALIKE = {"window": 64, "kernel": 5, "pooling": "avg"}
+KVPRESS_ALIKE = {"window": 64, "kernel": 5, "pooling": "avg", "span_after": 0}
 SHARED_METHODS = (
     "snapkv",
     "pyramidkv",

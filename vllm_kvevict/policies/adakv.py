@@ -9,8 +9,18 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, check_fraction
-from vllm_kvevict.policies.selection import ada_allocation, safeguard_size
+from vllm_kvevict.policies.base import (
+    EvictionPolicy,
+    KeptTokens,
+    LayerKV,
+    ScoredPolicy,
+    check_choice,
+    check_fraction,
+)
+from vllm_kvevict.policies.selection import ada_allocation, ada_blend_allocation, safeguard_size
+
+#: How ``alpha`` is read: kvpress's and the paper code's safeguard, or the blend of the paper's formula.
+ALLOCATIONS: tuple[str, ...] = ("safeguard", "blend")
 
 
 @dataclass
@@ -19,16 +29,21 @@ class AdaKV(EvictionPolicy):
     go to the best scores of all KV heads together, after each head keeps its top ``alpha * budget``
     (the safeguard). Heads end up with ragged budgets B_h, summing to ``H * budget`` exactly.
 
-    ``alpha`` is kvpress's ``alpha_safeguard`` (0.2): the guaranteed fraction per head, not a mixing weight.
+    ``allocation="safeguard"`` (default, kvpress parity): ``alpha`` is kvpress's ``alpha_safeguard`` (0.2),
+    the guaranteed fraction per head. ``allocation="blend"``: ``alpha`` is the adaptive share of each head's
+    budget, ``B_h = alpha * B_h* + (1 - alpha) * B`` (``ada_blend_allocation``), so no head falls below
+    ``(1 - alpha) * B``.
     """
 
     inner: ScoredPolicy
     alpha: float = 0.2
+    allocation: str = "safeguard"
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, ScoredPolicy):
             raise ValueError(f"AdaKV wraps a ScoredPolicy (SnapKV, PyramidKV, ...); got {self.inner!r}")
         check_fraction(type(self).__name__, "alpha", self.alpha, 0.0, 1.0)
+        check_choice(type(self).__name__, "allocation", self.allocation, ALLOCATIONS)
 
     def layer_budget(self, budget: int, num_tokens: int, layer_idx: int, num_layers: int) -> int:
         return self.inner.layer_budget(budget, num_tokens, layer_idx, num_layers)
@@ -46,10 +61,15 @@ class AdaKV(EvictionPolicy):
     def keep_mask(self, layer: LayerKV, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [kv_heads, n], keep [kv_heads, n] bool) for ``budget`` < n."""
         scores = self.inner.score(layer, budget)
+        if self.allocation == "blend":
+            return scores, ada_blend_allocation(scores, budget, self.alpha)
         return scores, ada_allocation(scores, budget, self.alpha)
 
     def safeguard(self, budget: int) -> int:
-        """Tokens every head keeps by its own scores before the shared allocation."""
+        """Tokens every head keeps by its own scores before the shared allocation (none in the blend,
+        which has no shared stage)."""
+        if self.allocation == "blend":
+            return 0
         return safeguard_size(budget, self.alpha)
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:

@@ -212,6 +212,22 @@ def pool_scores(scores: torch.Tensor, kernel: int = 7, kind: str = "max") -> tor
     return pooled.reshape(scores.shape)
 
 
+def extend_forward(scores: torch.Tensor, span: int) -> torch.Tensor:
+    """Each token also takes the highest score of the ``span`` tokens before it: [..., n] -> [..., n].
+
+    out[i] = max(scores[i - span .. i]). A kept attention peak then keeps the run of tokens that follows
+    it, which is what copying a multi-token value needs: the step writing token k of the value attends to
+    the token after the one it just wrote, not to the peak the question pointed at.
+    """
+    if isinstance(span, bool) or not isinstance(span, int) or span < 0:
+        raise ValueError(f"span={span!r} is not valid; it must be an int >= 0")
+    if span == 0 or scores.shape[-1] == 0:
+        return scores
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    padded = F.pad(flat, (span, 0), value=float("-inf"))
+    return F.max_pool1d(padded, kernel_size=span + 1, stride=1).reshape(scores.shape)
+
+
 def group_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """GQA reduction: [q_heads, n] -> [kv_heads, n], the mean over each KV head's query group."""
     q_heads, n = scores.shape

@@ -73,6 +73,35 @@ def ada_allocation(scores: torch.Tensor, budget: int, alpha: float) -> torch.Ten
     return guaranteed | pooled.reshape(kv_heads, n)
 
 
+def blend_budgets(adaptive: torch.Tensor, budget: int, alpha: float) -> torch.Tensor:
+    """Per-head budgets ``B_h = alpha * B_h* + (1 - alpha) * budget``, rounded so they sum to H * budget.
+
+    adaptive: [kv_heads] int64 B_h*, the pure Ada-KV allocation (summing to H * budget). Rounding: floor,
+    then the heads with the largest fractional parts (ties: the lower head) get one more token each.
+    Returns [kv_heads] int64.
+    """
+    kv_heads = adaptive.shape[0]
+    exact = alpha * adaptive.double() + (1.0 - alpha) * budget
+    floored = exact.floor().to(torch.int64)
+    short = kv_heads * budget - int(floored.sum())
+    # A stable sort of the negated remainders puts the largest first, ties in head order.
+    order = torch.sort(floored.double() - exact, stable=True).indices
+    floored[order[:short]] += 1
+    return floored
+
+
+def ada_blend_allocation(scores: torch.Tensor, budget: int, alpha: float) -> torch.Tensor:
+    """Ada-KV's allocation read as a blend: head h keeps its top ``B_h = alpha * B_h* + (1 - alpha) * B``
+    tokens, B_h* being the pure allocation (the layer's top H * B scores over all heads, no safeguard).
+
+    alpha is the adaptive share: 0 is uniform SnapKV, 1 pure Ada-KV. Every head keeps at least
+    ``(1 - alpha) * B``, so no head is starved. scores: [kv_heads, n] with ``+inf`` for always-kept tokens;
+    budget < n. Returns [kv_heads, n] bool with exactly ``kv_heads * budget`` True entries.
+    """
+    adaptive = ada_allocation(scores, budget, 0.0).sum(dim=1)
+    return top_k_mask(scores, blend_budgets(adaptive, budget, alpha))
+
+
 def critical_selection(
     scores: torch.Tensor,
     norms: torch.Tensor,

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_choice, check_int
-from vllm_kvevict.policies.scoring import POOLING_KINDS, group_mean, pool_scores, window_attention
+from vllm_kvevict.policies.scoring import (
+    POOLING_KINDS,
+    extend_forward,
+    group_mean,
+    pool_scores,
+    window_attention,
+)
 
 
 @dataclass
@@ -21,11 +27,16 @@ class SnapKV(ScoredPolicy):
     As in kvpress's SnapKVPress the softmax runs over all n keys but only the n - window tokens before the
     window are scored and pooled (zero/-inf padding at their end), then the window is appended as kept.
     kvpress defaults: window 64, ``pooling="avg"``, kernel 5; the paper and we: window 32, max pooling, 7.
+    ``span_after`` (ours; 0 is the paper's SnapKV): after pooling, each token also takes the score of the
+    ``span_after`` tokens before it, so a kept peak keeps the run that follows it (``extend_forward``).
+    Copying a multi-token answer reads that run token by token; with 0 the bundled model wrote truncated
+    numbers (docs/policies.md, "Answer tails"), so the product default is 8.
     """
 
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
+    span_after: int = 8
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -34,6 +45,7 @@ class SnapKV(ScoredPolicy):
         if self.kernel % 2 == 0:
             raise ValueError(f"{owner}: kernel={self.kernel} is not valid; it must be an odd int >= 1")
         check_choice(owner, "pooling", self.pooling, POOLING_KINDS)
+        check_int(owner, "span_after", self.span_after, 0)
 
     @property
     def min_budget(self) -> int:
@@ -50,7 +62,8 @@ class SnapKV(ScoredPolicy):
         window = min(self.window, n)
         queries, positions = window_queries(layer, window, type(self).__name__)
         attention = window_attention(queries, layer.keys, positions)[:, : n - window]
-        scores = group_mean(pool_scores(attention, self.kernel, self.pooling), layer.num_kv_heads)
+        pooled = extend_forward(pool_scores(attention, self.kernel, self.pooling), self.span_after)
+        scores = group_mean(pooled, layer.num_kv_heads)
         kept_window = torch.full((layer.num_kv_heads, window), float("inf"), device=scores.device)
         return torch.cat([scores, kept_window], dim=1)
 

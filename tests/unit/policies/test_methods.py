@@ -40,19 +40,27 @@ def heads(kept: KeptTokens) -> list[list[int]]:
 
 def test_snapkv_keeps_the_attended_tokens_and_the_window() -> None:
     layer = one_hot_layer([[{1: 12.0}, {4: 8.0}]])
-    assert heads(SnapKV(window=2, kernel=1).select(layer, 4)) == [[1, 4, 6, 7]]
+    assert heads(SnapKV(span_after=0, window=2, kernel=1).select(layer, 4)) == [[1, 4, 6, 7]]
 
 
 def test_snapkv_max_pooling_spreads_scores_to_neighbours_and_ties_go_low() -> None:
     layer = one_hot_layer([[{1: 12.0}, {4: 8.0}]])
     # Pooled prefix scores: tokens 0-2 all equal token 1's, tokens 3-5 token 4's; the 2 free slots go to 0, 1.
-    assert heads(SnapKV(window=2, kernel=3, pooling="max").select(layer, 4)) == [[0, 1, 6, 7]]
+    assert heads(SnapKV(span_after=0, window=2, kernel=3, pooling="max").select(layer, 4)) == [[0, 1, 6, 7]]
+
+
+def test_snapkv_span_after_keeps_the_run_that_follows_a_peak() -> None:
+    layer = one_hot_layer([[{1: 12.0}, {9: 6.0}]], n=12)
+    # Prefix scores (tokens 0-9): a strong peak at 1, a weak one at 9. The paper's rule keeps the two peaks
+    # and the best leftovers by index; span_after=3 gives tokens 2-4 the peak's score, so the run 1-4 stays.
+    assert heads(SnapKV(span_after=0, window=2, kernel=1).select(layer, 5)) == [[0, 1, 9, 10, 11]]
+    assert heads(SnapKV(span_after=3, window=2, kernel=1).select(layer, 6)) == [[1, 2, 3, 4, 10, 11]]
 
 
 def test_snapkv_scores_a_kv_head_by_the_mean_of_its_query_group() -> None:
     # One KV head read by two query heads: token 2 is attended by both, token 5 strongly by one only.
     layer = one_hot_layer([[{2: 6.0, 5: 9.0}], [{2: 6.0}]])
-    assert heads(SnapKV(window=1, kernel=1).select(layer, 2)) == [[2, 7]]
+    assert heads(SnapKV(span_after=0, window=1, kernel=1).select(layer, 2)) == [[2, 7]]
 
 
 def test_pyramidkv_budgets_by_hand() -> None:
@@ -68,16 +76,19 @@ def test_pyramidkv_budgets_by_hand() -> None:
 
 def test_pyramidkv_selects_like_snapkv_at_its_layer_budget() -> None:
     layer = one_hot_layer([[{1: 12.0}, {4: 8.0}]])
-    assert heads(PyramidKV(window=2, kernel=1).select(layer, 3)) == [[1, 6, 7]]
+    assert heads(PyramidKV(span_after=0, window=2, kernel=1).select(layer, 3)) == [[1, 6, 7]]
 
 
 def test_ada_snapkv_moves_slots_to_the_head_with_spread_attention() -> None:
     spread = {1: 8.0, 2: 8.0, 3: 8.0}
     layer = one_hot_layer([[spread], [{5: 12.0}]], kv_heads=2)
     # Head 0 spreads attention over 1, 2, 3; head 1 only needs 5. Budget 3 x 2 heads = 6 slots.
-    assert heads(AdaKV(SnapKV(window=1, kernel=1), alpha=0.2).select(layer, 3)) == [[1, 2, 3, 7], [5, 7]]
+    assert heads(AdaKV(SnapKV(span_after=0, window=1, kernel=1), alpha=0.2).select(layer, 3)) == [
+        [1, 2, 3, 7],
+        [5, 7],
+    ]
     # Uniform SnapKV: 3 each, head 1 wastes a slot on a leftover (the lowest index).
-    assert heads(SnapKV(window=1, kernel=1).select(layer, 3)) == [[1, 2, 7], [0, 5, 7]]
+    assert heads(SnapKV(span_after=0, window=1, kernel=1).select(layer, 3)) == [[1, 2, 7], [0, 5, 7]]
 
 
 def test_critical_snapkv_prefers_tokens_with_large_projected_values() -> None:
@@ -88,14 +99,14 @@ def test_critical_snapkv_prefers_tokens_with_large_projected_values() -> None:
     values[0, 6] *= 1000.0
     layer = LayerKV(layer.keys, values, layer.queries, o_proj=torch.eye(n))
     # Budget 4: stage 1 = 2 (window + token 1 by attention); stage 2 = tokens 4 and 6 (value norm x1000).
-    assert heads(CriticalKV(SnapKV(window=1, kernel=1)).select(layer, 4)) == [[1, 4, 6, 7]]
-    assert heads(SnapKV(window=1, kernel=1).select(layer, 4)) == [[0, 1, 2, 7]]
+    assert heads(CriticalKV(SnapKV(span_after=0, window=1, kernel=1)).select(layer, 4)) == [[1, 4, 6, 7]]
+    assert heads(SnapKV(span_after=0, window=1, kernel=1).select(layer, 4)) == [[0, 1, 2, 7]]
 
 
 def test_critical_kv_needs_o_proj() -> None:
     layer = one_hot_layer([[{1: 12.0}]])
     with pytest.raises(ValueError, match="o_proj"):
-        CriticalKV(SnapKV(window=1)).select(layer, 3)
+        CriticalKV(SnapKV(span_after=0, window=1)).select(layer, 3)
 
 
 def test_streamingllm_keeps_sinks_and_recent_tokens() -> None:
@@ -116,7 +127,7 @@ def test_h2o_keeps_heavy_hitters_accumulated_over_all_queries() -> None:
 def test_nacl_without_random_part_is_snapkv_without_pooling(make_layer) -> None:
     layer = make_layer(kv_heads=3, group=3, n=70, w=32)
     nacl = NaCl(window=8, random_ratio=0.0).select(layer, 20)
-    snap = SnapKV(window=8, kernel=1).select(layer, 20)
+    snap = SnapKV(span_after=0, window=8, kernel=1).select(layer, 20)
     assert torch.equal(nacl.indices, snap.indices)
 
 

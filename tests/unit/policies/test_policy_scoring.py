@@ -11,6 +11,7 @@ from torch.nn import functional as F
 from vllm_kvevict.policies.scoring import (
     accumulated_attention,
     attention_statistics,
+    extend_forward,
     group_mean,
     pool_scores,
     value_norms,
@@ -103,6 +104,28 @@ def test_max_pooling_by_hand_keeps_length_and_ignores_padding() -> None:
     expected = torch.tensor([[-1.0, -1.0, -1.0, -2.0, -2.0, -3.0, -3.0]])
     assert torch.equal(pool_scores(scores, 5, "max"), expected)
     assert torch.equal(pool_scores(scores, 1, "max"), scores)
+
+
+def test_extend_forward_by_hand_carries_each_score_over_the_next_span_tokens() -> None:
+    scores = torch.tensor([[0.0, 9.0, 1.0, 0.0, 0.0, 5.0, 0.0, 0.0]])
+    # out[i] = max(scores[i - 2 .. i]): the peak at 1 covers 1..3, the one at 5 covers 5..7.
+    expected = torch.tensor([[0.0, 9.0, 9.0, 9.0, 1.0, 5.0, 5.0, 5.0]])
+    assert torch.equal(extend_forward(scores, 2), expected)
+    assert torch.equal(extend_forward(scores, 0), scores)
+
+
+def test_extend_forward_keeps_plus_infinity_and_leading_axes() -> None:
+    scores = torch.tensor([[[1.0, float("inf"), 0.0, 2.0]], [[3.0, 0.0, 0.0, 0.0]]])
+    out = extend_forward(scores, 1)
+    assert out.shape == scores.shape
+    assert out[0, 0].tolist() == [1.0, float("inf"), float("inf"), 2.0]
+    assert out[1, 0].tolist() == [3.0, 3.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("span", [-1, 1.5, True])
+def test_extend_forward_rejects_bad_span(span: object) -> None:
+    with pytest.raises(ValueError, match="span"):
+        extend_forward(torch.zeros(1, 3), span)  # type: ignore[arg-type]
 
 
 def test_pooling_works_on_batched_leading_axes() -> None:

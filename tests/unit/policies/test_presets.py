@@ -25,7 +25,9 @@ def test_each_preset_builds_its_policy(path: Path) -> None:
 
 def test_kvpress_preset_matches_kvpress_defaults() -> None:
     policy = load_preset(CONFIGS[0].parent / "kvpress-ada-snapkv.yaml").build()
-    assert isinstance(policy, AdaKV) and policy.inner == SnapKV(window=64, kernel=5, pooling="avg")
+    assert isinstance(policy, AdaKV) and policy.inner == SnapKV(
+        window=64, kernel=5, pooling="avg", span_after=0
+    )
 
 
 def test_bad_presets_name_the_file_and_entry(tmp_path: Path) -> None:

@@ -68,8 +68,10 @@ def test_method_info_lists_parameters_with_defaults() -> None:
         "window": 32,
         "kernel": 7,
         "pooling": "max",
+        "span_after": 8,
         "beta": 20,
         "alpha": 0.2,
+        "allocation": "safeguard",
     }
     assert infos["nacl"].params == {"window": 32, "random_ratio": 0.5, "seed": 0}
     assert all(m.description for m in infos.values())
@@ -81,7 +83,9 @@ def test_unknown_method_lists_the_valid_ones() -> None:
 
 
 def test_unknown_parameter_names_it_and_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"sinks.*'snapkv'.*valid parameters: kernel, pooling, window"):
+    with pytest.raises(
+        ValueError, match=r"sinks.*'snapkv'.*valid parameters: kernel, pooling, span_after, window"
+    ):
         build_policy("snapkv", sinks=4)
 
 

@@ -6,6 +6,8 @@ import torch
 
 from vllm_kvevict.policies.selection import (
     ada_allocation,
+    ada_blend_allocation,
+    blend_budgets,
     critical_selection,
     head_seed,
     robust_selection,
@@ -118,3 +120,28 @@ def test_robust_selection_keeps_volatile_tokens_then_high_means() -> None:
     assert kept(robust_selection(mean, std, 3, 1 / 3, eligible)) == [[0, 1, 2]]
     # std_ratio 0: pure mean ranking.
     assert kept(robust_selection(mean, std, 3, 0.0, eligible)) == [[0, 2, 3]]
+
+
+def test_blend_budgets_by_hand_round_to_the_layer_total() -> None:
+    # 0.2 * (10, 50, 90) + 0.8 * 50 = (42, 50, 58): exact.
+    assert blend_budgets(torch.tensor([10, 50, 90]), 50, 0.2).tolist() == [42, 50, 58]
+    # 0.5 * (1, 1, 7) + 0.5 * 3 = (2, 2, 5): exact; 0.3 * (0, 4, 5) + 0.7 * 3 = (2.1, 3.3, 3.6) -> floors
+    # (2, 3, 3) sum 8, one more token to the largest remainder (head 2).
+    assert blend_budgets(torch.tensor([1, 1, 7]), 3, 0.5).tolist() == [2, 2, 5]
+    assert blend_budgets(torch.tensor([0, 4, 5]), 3, 0.3).tolist() == [2, 3, 4]
+    # alpha 0 is uniform, alpha 1 the adaptive allocation itself.
+    assert blend_budgets(torch.tensor([0, 4, 5]), 3, 0.0).tolist() == [3, 3, 3]
+    assert blend_budgets(torch.tensor([0, 4, 5]), 3, 1.0).tolist() == [0, 4, 5]
+
+
+def test_ada_blend_keeps_every_head_near_the_uniform_budget() -> None:
+    # Head 0's scores dominate: the pure allocation gives it all 8 slots of a budget of 4 per head.
+    scores = torch.tensor(
+        [[9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0], [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]]
+    )
+    assert ada_allocation(scores, 4, 0.0).sum(dim=1).tolist() == [8, 0]
+    # Blend with alpha 0.5: B_h = 0.5 * (8, 0) + 0.5 * 4 = (6, 2), each head its own top tokens.
+    assert kept(ada_blend_allocation(scores, 4, 0.5)) == [[0, 1, 2, 3, 4, 5], [0, 1]]
+    # Always-kept tokens stay kept in the starved head.
+    scores[1, 7] = INF
+    assert kept(ada_blend_allocation(scores, 4, 0.5)) == [[0, 1, 2, 3, 4, 5], [0, 7]]

@@ -1,0 +1,181 @@
+"""Parameter sweep: needle retrieval of method variants on the eval suite's own prompts, one prefill each.
+
+Each prompt of the chosen ``vllm-kvevict eval`` tasks (same generator, same seeds as the server runs) is
+prefilled once in HF transformers (float32, CPU) with its post-RoPE keys, values and last queries captured;
+every variant then selects its kept sets at every kept fraction, question-aware (the whole prompt is
+compressed, the first answer token comes from the full prefill, as in the server), and the same masked
+runner decodes them greedily. A variant is ``label=method`` or ``label=method:param=value,param=value``
+(values parsed as JSON, else kept as strings), so every parameter the registry knows can be swept.
+
+    .venv/bin/python benchmarks/policy_quality/sweep.py --lengths 4096 --samples 4 \
+        --variants 'snapkv=snapkv;snap-span=snapkv:span_after=8' --out /tmp/sweep.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import answer_decided  # noqa: E402
+
+from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
+from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
+from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
+from vllm_kvevict.hf_reference import (  # noqa: E402
+    decode_batch_with_kept,
+    kept_per_layer,
+    kvpress_kept_count,
+    load_reference_model,
+    prefill,
+)
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens  # noqa: E402
+from vllm_kvevict.policies.registry import build_policy  # noqa: E402
+
+#: Single-answer needle tasks of the eval suite: an answer is decided at its first wrong digit.
+NEEDLE_TASKS = ("niah_single_noise", "niah_single_essay", "niah_single_digits", "niah_multikey")
+QUERY_WINDOW = 256
+#: Enough for a 7-digit answer after the answer prefix; other tasks decode their own max_new_tokens.
+NEEDLE_NEW_TOKENS = 12
+
+
+def parse_variants(text: str) -> dict[str, EvictionPolicy]:
+    """``'a=snapkv;b=snapkv:window=64,kernel=9'`` -> {label: policy}; bad entries raise ValueError."""
+    variants: dict[str, EvictionPolicy] = {}
+    for entry in filter(None, (part.strip() for part in text.split(";"))):
+        label, _, spec = entry.partition("=")
+        method, _, raw_params = spec.partition(":")
+        params = {}
+        for item in filter(None, raw_params.split(",")):
+            key, _, value = item.partition("=")
+            try:
+                params[key] = json.loads(value)
+            except json.JSONDecodeError:
+                params[key] = value
+        if not label or not method:
+            raise ValueError(f"variant {entry!r} must read label=method[:param=value,...]")
+        variants[label] = build_policy(method, **params)
+    return variants
+
+
+def sweep_prompt(model, tokenizer, sample, variants, fractions, batch_bytes: float) -> list[dict]:
+    """Every (variant, fraction) row of one prompt, decoded; plus the full-cache row."""
+    prompt = prefill(model, torch.tensor(sample.token_ids), query_window=QUERY_WINDOW)
+    n = prompt.num_tokens
+    rows = [
+        {
+            "variant": "full-cache",
+            "fraction": 1.0,
+            "kept": [KeptTokens.everything(layer.num_kv_heads, n) for layer in prompt.layers],
+        }
+    ]
+    for label, policy in variants.items():
+        for fraction in fractions:
+            row = {"variant": label, "fraction": fraction}
+            try:
+                row["kept"] = kept_per_layer(policy, prompt.layers, kvpress_kept_count(n, fraction))
+            except ValueError as error:
+                row["error"] = str(error)
+            rows.append(row)
+    runnable = [row for row in rows if "kept" in row]
+    per_row = sum(k.numel() * k.element_size() * 2 for k in prompt.keys)
+    batch = max(1, int(batch_bytes // per_row))
+    single_number = len(sample.answers) == 1 and sample.answers[0].isdigit()
+    finished = answer_decided(sample.answers[0], tokenizer) if single_number else None
+    new_tokens = NEEDLE_NEW_TOKENS if single_number else sample.max_new_tokens
+    stops = [tokenizer.eos_token_id]
+    for start in range(0, len(runnable), batch):
+        chunk = runnable[start : start + batch]
+        outputs = decode_batch_with_kept(
+            model, prompt, [row["kept"] for row in chunk], new_tokens, n, stops, finished
+        )
+        for row, (tokens, _) in zip(chunk, outputs, strict=True):
+            row["output"] = tokenizer.decode(tokens, skip_special_tokens=True)
+            row["score"] = score_output(row["output"], sample.answers, sample.metric)
+    for row in rows:
+        row.pop("kept", None)
+        row.update(
+            task=sample.task, length=sample.target_tokens, sample=sample.id, answers=list(sample.answers)
+        )
+    return rows
+
+
+def summarise(records: list[dict]) -> str:
+    """Markdown table: variant x (fraction @ length), cells = mean score in percent (samples)."""
+    cells: dict[tuple[str, float, int], list[float]] = defaultdict(list)
+    for r in records:
+        if "score" in r:
+            cells[(r["variant"], r["fraction"], r["length"])].append(r["score"])
+    columns = sorted({(f, length) for _, f, length in cells}, key=lambda c: (-c[0], c[1]))
+    variants = list(dict.fromkeys(v for v, _, _ in cells))
+    lines = [
+        "| variant | " + " | ".join(f"{f:g} @ {length}" for f, length in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for variant in variants:
+        row = []
+        for f, length in columns:
+            scores = cells.get((variant, f, length), [])
+            row.append(f"{100 * sum(scores) / len(scores):.0f} ({len(scores)})" if scores else "")
+        lines.append(f"| {variant} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Needle retrieval of method variants (HF masked runner)")
+    parser.add_argument("--variants", required=True, help="'label=method[:param=value,...];...'")
+    parser.add_argument("--tasks", default=",".join(NEEDLE_TASKS))
+    parser.add_argument("--lengths", default="4096")
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--fractions", default="0.25,0.1")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out", type=Path, required=True, help="JSON lines; prompts already there are skipped"
+    )
+    parser.add_argument("--batch-bytes", type=float, default=2e9)
+    parser.add_argument("--summary-only", action="store_true")
+    args = parser.parse_args()
+    variants = parse_variants(args.variants)
+    fractions = [float(x) for x in args.fractions.split(",")]
+    records = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
+    if not args.summary_only:
+        from vllm_kvevict.cli.prepare_model import prepared_model_dir
+
+        model_dir = prepared_model_dir()
+        model, tokenizer = load_reference_model(model_dir)
+        fmt = PromptFormat(tokenizer)
+        lengths = [int(x) for x in args.lengths.split(",")]
+        samples = generate_samples(args.tasks.split(","), lengths, args.samples, args.seed, fmt)
+        done = {(r["sample"], r["variant"], r["fraction"]) for r in records}
+        for sample in samples:
+            todo = {
+                label: p
+                for label, p in variants.items()
+                if any((sample.id, label, f) not in done for f in fractions)
+            }
+            if not todo:
+                continue
+            started = time.time()
+            rows = sweep_prompt(model, tokenizer, sample, todo, fractions, args.batch_bytes)
+            rows = [r for r in rows if (r["sample"], r["variant"], r["fraction"]) not in done]
+            with args.out.open("a") as out:
+                for row in rows:
+                    out.write(json.dumps(row) + "\n")
+            records += rows
+            print(
+                f"{sample.id}: {time.time() - started:.0f}s "
+                + " ".join(f"{r['variant']}@{r['fraction']}={r.get('score', 'err')}" for r in rows),
+                flush=True,
+            )
+    print(summarise(records))
+
+
+if __name__ == "__main__":
+    main()
