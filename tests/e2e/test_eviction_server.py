@@ -304,3 +304,30 @@ def test_each_bad_value_is_a_400_naming_it_and_the_server_keeps_serving(evicting
                                           extra_body={"vllm_xargs": {"kv_budget": 0.5}})
     assert good.choices[0].message.content is not None
     assert wait_for_usage(evicting, 0.0) == 0.0
+
+
+# ----- tensor parallelism (issue 14) -----------------------------------------------------------------------
+# SmolLM2-135M has 9 query heads: vLLM admits TP sizes 1, 3 and 9 only. TP=3 gives each rank 3 query heads
+# and 1 KV head; OpenMP threads of the three ranks are pinned to the machine's two cores.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}
+
+
+@pytest.fixture(scope="module")
+def evicting_tp3(model_dir):
+    args = (*COMMON_ARGS, *EVICTION_ARGS, "--tensor-parallel-size", "3")
+    with VLLMServer(model_dir, extra_args=args, kv_cache_space_gib=1, env=TP_ENV) as server:
+        yield server
+
+
+def test_tensor_parallel_3_answers_like_one_rank_and_counts_requests_once(evicting, evicting_tp3, tokenizer):
+    """Within the budget, and compacted with per-head SnapKV (each rank selects for its own KV head)."""
+    cases = [("The capital of France is", None),
+             (travel_log(1400, tokenizer, seed=44), {"kv_eviction": "snapkv", "kv_budget": 256})]
+    compacted = "vllm_kvevict_requests_compacted_total"
+    before = method_total(evicting_tp3, compacted, "snapkv")
+    for prompt, xargs in cases:
+        one_rank = complete(evicting, prompt, xargs, max_tokens=24)
+        three_ranks = complete(evicting_tp3, prompt, xargs, max_tokens=24)
+        assert three_ranks.choices[0].text == one_rank.choices[0].text
+    assert method_total(evicting_tp3, compacted, "snapkv") == before + 1  # not once per rank
+    assert wait_for_usage(evicting_tp3, 0.0) == 0.0
