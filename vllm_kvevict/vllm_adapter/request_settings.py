@@ -137,8 +137,8 @@ class RequestSettings:
     from the same server config, block size and depth, hence the same answers on both.
 
     A value the API server would have refused (an engine driven from Python without the validator) is
-    logged by the caller and falls back to the server's setting on both sides alike: the sides must agree,
-    and the engine must not go down.
+    logged and falls back to the server's setting on both sides alike: the sides must agree, and the engine
+    must not go down.
     """
 
     def __init__(self, server: EvictionConfig, block_size: int, num_layers: int) -> None:
