@@ -28,6 +28,7 @@ SERVER_ARGS = (
 INJECTED_FAULTS = {"raise": 701, "wrong_counts": 702, "nan": 703}
 USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions_total"
+WORKER_STATE = "vllm_kvevict_worker_requests"
 
 
 def client_of(server: VLLMServer, timeout_s: float = 300):
@@ -61,4 +62,14 @@ def wait_for_usage_zero(server: VLLMServer, timeout_s: float = 60.0) -> float:
     while value != 0 and time.monotonic() < deadline:
         time.sleep(0.5)
         value = server.metric_value(USAGE)
+    return value
+
+
+def wait_for_worker_state_empty(server: VLLMServer, timeout_s: float = 30.0) -> float:
+    """Poll ``vllm_kvevict_worker_requests`` (set after every runner step) until 0; returns the last value."""
+    deadline = time.monotonic() + timeout_s
+    value = server.metric_value(WORKER_STATE)
+    while value != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = server.metric_value(WORKER_STATE)
     return value

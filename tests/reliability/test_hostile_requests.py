@@ -19,6 +19,7 @@ from reliability_traffic import (
     long_ids,
     long_text,
     wait_for_usage_zero,
+    wait_for_worker_state_empty,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -209,4 +210,5 @@ def test_after_all_of_it_the_server_is_healthy_answers_and_holds_no_block(server
     )
     assert body["usage"]["completion_tokens"] == 8 or body["choices"][0]["finish_reason"] == "stop"
     assert wait_for_usage_zero(server) == 0
+    assert wait_for_worker_state_empty(server) == 0
     assert server.is_running()

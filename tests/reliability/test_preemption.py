@@ -14,7 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
-from reliability_traffic import PREEMPTIONS, client_of, long_ids, wait_for_usage_zero
+from reliability_traffic import (
+    PREEMPTIONS,
+    client_of,
+    long_ids,
+    wait_for_usage_zero,
+    wait_for_worker_state_empty,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -101,5 +107,6 @@ def test_outputs_under_preemption_match_the_unpreempted_run_or_part_at_a_near_ti
         assert gap <= NEAR_TIE_NATS, (at, got.tokens[at], alternatives)
 
 
-def test_after_preemption_no_block_is_left_behind(server, runs):
+def test_after_preemption_no_block_and_no_worker_state_is_left_behind(server, runs):
     assert wait_for_usage_zero(server) == 0
+    assert wait_for_worker_state_empty(server) == 0
