@@ -89,14 +89,14 @@ def run(args: argparse.Namespace) -> int:
     from vllm_kvevict.cli.server_process import VLLMServer
     from vllm_kvevict.soak.probe import ServerProbe
 
+    try:
+        probe = ServerProbe(args.base_url) if args.base_url is not None else None
+    except ValueError as error:
+        print(f"vllm-kvevict soak: error: --base-url {error}", file=sys.stderr)
+        return 2
     model_dir = args.model_dir or prepared_model_dir()
     prompts = build_prompts(model_dir, args)
-    if args.base_url is not None:
-        try:
-            probe = ServerProbe(args.base_url)
-        except ValueError as error:
-            print(f"vllm-kvevict soak: error: --base-url {error}", file=sys.stderr)
-            return 2
+    if probe is not None:
         counts, after, wall_s = soak(probe, prompts, args)
         alive = after.health == 200
     else:
@@ -175,10 +175,13 @@ def summary(args: argparse.Namespace, counts, after: AfterTraffic, wall_s: float
 
     sent = sum(sum(kind.values()) for kind in counts.by_kind.values())
     worker = "not exposed" if after.worker_requests is None else f"{after.worker_requests:g} requests"
+    server = (
+        f"the server at {args.base_url} (its own settings)" if args.base_url is not None else
+        f"{args.method} @ {args.budget}, {args.num_kv_blocks} blocks of {args.block_size} tokens, "
+        f"max_model_len {args.max_model_len}"
+    )
     lines = [
-        f"soak: {wall_s / 60:.1f} min of traffic from {args.concurrency} clients; "
-        f"{args.method} @ {args.budget}, "
-        f"{args.num_kv_blocks} blocks of {args.block_size} tokens, max_model_len {args.max_model_len}",
+        f"soak: {wall_s / 60:.1f} min of traffic from {args.concurrency} clients; {server}",
         "",
         "| kind | " + " | ".join(OUTCOMES) + " |",
         "|---|" + "---:|" * len(OUTCOMES),
