@@ -2,10 +2,11 @@
 hold six compacted requests decoding at once, so vLLM preempts some and recomputes them from token 0.
 
 A recomputed request is prefilled again with its prompt and the tokens it had generated, then compacted
-again. The prompt is re-scored with the same last-window queries, so it keeps the same entries; but the
-generated tokens are recomputed by a prefill that attends to the *whole* prompt, while the first time they
-attended to the compacted one. Their KV entries, and so the tokens after the preemption point, may differ
-slightly. The test requires every request to complete and bounds the difference.
+again. The prompt is re-scored with the same last-window queries, so it keeps the same entries (up to
+rounding in a differently shaped batch); but the generated tokens are recomputed by a prefill that attends
+to the *whole* prompt, while the first time they attended to the compacted one. Their KV entries, and so
+the tokens after the preemption point, may differ slightly. The test requires every request to complete
+and bounds the difference.
 """
 
 from __future__ import annotations
