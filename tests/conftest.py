@@ -1,8 +1,8 @@
 """Shared fixtures: the prepared bundled model. Nothing else global, so that unit tests stay fast.
 
 Every server a test starts goes through ``vllm_kvevict.cli.server_process.VLLMServer``, which applies
-``vllm_kvevict.cpu_setup`` (``--dtype`` from the CPU's capabilities, tcmalloc when present) and logs the choice
-in one line.
+``vllm_kvevict.cpu_setup`` (``--dtype`` from the CPU's capabilities, tcmalloc when present) and logs the
+choice in one line.
 """
 
 from __future__ import annotations
