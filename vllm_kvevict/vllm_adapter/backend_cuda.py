@@ -5,8 +5,10 @@ same HND order as the CPU cache, so (block b, head h) is again a sub-block ``b*H
 ``[num_blocks*H, 1, bs, 2D]``, transposed and split like FlashAttention does, gives key/value caches
 ``[num_blocks*H, bs, 1, D]``. "Head as sequence" then runs FlashAttention's own varlen paged call with one KV
 head, ``group`` query heads, the per-(request, head) sub-block tables and per-head lengths, and
-``reshape_and_cache_flash`` writes new tokens and compacted entries on that view. The orchestration
-(``eviction_step.py``) is shared with the CPU backend.
+``reshape_and_cache_flash`` writes new tokens on that view. Compaction moves the kept rows inside the cache
+with ``layout.kernels.dispatch.compact_subblocks`` (CUDA op where built, else Triton) on the
+``[NB*H, bs, 2D]`` sub-block view, K and V together. The orchestration (``eviction_step.py``) is shared with
+the CPU backend; its sub-block tables live on the GPU, and a decode step reads nothing back from it.
 
 Registered as ``AttentionBackendEnum.CUSTOM`` (start with ``--attention-backend CUSTOM``). Everything that
 needs CUDA or vLLM's FlashAttention build is imported on first use, so this module imports cleanly on a
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter.eviction_step import EvictionStep
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cuda.EvictingFlashAttentionBackend"
@@ -111,6 +114,7 @@ def backend_classes() -> dict[str, type]:
                         num_kv_heads=kv_cache_spec.num_kv_heads,
                         block_size=kv_cache_spec.block_size,
                         config=config,
+                        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
                     )
                     set_worker(self.worker)
 
@@ -120,10 +124,9 @@ def backend_classes() -> dict[str, type]:
             if self.worker is None:
                 return metadata
             cm = common_attn_metadata
-            # The eviction bookkeeping runs on host copies; the step moves its small tables to the GPU.
+            # vLLM's device tensors: the step's tables grow on the GPU (host arrays go over in one copy).
             step = self.worker.make_step(
-                cm.num_reqs, cm.num_actual_tokens, cm.seq_lens.cpu(), cm.block_table_tensor.cpu(),
-                cm.slot_mapping.cpu(),
+                cm.num_reqs, cm.num_actual_tokens, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping
             )
             if step is None:
                 return metadata
@@ -154,7 +157,7 @@ def backend_classes() -> dict[str, type]:
             reshape_and_cache_flash(
                 key[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
                 value[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
-                key_cache, value_cache, batch.slot_mapping.to(key.device), self.kv_cache_dtype,
+                key_cache, value_cache, batch.slot_mapping, self.kv_cache_dtype,
                 layer._k_scale, layer._v_scale,
             )
 
@@ -172,37 +175,30 @@ def backend_classes() -> dict[str, type]:
                                 output_scale, output_block_scale)
             if step.compacting:
                 tokens = step.num_tokens
-                # Scoring runs on the GPU (policies are device-agnostic torch); only the kept indices come
-                # back to the host, where sub-blocks are assigned.
+                # Scoring, selection and the plan stay on the GPU (policies are device-agnostic torch).
                 write = step.compact_layer(
                     layer_idx, query[:tokens].view(tokens, self.num_heads, self.head_size),
                     key[:tokens], value[:tokens],
                 )
                 if write is not None and write.slots.numel():
-                    device = key.device
-                    rows, heads = write.tokens.to(device), write.heads.to(device)
-                    key_cache, value_cache = one_head_caches(kv_cache)
-                    reshape_and_cache_flash(
-                        key[rows, heads].unsqueeze(1), value[rows, heads].unsqueeze(1), key_cache,
-                        value_cache, write.slots.to(device), self.kv_cache_dtype, layer._k_scale,
-                        layer._v_scale,
-                    )
+                    num_blocks, heads, block_size, two_d = kv_cache.shape
+                    # view, never reshape: a copy would make the moves land nowhere
+                    subblocks = kv_cache.view(num_blocks * heads, block_size, two_d)
+                    dispatch.compact_subblocks(subblocks, write.src_slots, write.slots, validate=False)
             return output
 
         def _head_sequence_attention(self, layer, step: EvictionStep, layer_idx: int, query, kv_cache,
                                      output) -> None:
             batch = step.head_batch(layer_idx)
-            device = query.device
             if batch.kernel_metadata is None:
+                # Host bounds, not device maxima: a head never holds more tokens than its request.
                 batch.kernel_metadata = (
-                    batch.block_table.to(device), batch.seq_lens.to(device),
-                    batch.query_start_loc.to(device), int(batch.seq_lens.max()),
-                    int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max()),
+                    batch.block_table, batch.seq_lens, batch.query_start_loc, step.max_seq_len,
+                    step.max_query_len,
                 )
             block_table, seq_lens, query_start_loc, max_seqlen_k, max_seqlen_q = batch.kernel_metadata
             tokens, heads, group = step.num_tokens, self.num_kv_heads, self.num_queries_per_kv
             rows = step.sequence_rows()
-            rows = None if rows is None else rows.to(device)
             grouped = query[:tokens].reshape(tokens * heads, group, self.head_size)
             if rows is not None:
                 grouped = grouped.index_select(0, rows)

@@ -1,9 +1,10 @@
 """Worker-side orchestration of eviction, one step at a time (device-agnostic; kernels live in the backends).
 
-``EvictionWorker`` is the single owner of sub-block state on a worker: which requests are compacted, their
-``RequestSubBlocks``, the policy, and the o_proj weights CriticalKV needs. The model-runner hooks
-(``runner_hooks.py``) hand it each step's request ids and token counts; the attention metadata builder turns
-them into an ``EvictionStep``, which every attention layer of that step reads:
+``EvictionWorker`` is the single owner of eviction state on a worker: which requests are compacted, their
+sub-block tables (``layout.batch_tables.BatchSubBlocks``: tensors on the cache's device), the policy, and
+the o_proj weights CriticalKV needs. The model-runner hooks (``runner_hooks.py``) hand it each step's request
+ids and token counts; the attention metadata builder turns them into an ``EvictionStep``, which every
+attention layer of that step reads:
 
 - requests compacted in an earlier step get room for this step's tokens in each of their tables, and the
   step exposes, per layer, a ``HeadSequenceBatch``: the batch reshaped so each (request, KV head) is one
@@ -18,16 +19,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv, request_planner
-from vllm_kvevict.layout.compaction import CompactionPlan, plan_compaction
-from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockTable
-from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks, StepLayout
+from vllm_kvevict.layout.subblock_store import TableRows, head_token_index
+from vllm_kvevict.layout.subblock_table import SubBlockTable
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
 from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
 from vllm_kvevict.vllm_adapter.policy_guard import guarded_select
@@ -60,10 +62,8 @@ class StepRequest:
     q_len: int
     seq_len: int  # computed + q_len
     prompt_len: int
-    subblocks: RequestSubBlocks | None = None  # compacted in an earlier step
     plan: RequestPlan | None = None  # compacts in this step
     policy: EvictionPolicy | None = None  # the request's policy when it compacts in this step
-    new_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # id(table) -> [q_len, H] slots
 
 
 @dataclass
@@ -86,101 +86,90 @@ class HeadSequenceBatch:
 
 @dataclass(frozen=True)
 class CompactionWrite:
-    """Rows of the step's key/value tensors to write into the one-head view: ``key[tokens, heads]`` goes to
-    ``slots`` (all [K] int64)."""
+    """The kept entries of a layer, [K] int64 each: row ``key[tokens, heads]`` of the step's tensors, already
+    cached at one-head-view slot ``src_slots`` (standard layout), goes to slot ``slots`` (its sub-block)."""
 
     tokens: torch.Tensor
     heads: torch.Tensor
     slots: torch.Tensor
+    src_slots: torch.Tensor
 
 
 class EvictionStep:
-    """Per-step eviction data shared by every attention layer of the step (built once by the builder)."""
+    """Per-step eviction data shared by every attention layer of the step (built once by the builder).
+
+    Python work here is per compacting request (a prefill) and per layer, never per decoding request or
+    head: the head-as-sequence metadata are views of the worker's sub-block tensors (``BatchSubBlocks``).
+    """
 
     def __init__(
         self,
         worker: EvictionWorker,
-        requests: list[StepRequest],
+        compacting: list[StepRequest],
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
+        num_reqs: int,
         num_tokens: int,
+        layout: StepLayout | None,
+        max_seq_len: int,
+        max_query_len: int,
+        seq_lens: np.ndarray,
+        prompt_lens: np.ndarray,
     ) -> None:
         self.worker = worker
-        self.requests = requests
+        self.compacting = compacting
+        self.num_reqs = num_reqs
         self.num_tokens = num_tokens
-        self.compacted = [r for r in requests if r.subblocks is not None]
-        self.compacting = [r for r in requests if r.plan is not None]
+        self.max_seq_len = max_seq_len  # host bounds for kernels that take them as ints (no device read)
+        self.max_query_len = max_query_len
+        self.seq_lens = seq_lens  # [R] host copies, for metrics
+        self.prompt_lens = prompt_lens
+        self._layout = layout
         self._block_table = block_table
         self._slot_mapping = slot_mapping
-        self._batches: dict[tuple[int, ...], HeadSequenceBatch] = {}
-        self._rows: torch.Tensor | None = None
+        self._batches: dict[int, HeadSequenceBatch] = {}
+        self._views: tuple[tuple[torch.Tensor, ...], ...] | None = None
+        self._pending: dict[tuple[str, int], TableRows] = {}  # (req, group) -> table not yet committed
         self._kept_for_dump: dict[str, list[KeptTokens]] = {}
-        self._kept_counts: dict[str, list[list[int]]] = {}  # req -> [layer][kv head] kept, for metrics
+        self._kept_counts: dict[str, list[torch.Tensor]] = {}  # req -> per layer [H] kept, for metrics
         self.eviction_seconds = 0.0  # scoring, selection and compaction planning in this step
 
     @property
     def has_compacted(self) -> bool:
         """True when some request reads a compacted cache: the whole batch then runs head-as-sequence."""
-        return bool(self.compacted)
+        return self._layout is not None
 
     # ----- head as sequence -----------------------------------------------------------------------------
     def sequence_rows(self) -> torch.Tensor | None:
         """[T*H] int64 ``token * H + head`` of each row of the head-as-sequence query (sequence r*H + h, then
         the request's tokens), indexing ``query.reshape(T*H, g, D)``; None when every request has one token
         this step (pure decode): the order is then the identity and no gather is needed."""
-        if all(req.q_len == 1 for req in self.requests):
-            return None
-        if self._rows is None:
-            heads = self.worker.num_kv_heads
-            rows = []
-            for req in self.requests:
-                tokens = torch.arange(req.q_start, req.q_start + req.q_len, dtype=torch.int64)
-                rows.append((tokens[None, :] * heads + torch.arange(heads)[:, None]).reshape(-1))
-            self._rows = torch.cat(rows)
-        return self._rows
+        assert self._layout is not None, "sequence_rows is only defined when the batch runs head-as-sequence"
+        return self._layout.sequence_rows
 
     def head_batch(self, layer_idx: int) -> HeadSequenceBatch:
-        """The head-as-sequence view of the batch for ``layer_idx`` (shared by layers with equal tables)."""
-        tables = [req.subblocks.layer_tables[layer_idx] for req in self.compacted]  # type: ignore[union-attr]
-        key = tuple(id(t) for t in tables)
-        batch = self._batches.get(key)
+        """The head-as-sequence view of the batch for ``layer_idx`` (shared by the layers of its group)."""
+        layout = self._layout
+        assert layout is not None, "head_batch is only defined when the batch runs head-as-sequence"
+        tables = self.worker.tables
+        group = tables.group_of(layer_idx)
+        batch = self._batches.get(group)
         if batch is None:
-            batch = self._build_head_batch(tables)  # type: ignore[arg-type]
-            self._batches[key] = batch
+            if self._views is None:
+                # Every group's views in three calls: per layer, only a small object is made.
+                store = tables.store
+                assert store is not None
+                self._views = (
+                    store.block_tables(self.num_reqs).unbind(0),
+                    store.all_seq_lens(self.num_reqs).unbind(0),
+                    layout.token_slots.view(store.num_groups, -1).unbind(0),
+                )
+            block_tables, seq_lens, slots = self._views
+            batch = HeadSequenceBatch(
+                block_tables[group], seq_lens[group], layout.query_start_loc, slots[group]
+            )
+            self._batches[group] = batch
         return batch
-
-    def _build_head_batch(self, tables: list[SubBlockTable]) -> HeadSequenceBatch:
-        worker = self.worker
-        heads, bs = worker.num_kv_heads, worker.block_size
-        num_reqs = len(self.requests)
-        head_ids = torch.arange(heads, dtype=torch.int64)
-        blocks = self._block_table[:num_reqs].to(torch.int64)
-        width = max([blocks.shape[1]] + [len(sb) for t in tables for sb in t.subblocks])
-        block_table = torch.zeros((num_reqs, heads, width), dtype=torch.int64)
-        # Standard layout: head h of block b is sub-block b*H + h.
-        block_table[:, :, : blocks.shape[1]] = blocks[:, None, :] * heads + head_ids[None, :, None]
-        seq_lens = torch.tensor([r.seq_len for r in self.requests], dtype=torch.int64)
-        seq_lens = seq_lens[:, None].repeat(1, heads)
-
-        slots = self._slot_mapping[: self.num_tokens].to(torch.int64)
-        std_slots = ((slots // bs)[:, None] * heads + head_ids[None, :]) * bs + (slots % bs)[:, None]
-        slot_mapping = torch.where(slots[:, None] < 0, -1, std_slots)
-
-        for req, table in zip(self.compacted, tables, strict=True):
-            for h in range(heads):
-                block_table[req.index, h, : len(table.subblocks[h])] = torch.tensor(table.subblocks[h])
-                seq_lens[req.index, h] = table.lengths[h]
-            slot_mapping[req.q_start : req.q_start + req.q_len] = req.new_slots[id(table)]
-
-        q_lens = torch.tensor([r.q_len for r in self.requests], dtype=torch.int64).repeat_interleave(heads)
-        query_start_loc = torch.zeros(num_reqs * heads + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(q_lens, 0)
-        return HeadSequenceBatch(
-            block_table=block_table.reshape(num_reqs * heads, width).to(torch.int32),
-            seq_lens=seq_lens.reshape(-1).to(torch.int32),
-            query_start_loc=query_start_loc,
-            slot_mapping=slot_mapping.reshape(-1),
-        )
 
     # ----- compaction -----------------------------------------------------------------------------------
     def compact_layer(
@@ -188,7 +177,8 @@ class EvictionStep:
     ) -> CompactionWrite | None:
         """Score and select this layer's kept tokens for every request compacting in this step and assign
         their sub-blocks. query [T, Hq, D], key/value [T, H, D] (post-RoPE, this step's rows).
-        Returns the rows to write (None when nothing compacts)."""
+        Returns the moves to make in the layer's cache (None when nothing compacts): every plan is a
+        tensor on the cache's device; only host-known sizes are used to build it."""
         if not self.compacting:
             return None
         started = time.perf_counter()
@@ -196,7 +186,7 @@ class EvictionStep:
         writes: list[CompactionWrite] = []
         for req in self.compacting:
             plan = req.plan
-            assert plan is not None
+            assert plan is not None and req.policy is not None
             prompt = slice(req.q_start, req.q_start + req.prompt_len)
             window = req.policy.query_window(req.prompt_len)
             layer = LayerKV(
@@ -209,28 +199,71 @@ class EvictionStep:
             )
             budget = plan.layer_budgets[layer_idx]
             kept = worker.select(layer, budget, req)
-            subblocks = worker.subblocks_for(req, self._block_table[req.index])
             trailing = req.q_len - req.prompt_len
-            counts = kept.counts.tolist()
-            self._kept_counts.setdefault(req.req_id, []).append(counts)
-            table = subblocks.compact_layer(layer_idx, counts, trailing)
-            plan_rows: CompactionPlan = plan_compaction(
-                kept.indices, kept.counts, table, req.prompt_len, trailing
-            )
-            writes.append(
-                CompactionWrite(plan_rows.src_tokens + req.q_start, plan_rows.src_heads, plan_rows.dst_slots)
-            )
+            table = self._table_for(req, layer_idx, kept.counts, budget, trailing)
+            writes.append(self._moves(req, kept, table, budget, trailing))
+            self._kept_counts.setdefault(req.req_id, []).append(kept.counts)
             if worker.dump_dir is not None:
                 self._kept_for_dump.setdefault(req.req_id, []).append(kept)
+            if worker.tables.last_layer_of_group(layer_idx):
+                worker.tables.commit(layer_idx, req.index, table, plan.blocks_to_free)
+                del self._pending[(req.req_id, worker.tables.group_of(layer_idx))]
             if layer_idx == worker.num_layers - 1:
                 worker.finish_compaction(req, self._kept_for_dump.pop(req.req_id, None))
-                worker.record_compacted(req, self._kept_counts.pop(req.req_id))
+                kept_per_head = torch.stack(self._kept_counts.pop(req.req_id)).tolist()  # once per request
+                worker.record_compacted(req, kept_per_head)
         self.eviction_seconds += time.perf_counter() - started
         return CompactionWrite(
             torch.cat([w.tokens for w in writes]),
             torch.cat([w.heads for w in writes]),
             torch.cat([w.slots for w in writes]),
+            torch.cat([w.src_slots for w in writes]),
         )
+
+    def _table_for(
+        self, req: StepRequest, layer_idx: int, counts: torch.Tensor, budget: int, trailing: int
+    ) -> TableRows:
+        """The request's table for the group of ``layer_idx``: assigned at the group's first layer."""
+        worker = self.worker
+        key = (req.req_id, worker.tables.group_of(layer_idx))
+        table = self._pending.get(key)
+        if table is None:
+            store = worker.tables.store
+            assert req.plan is not None and store is not None
+            table = store.assign(
+                counts, self._block_table[req.index], req.plan.blocks_to_free, trailing,
+                total=worker.num_kv_heads * budget, num_blocks=cdiv(req.seq_len, worker.block_size),
+                check=worker.check,
+            )
+            self._pending[key] = table
+        elif worker.check and not torch.equal(table.lengths.to(counts.dtype), counts + trailing):
+            raise RuntimeError(
+                f"policy {req.policy.name if req.policy else '?'} kept different per-head counts in layers "
+                f"that share one sub-block table (layer {layer_idx}); it must not be treated as uniform"
+            )
+        return table
+
+    def _moves(
+        self, req: StepRequest, kept: KeptTokens, table: TableRows, budget: int, trailing: int
+    ) -> CompactionWrite:
+        """Kept entries of one request's layer: from its standard-layout slots (the prompt was written there
+        in this step) to its sub-block slots, head-major, the trailing tokens after each head's kept ones."""
+        worker = self.worker
+        bs, num_heads = worker.block_size, worker.num_kv_heads
+        per_head = kept.counts.to(torch.int64) + trailing
+        heads, index = head_token_index(per_head, num_heads * (budget + trailing))
+        counts = kept.counts.to(torch.int64)[heads]
+        width = max(1, kept.indices.shape[1])
+        indices = kept.indices.to(torch.int64)
+        kept_index = indices[heads, index.clamp(max=width - 1)] if indices.numel() else index
+        tokens = torch.where(index < counts, kept_index, req.prompt_len + index - counts)
+        outside = (index < counts) & ((kept_index < 0) | (kept_index >= req.prompt_len))
+        if worker.check and bool(outside.any()):  # a device read: CPU only
+            raise ValueError(f"request {req.req_id}: kept indices must lie in [0, {req.prompt_len})")
+        rows = tokens + req.q_start
+        standard = self._slot_mapping[rows].to(torch.int64)  # vLLM's slot of each kept token
+        src = ((standard // bs) * num_heads + heads) * bs + standard % bs
+        return CompactionWrite(rows, heads, table.token_slots(bs, heads, index), src)
 
 
 class EvictionWorker:
@@ -244,14 +277,20 @@ class EvictionWorker:
         num_kv_heads: int,
         block_size: int,
         config: EvictionConfig | None = None,
+        max_num_seqs: int = 0,
     ) -> None:
         self.policy = policy
         self.budget = budget
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
-        self.requests: dict[str, RequestSubBlocks] = {}
+        self.requests: dict[str, RequestPlan] = {}  # compacted requests
         self.kept_tokens: dict[str, float] = {}  # req -> mean kept prompt entries per KV head (metrics)
+        shared = shares_tables(policy)
+        self.tables = BatchSubBlocks(num_layers, num_kv_heads, block_size, shared, max_num_seqs)
+        self.check = True  # set per step from the cache's device (see make_step)
+        self._kept_by_slot = np.zeros(0)  # [R] kept_tokens of each batch slot (nan: not compacted)
+        self._metric_ids: list[str] | None = None
         self.o_proj: dict[int, torch.Tensor] = {}
         self.o_proj_collected = False  # collected once, after the model is loaded (empty unless CriticalKV)
         self.pending: StepInputs | None = None
@@ -278,64 +317,87 @@ class EvictionWorker:
     def _publish_step_metrics(self, step: EvictionStep) -> None:
         if step.eviction_seconds > 0:
             metrics.observe_eviction_step(step.eviction_seconds)
-        resident = sum(
-            self.kept_tokens[req.req_id] + req.seq_len - req.prompt_len
-            for req in step.requests if req.req_id in self.kept_tokens
-        )
-        metrics.set_kv_tokens_resident(resident)
+        resident = np.nansum(self._kept_by_slot[: step.num_reqs] + step.seq_lens - step.prompt_lens)
+        metrics.set_kv_tokens_resident(float(resident))
 
     def drop(self, req_ids: set[str] | list[str] | None) -> None:
         """Forget finished, aborted or preempted requests (their blocks go back through the scheduler)."""
         for req_id in req_ids or ():
             self.requests.pop(req_id, None)
             self.kept_tokens.pop(req_id, None)
+            self.tables.forget(req_id)
+            self._metric_ids = None
 
     # ----- called by the metadata builder ---------------------------------------------------------------
     def make_step(
         self, num_reqs: int, num_tokens: int, seq_lens: torch.Tensor, block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> EvictionStep | None:
-        """The step's eviction data, or None when the batch is not a real scheduled step (dummy runs)."""
+        """The step's eviction data, or None when the batch is not a real scheduled step (dummy runs).
+
+        block_table [R', W] / slot_mapping [T'] are vLLM's tensors on the cache's device (only read there).
+        Python work is O(1) in the batch for decoding requests; requests whose prompt completes now are
+        handled one by one (they are prefills)."""
         inputs = self.pending
         if inputs is None or len(inputs.req_ids) != num_reqs or int(inputs.scheduled.sum()) != num_tokens:
             return None
         if self._step is not None:
             # Tables grow once per step, however many builders ask.
             return self._step
-        requests: list[StepRequest] = []
-        q_start = 0
-        for index, req_id in enumerate(inputs.req_ids):
-            computed, q_len = int(inputs.computed[index]), int(inputs.scheduled[index])
-            prompt_len = int(inputs.prompt_lens[index])
-            req = StepRequest(index, req_id, q_start, q_len, computed + q_len, prompt_len)
-            q_start += q_len
-            if computed == 0:
-                # A request starting from scratch (new, or recomputed after preemption) has no old layout.
-                self.requests.pop(req_id, None)
-                self.kept_tokens.pop(req_id, None)
-            subblocks = self.requests.get(req_id)
-            if subblocks is not None:
-                if not subblocks.fully_compacted:
-                    raise RuntimeError(f"request {req_id} was left half-compacted by an earlier step")
-                subblocks.sync_blocks(block_table[index].tolist(), cdiv(req.seq_len, self.block_size))
-                req.subblocks = subblocks
-                req.new_slots = subblocks.append(q_len)
-            elif computed < prompt_len <= computed + q_len:
-                setting = self.settings.resolve(inputs.extra_args[index] if inputs.extra_args else None)
-                plan = (setting.plan_for if setting else self.plan_for)(prompt_len)
-                req.policy = setting.policy if setting else self.policy
-                if not plan.compacts:
-                    metrics.record_request_skipped(setting.method if setting else self.policy.name)
-                elif computed != 0:
-                    raise RuntimeError(
-                        f"request {req_id}: its prompt completes in a step starting at token {computed}; "
-                        "eviction needs the whole prompt in one step (no prefix caching/chunked prefill)"
-                    )
-                else:
-                    req.plan = plan
-            requests.append(req)
-        self._step = EvictionStep(self, requests, block_table, slot_mapping, num_tokens)
+        # Plans and pools are checked where reading the device is free; on a GPU the step never syncs.
+        self.check = block_table.device.type == "cpu"
+        computed = np.asarray(inputs.computed, dtype=np.int64)
+        q_lens = np.asarray(inputs.scheduled, dtype=np.int64)
+        prompt_lens = np.asarray(inputs.prompt_lens, dtype=np.int64)
+        seq_lens_host = computed + q_lens
+        self.tables.begin(inputs.req_ids, computed, block_table)
+        if inputs.req_ids != self._metric_ids:
+            self._kept_by_slot = np.array([self.kept_tokens.get(r, np.nan) for r in inputs.req_ids])
+            self._metric_ids = list(inputs.req_ids)
+        for slot in np.flatnonzero(computed == 0):
+            # A request starting from scratch (new, or recomputed after preemption) has no old layout.
+            self.requests.pop(inputs.req_ids[slot], None)
+            self.kept_tokens.pop(inputs.req_ids[slot], None)
+            self._kept_by_slot[slot] = np.nan
+        compacted = self.tables.compacted(num_reqs)
+        q_start = np.cumsum(q_lens) - q_lens
+        candidates = np.flatnonzero(~compacted & (computed < prompt_lens) & (prompt_lens <= seq_lens_host))
+        compacting: list[StepRequest] = []
+        for index in candidates.tolist():
+            req_id, prompt_len = inputs.req_ids[index], int(prompt_lens[index])
+            req = StepRequest(
+                index, req_id, int(q_start[index]), int(q_lens[index]), int(seq_lens_host[index]), prompt_len
+            )
+            setting = self.settings.resolve(inputs.extra_args[index] if inputs.extra_args else None)
+            plan = (setting.plan_for if setting else self.plan_for)(prompt_len)
+            req.policy = setting.policy if setting else self.policy
+            if not plan.compacts:
+                metrics.record_request_skipped(setting.method if setting else self.policy.name)
+            elif computed[index] != 0:
+                raise RuntimeError(
+                    f"request {req_id}: its prompt completes in a step starting at token {computed[index]}; "
+                    "eviction needs the whole prompt in one step (no prefix caching/chunked prefill)"
+                )
+            else:
+                req.plan = plan
+                if not shares_tables(req.policy):
+                    self.tables.split()
+                compacting.append(req)
+        layout = None
+        if compacted.any():
+            layout = self.tables.layout(computed, q_lens, block_table, self.check)
+        else:
+            self.tables.skip(num_reqs)
+        self._step = EvictionStep(
+            self, compacting, block_table, slot_mapping, num_reqs, num_tokens, layout,
+            max_seq_len=int(seq_lens_host.max(initial=0)), max_query_len=int(q_lens.max(initial=0)),
+            seq_lens=seq_lens_host, prompt_lens=prompt_lens,
+        )
         return self._step
+
+    def layer_table(self, req_id: str, layer_idx: int) -> SubBlockTable:
+        """A compacted request's table for ``layer_idx`` as the reference model (inspection and tests)."""
+        return self.tables.table_of(req_id, layer_idx)
 
     # ----- called by the step ---------------------------------------------------------------------------
     def select(self, layer: LayerKV, budget: int, req: StepRequest) -> KeptTokens:
@@ -361,22 +423,13 @@ class EvictionWorker:
             counts=torch.full((self.num_kv_heads,), budget, dtype=torch.int64),
         )
 
-    def subblocks_for(self, req: StepRequest, block_row: torch.Tensor) -> RequestSubBlocks:
-        """The request's sub-block owner, created at its first compacted layer from blocks [s, n)."""
-        subblocks = self.requests.get(req.req_id)
-        if subblocks is None:
-            assert req.plan is not None
-            first = req.plan.blocks_to_free
-            num_blocks = cdiv(req.seq_len, self.block_size)
-            blocks = block_row[first:num_blocks].tolist()
-            subblocks = RequestSubBlocks(self.num_layers, self.num_kv_heads, self.block_size, first, blocks)
-            self.requests[req.req_id] = subblocks
-        return subblocks
-
     def record_compacted(self, req: StepRequest, kept_per_head: list[list[int]]) -> None:
         """Publish a request's compaction (metrics.py): kept counts [layer][kv head], blocks freed."""
         assert req.plan is not None
         self.kept_tokens[req.req_id] = sum(map(sum, kept_per_head)) / (len(kept_per_head) * self.num_kv_heads)
+        self._kept_by_slot[req.index] = self.kept_tokens[req.req_id]
+        self.requests[req.req_id] = req.plan
+        self.tables.mark_compacted(req.index)
         metrics.record_kept_per_head(req.policy.name, req.prompt_len, kept_per_head, req.plan.blocks_to_free)
 
     def finish_compaction(self, req: StepRequest, kept: list[KeptTokens] | None) -> None:
@@ -392,6 +445,12 @@ class EvictionWorker:
         }
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in req.req_id)
         torch.save(record, self.dump_dir / f"{safe}.pt")
+
+
+def shares_tables(policy: EvictionPolicy | None) -> bool:
+    """True when every layer of a request keeps the same count per head (uniform top-k per head with the
+    default per-layer budget), so one sub-block table serves all its layers."""
+    return isinstance(policy, ScoredPolicy) and type(policy).layer_budget is EvictionPolicy.layer_budget
 
 
 _WORKER: EvictionWorker | None = None

@@ -1,0 +1,399 @@
+"""Per-head sub-block tables of the running batch as persistent integer tensors on the cache's device.
+
+The same tables as ``subblock_table.py`` (which stays as the plain reference model they are tested against),
+laid out for the attention kernels: row ``(slot, head)`` of group ``g`` is the sub-block table of KV head
+``head`` of the request in batch slot ``slot`` (vLLM's persistent input-batch order) for the layers of
+group ``g``. A layer's head-as-sequence block table is then a view, ``tables[g, :R].view(R * H, W)``, and its
+sequence lengths ``lengths[g, :R].view(R * H)``: nothing is copied per layer, and one decode step updates
+every row of every group with a few batched ops (``grow``), whatever the batch size, layer or head count.
+
+Rows of requests still in the standard layout hold sub-blocks ``block * H + h`` of their block-table row,
+so one formula serves the whole batch. Sub-blocks of a compacted request come from its pool: the sub-blocks
+of blocks ``[first_block, ...)`` of its block-table row, in block then head order; ``cursor`` counts the
+pool entries taken. Heads take pool entries in head order, exactly like ``SubBlockTable``.
+
+Groups: layers whose heads keep equal counts can share one group (SnapKV-like policies: one group for all
+layers); otherwise each layer is its own group (Ada-KV). No vLLM import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.layout.subblock_table import SubBlockPoolExhausted
+
+
+@dataclass
+class TableRows:
+    """A request's table for one group, built at compaction and committed when every layer of the group has
+    been compacted. rows [H, W] int32 sub-block ids, lengths [H] int32, cursor [] int64 pool entries taken."""
+
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    cursor: torch.Tensor
+
+    def token_slots(self, block_size: int, heads: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """[K] int64 one-head-view slots of token ``index[k]`` of head ``heads[k]`` (both [K] int64)."""
+        return self.rows[heads, index // block_size].to(torch.int64) * block_size + index % block_size
+
+
+def head_token_index(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten per-head counts: ([total] head of each entry, [total] its index within the head).
+
+    counts: [H] int64 with ``counts.sum() == total`` (the caller knows ``total`` on the host: no sync)."""
+    heads = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=counts.device), counts, output_size=total
+    )
+    starts = torch.cumsum(counts, 0) - counts
+    return heads, torch.arange(total, device=counts.device) - starts[heads]
+
+
+class SubBlockStore:
+    """Sub-block tables and lengths of every (group, batch slot, KV head).
+
+    tables:      [G, S, H, W] int32 sub-block ids (W = vLLM's block-table width: a head never holds more
+                 tokens than its request, so never more sub-blocks than the request has blocks).
+    lengths:     [G, S, H] int32 tokens held by each head.
+    cursor:      [G, S] int32 pool entries taken by each compacted request's table.
+    first_block: [S] int32 first kept block of each compacted request (blocks before it were freed).
+    tail:        [G, S, H] int32 each head's last used sub-block: a decode token's slot is read from it
+                 without gathering rows of the (large, randomly accessed) tables.
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        num_kv_heads: int,
+        block_size: int,
+        width: int,
+        capacity: int,
+        device: torch.device | str,
+    ) -> None:
+        self.num_groups = num_groups
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.width = width
+        self.capacity = 0
+        shape = (num_groups, 0, num_kv_heads)
+        self.tables = torch.zeros((*shape, width), dtype=torch.int32, device=self.device)
+        self.lengths = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.cursor = torch.zeros(shape[:2], dtype=torch.int32, device=self.device)
+        self.tail = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.first_block = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._head_ids = torch.arange(num_kv_heads, dtype=torch.int32, device=self.device)
+        # Power-of-two block sizes (vLLM's usual ones) divide by shifting: integer division is slow on CPU.
+        self._shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else None
+        self._row_base = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.ensure_capacity(capacity, width)
+
+    # ----- allocation (rare: start-up, a larger batch, a wider block table) --------------------------------
+    def ensure_capacity(self, num_slots: int, width: int) -> None:
+        """Room for ``num_slots`` batch slots and ``width`` sub-blocks per head (grows by doubling)."""
+        if num_slots <= self.capacity and width <= self.width:
+            return
+        capacity = max(num_slots, 2 * self.capacity if num_slots > self.capacity else self.capacity, 1)
+        width = max(width, self.width)
+        tables = torch.zeros(
+            (self.num_groups, capacity, self.num_kv_heads, width), dtype=torch.int32, device=self.device
+        )
+        tables[:, : self.capacity, :, : self.width] = self.tables
+        lengths = torch.zeros(
+            (self.num_groups, capacity, self.num_kv_heads), dtype=torch.int32, device=self.device
+        )
+        lengths[:, : self.capacity] = self.lengths
+        tail = torch.zeros_like(lengths)
+        tail[:, : self.capacity] = self.tail
+        cursor = torch.zeros((self.num_groups, capacity), dtype=torch.int32, device=self.device)
+        cursor[:, : self.capacity] = self.cursor
+        first = torch.zeros(capacity, dtype=torch.int32, device=self.device)
+        first[: self.capacity] = self.first_block
+        self.tables, self.lengths, self.cursor, self.first_block = tables, lengths, cursor, first
+        self.tail = tail
+        self.capacity, self.width = capacity, width
+        # Flat index of (slot, head, sub-block 0) inside one group's tables, for gathers.
+        rows = torch.arange(capacity * self.num_kv_heads, dtype=torch.int64, device=self.device) * width
+        self._row_base = rows.view(1, capacity, self.num_kv_heads)
+
+    def split_groups(self, num_groups: int) -> None:
+        """From one group shared by every layer to ``num_groups`` (one per layer), each a copy of it."""
+        if self.num_groups == num_groups:
+            return
+        if self.num_groups != 1:
+            raise ValueError(f"can only split one shared group, the store has {self.num_groups}")
+        self.tables = self.tables.repeat(num_groups, 1, 1, 1)
+        self.lengths = self.lengths.repeat(num_groups, 1, 1)
+        self.cursor = self.cursor.repeat(num_groups, 1)
+        self.tail = self.tail.repeat(num_groups, 1, 1)
+        self.num_groups = num_groups
+
+    # ----- views for the kernels --------------------------------------------------------------------------
+    def block_table(self, group: int, num_slots: int) -> torch.Tensor:
+        """[num_slots * H, W] int32 view: sequence ``slot * H + h`` is head h of the request in ``slot``."""
+        return self.tables[group, :num_slots].view(num_slots * self.num_kv_heads, self.width)
+
+    def block_tables(self, num_slots: int) -> torch.Tensor:
+        """[G, num_slots * H, W] int32 view: ``block_table`` of every group."""
+        return self.tables[:, :num_slots].view(self.num_groups, num_slots * self.num_kv_heads, self.width)
+
+    def all_seq_lens(self, num_slots: int) -> torch.Tensor:
+        """[G, num_slots * H] int32 view: ``seq_lens`` of every group."""
+        return self.lengths[:, :num_slots].view(self.num_groups, num_slots * self.num_kv_heads)
+
+    def seq_lens(self, group: int, num_slots: int) -> torch.Tensor:
+        """[num_slots * H] int32 view of the heads' lengths."""
+        return self.lengths[group, :num_slots].view(num_slots * self.num_kv_heads)
+
+    # ----- per step -------------------------------------------------------------------------------------
+    def refresh_standard(self, slots: torch.Tensor, block_rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Rows of requests in the standard layout: head h of block b is sub-block ``b * H + h``.
+
+        slots [n] int64, block_rows [n, Wb] int32 (their block-table rows), lengths [n] int32."""
+        heads = self.num_kv_heads
+        count, block_width = block_rows.shape
+        rows = block_rows[:, None, :].to(torch.int32) * heads + self._head_ids[None, :, None]
+        full = torch.zeros((count, heads, self.width), dtype=torch.int32, device=self.device)
+        full[:, :, :block_width] = rows
+        self.tables[:, slots] = full[None].expand(self.num_groups, -1, -1, -1)
+        self.lengths[:, slots] = lengths[None, :, None].to(torch.int32).expand(self.num_groups, -1, heads)
+        last = (self._cdiv(lengths.to(torch.int64)) - 1).clamp(min=0)[:, None, None].expand(-1, heads, 1)
+        self.tail[:, slots] = full.gather(2, last)[None, ..., 0].expand(self.num_groups, -1, -1)
+
+    def grow(
+        self,
+        num_slots: int,
+        q_lens: torch.Tensor,
+        growing: torch.Tensor,
+        compacted: torch.Tensor,
+        block_table: torch.Tensor,
+        num_blocks: torch.Tensor,
+        max_new_subblocks: int,
+        check: bool,
+        single_token: bool = False,
+    ) -> None:
+        """Room for this step's tokens in every group at once.
+
+        q_lens [R] int tokens of each slot this step; growing [R] bool rows to grow (others untouched);
+        compacted [R] bool rows drawing from their pool (others: standard rows, next block-table column);
+        block_table [R, Wb] vLLM's rows; num_blocks [R] blocks each request holds after this step;
+        max_new_subblocks: host bound on new sub-blocks per head (``cdiv(max q_len, block_size)``);
+        single_token: no growing row takes more than one token (decode), a cheaper test of who needs one.
+        check: the CPU path: only rows that need a sub-block are touched (found with ``nonzero``, which
+        would synchronise a GPU) and a dry pool raises ``SubBlockPoolExhausted``; without it every row is
+        updated densely, with no device read.
+        """
+        lengths = self.lengths[:, :num_slots]  # [G, R, H]
+        added = (q_lens * growing).to(torch.int32)[None, :, None]
+        if single_token and self._shift is not None:
+            # At most one new sub-block per row: exactly the rows that grow from a full last sub-block.
+            need = ((lengths & (self.block_size - 1)) == 0) & (added > 0)
+        else:
+            need = self._cdiv(lengths + added) - self._cdiv(lengths)  # new sub-blocks per row
+        if max_new_subblocks:
+            update = self._assign_sparse if check else self._assign_dense
+            update(num_slots, need, compacted, block_table, num_blocks, max_new_subblocks)
+        lengths += added
+
+    def _assign_sparse(self, num_slots, need, compacted, block_table, num_blocks, max_new) -> None:
+        """``grow``'s assignment for the few rows that need a sub-block (CPU). Flat 1-D indexing: it is
+        much cheaper than multi-dimensional advanced indexing for these small gathers."""
+        heads = self.num_kv_heads
+        flat = need.view(-1).nonzero().view(-1)  # ascending: by group, then slot, then head
+        per_group = num_slots * heads
+        group, row = flat // per_group, flat % per_group
+        slot, head = row // heads, row % heads
+        count = need.view(-1).index_select(0, flat).to(torch.int32)
+        tail_index = (group * self.capacity + slot) * heads + head  # flat index into lengths and tail
+        used = self._cdiv(self.lengths.view(-1).index_select(0, tail_index))
+        # Heads of a request take pool entries in head order: offset = needs of its earlier heads.
+        request = flat // heads
+        taken = torch.cumsum(count, 0, dtype=torch.int32)
+        run_start = torch.ones_like(request, dtype=torch.bool)
+        run_start[1:] = request[1:] != request[:-1]
+        before_run = torch.where(run_start, taken - count, 0).cummax(0).values
+        cursor_index = group * self.capacity + slot
+        pool = self.cursor.view(-1).index_select(0, cursor_index) + taken - count - before_run
+        is_pool = compacted.index_select(0, slot)
+        self.cursor.view(-1).index_add_(0, cursor_index, count * is_pool)
+        first = self.first_block.index_select(0, slot)
+        for k in range(max_new):
+            if k:
+                keep = count > k
+                slot, head, count, used, pool, is_pool, first, tail_index = (
+                    t[keep] for t in (slot, head, count, used, pool, is_pool, first, tail_index)
+                )
+            entry = pool + k
+            column = torch.where(is_pool, first + entry // heads, used + k)
+            if bool((is_pool & (column >= num_blocks.index_select(0, slot))).any()):
+                raise SubBlockPoolExhausted(
+                    "a compacted request needs a sub-block and has none free; the block accounting rule was "
+                    "broken"
+                )
+            column = column.clamp(max=block_table.shape[1] - 1)
+            block = block_table.reshape(-1).index_select(0, slot * block_table.shape[1] + column)
+            subblock = block.to(torch.int32) * heads + torch.where(
+                is_pool, entry % heads, head.to(torch.int32)
+            )
+            target = tail_index.to(torch.int64) * self.width + (used + k).clamp(max=self.width - 1)
+            self.tables.view(-1).index_copy_(0, target, subblock)
+            self.tail.view(-1).index_copy_(0, tail_index, subblock)
+
+    def _assign_dense(self, num_slots, need, compacted, block_table, num_blocks, max_new) -> None:
+        """``grow``'s assignment over every row, with no device read (GPU)."""
+        heads = self.num_kv_heads
+        need = need.to(torch.int32)
+        used = self._cdiv(self.lengths[:, :num_slots])
+        pool = self.cursor[:, :num_slots, None] + torch.cumsum(need, 2, dtype=torch.int32) - need
+        self.cursor[:, :num_slots] += need.sum(2, dtype=torch.int32) * compacted[None, :]
+        tables = self.tables[:, :num_slots]
+        tail = self.tail[:, :num_slots]
+        rows = block_table[None].expand(self.num_groups, -1, -1)  # [G, R, Wb]
+        first = self.first_block[None, :num_slots, None]
+        is_pool = compacted[None, :, None]
+        for k in range(max_new):
+            entry = pool + k
+            column = torch.where(is_pool, first + entry // heads, used + k).clamp(0, rows.shape[2] - 1)
+            subblock = torch.gather(rows, 2, column.to(torch.int64)).to(torch.int32) * heads + torch.where(
+                is_pool, entry % heads, self._head_ids[None, None, :]
+            )
+            subblock = torch.where(need > k, subblock, -1)
+            target = (used + k).clamp(max=self.width - 1).to(torch.int64)[..., None]
+            current = tables.gather(3, target)[..., 0]
+            tables.scatter_(3, target, torch.where(subblock >= 0, subblock, current)[..., None])
+            tail.copy_(torch.where(subblock >= 0, subblock, tail))
+
+    def token_slots(
+        self,
+        req_of_token: torch.Tensor | None,
+        token_offset: torch.Tensor | None,
+        q_lens: torch.Tensor,
+        num_slots: int,
+    ) -> torch.Tensor:
+        """[G, T, H] int64 one-head-view slots of this step's tokens, after ``grow``.
+
+        req_of_token [T] batch slot of each token, token_offset [T] its index among its request's tokens
+        this step, q_lens [R] tokens per request (a token's position in head h is ``length - q_len +
+        offset``). Both None: one token per request (decode), slot r's token is token r."""
+        heads, groups = self.num_kv_heads, self.num_groups
+        if req_of_token is None:
+            offset = self._mod(self.lengths[:, :num_slots] - 1)
+            return (self.tail[:, :num_slots] * self.block_size + offset).to(torch.int64)
+        else:
+            lengths = self.lengths[:, req_of_token]  # [G, T, H]
+            position = (
+                lengths
+                - q_lens.to(torch.int32)[req_of_token][None, :, None]
+                + token_offset.to(torch.int32)[None, :, None]
+            )
+            row = self._row_base[:, req_of_token]
+        subblocks = self.tables.view(groups, -1).gather(1, (row + self._div(position)).view(groups, -1))
+        slots = subblocks.view_as(position).to(torch.int64) * self.block_size + self._mod(position)
+        return slots.view(groups, -1, heads)
+
+    def _div(self, x: torch.Tensor) -> torch.Tensor:
+        return x >> self._shift if self._shift is not None else x // self.block_size
+
+    def _mod(self, x: torch.Tensor) -> torch.Tensor:
+        return x & (self.block_size - 1) if self._shift is not None else x % self.block_size
+
+    def _cdiv(self, x: torch.Tensor) -> torch.Tensor:
+        return self._div(x + (self.block_size - 1))
+
+    # ----- compaction -----------------------------------------------------------------------------------
+    def assign(
+        self,
+        counts: torch.Tensor,
+        block_row: torch.Tensor,
+        first_block: int,
+        trailing: int,
+        total: int,
+        num_blocks: int,
+        check: bool,
+    ) -> TableRows:
+        """A request's table whose head h keeps ``counts[h]`` tokens then ``trailing`` more (tokens computed
+        after the prompt in the same step), sub-blocks taken in head order from its pool — the assignment
+        of ``SubBlockTable.assign`` followed by ``append(trailing)``.
+
+        counts [H] int64 on the device; block_row [Wb] its block-table row; total = counts.sum() (host)."""
+        bs, heads = self.block_size, self.num_kv_heads
+        counts = counts.to(device=self.device, dtype=torch.int64)
+        per_head = (counts + bs - 1) // bs
+        start = torch.cumsum(per_head, 0) - per_head  # first pool entry of each head
+        columns = torch.arange(self.width, device=self.device)
+        entry = start[:, None] + columns[None, :]  # [H, W]
+        valid = columns[None, :] < per_head[:, None]
+        block_col = (first_block + entry // heads).clamp(max=block_row.numel() - 1)
+        rows = block_row.to(torch.int64)[block_col] * heads + entry % heads
+        rows = torch.where(valid, rows, 0).to(torch.int32)
+        table = TableRows(rows, counts.to(torch.int32), per_head.sum())
+        if check and total and int(first_block + (int(table.cursor) - 1) // heads) >= num_blocks:
+            raise SubBlockPoolExhausted(
+                "a compacting request's kept tokens do not fit in the blocks it keeps; "
+                "the block accounting rule was broken"
+            )
+        if trailing:
+            self._grow_one(table, trailing, block_row, first_block, num_blocks, check)
+        return table
+
+    def _grow_one(
+        self,
+        table: TableRows,
+        num_tokens: int,
+        block_row: torch.Tensor,
+        first_block: int,
+        num_blocks: int,
+        check: bool,
+    ) -> None:
+        """``grow`` for one uncommitted table (trailing tokens of a recomputed request)."""
+        bs, heads = self.block_size, self.num_kv_heads
+        before = table.lengths.to(torch.int64)
+        after = before + num_tokens
+        used = (before + bs - 1) // bs
+        need = (after + bs - 1) // bs - used
+        pool = table.cursor + torch.cumsum(need, 0) - need
+        for k in range(-(-num_tokens // bs)):
+            entry = pool + k
+            block_col = first_block + entry // heads
+            if check and bool(((need > k) & (block_col >= num_blocks)).any()):
+                raise SubBlockPoolExhausted(
+                    "trailing tokens of a compacting request do not fit in its blocks; "
+                    "the block accounting rule was broken"
+                )
+            subblock = (
+                block_row.to(torch.int64)[block_col.clamp(max=block_row.numel() - 1)] * heads + entry % heads
+            )
+            target = (used + k).clamp(max=self.width - 1)[:, None]
+            current = table.rows.gather(1, target)[:, 0]
+            table.rows.scatter_(1, target, torch.where(need > k, subblock, current).to(torch.int32)[:, None])
+        table.cursor = table.cursor + need.sum()
+        table.lengths = after.to(torch.int32)
+
+    def commit(self, group: int, slot: int, table: TableRows, first_block: int) -> None:
+        """Make ``table`` the rows of ``slot`` for ``group`` (read by the next step's kernels)."""
+        self.tables[group, slot] = table.rows
+        self.lengths[group, slot] = table.lengths
+        last = (self._cdiv(table.lengths.to(torch.int64)) - 1).clamp(min=0)
+        self.tail[group, slot] = table.rows.gather(1, last[:, None])[:, 0]
+        self.cursor[group, slot] = table.cursor
+        self.first_block[slot] = first_block
+
+    # ----- requests moving between batch slots ------------------------------------------------------------
+    def save(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of the rows of ``slots`` [n] (requests leaving their slot)."""
+        return {
+            "tables": self.tables[:, slots].clone(),
+            "lengths": self.lengths[:, slots].clone(),
+            "tail": self.tail[:, slots].clone(),
+            "cursor": self.cursor[:, slots].clone(),
+            "first_block": self.first_block[slots].clone(),
+        }
+
+    def restore(self, slots: torch.Tensor, saved: dict[str, torch.Tensor]) -> None:
+        """Put rows saved by ``save`` (stacked in the same order as ``slots``) back at ``slots``."""
+        self.tables[:, slots] = saved["tables"]
+        self.lengths[:, slots] = saved["lengths"]
+        self.tail[:, slots] = saved["tail"]
+        self.cursor[:, slots] = saved["cursor"]
+        self.first_block[slots] = saved["first_block"]
