@@ -172,10 +172,14 @@ def test_cuda_refuses_a_backend_that_cannot_evict():
 
 # ----- preset files -----------------------------------------------------------------------------------------
 def test_a_preset_file_gives_method_and_parameters():
-    args = parse(["--kv-eviction-config", str(CONFIGS / "kvpress-snapkv.yaml"), "--kv-budget", "512"])
+    import yaml
+
+    path = CONFIGS / "kvpress-snapkv.yaml"
+    args = parse(["--kv-eviction-config", str(path), "--kv-budget", "512"])
     config = eviction_config_from_args(args, {})
-    params = {"window": 64, "kernel": 5, "pooling": "avg"}
-    assert config == EvictionConfig(method="snapkv", budget=512, params=params)
+    preset = yaml.safe_load(path.read_text())
+    assert preset["method"] == "snapkv" and preset["params"]["window"] == 64
+    assert config == EvictionConfig(method="snapkv", budget=512, params=preset["params"])
 
 
 def test_a_preset_may_repeat_its_method_but_not_contradict_it():
