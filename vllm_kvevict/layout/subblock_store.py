@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_kvevict.layout.subblock_table import SubBlockPoolExhausted
@@ -180,9 +181,9 @@ class SubBlockStore:
         block_table [R, Wb] vLLM's rows; num_blocks [R] blocks each request holds after this step;
         max_new_subblocks: host bound on new sub-blocks per head (``cdiv(max q_len, block_size)``);
         single_token: no growing row takes more than one token (decode), a cheaper test of who needs one.
-        check: the CPU path: only rows that need a sub-block are touched (found with ``nonzero``, which
-        would synchronise a GPU) and a dry pool raises ``SubBlockPoolExhausted``; without it every row is
-        updated densely, with no device read.
+        check: the CPU path (tensors on the CPU): only rows that need a sub-block are touched (found with
+        ``nonzero``, which would synchronise a GPU) and a dry pool raises ``SubBlockPoolExhausted``; without
+        it every row is updated densely, with no device read.
         """
         lengths = self.lengths[:, :num_slots]  # [G, R, H]
         added = (q_lens * growing).to(torch.int32)[None, :, None]
@@ -197,48 +198,52 @@ class SubBlockStore:
         lengths += added
 
     def _assign_sparse(self, num_slots, need, compacted, block_table, num_blocks, max_new) -> None:
-        """``grow``'s assignment for the few rows that need a sub-block (CPU). Flat 1-D indexing: it is
-        much cheaper than multi-dimensional advanced indexing for these small gathers."""
-        heads = self.num_kv_heads
-        flat = need.view(-1).nonzero().view(-1)  # ascending: by group, then slot, then head
+        """``grow``'s assignment for the few rows that need a sub-block, on CPU: numpy views of the same
+        memory, because each torch call costs microseconds of dispatch and this runs dozens of small ones."""
+        heads, capacity = self.num_kv_heads, self.capacity
+        need_np = need.numpy().reshape(-1)
+        flat = np.flatnonzero(need_np)  # ascending: by group, then slot, then head
+        if not len(flat):
+            return
         per_group = num_slots * heads
-        group, row = flat // per_group, flat % per_group
-        slot, head = row // heads, row % heads
-        count = need.view(-1).index_select(0, flat).to(torch.int32)
-        tail_index = (group * self.capacity + slot) * heads + head  # flat index into lengths and tail
-        used = self._cdiv(self.lengths.view(-1).index_select(0, tail_index))
+        group, row = np.divmod(flat, per_group)
+        slot, head = np.divmod(row, heads)
+        count = need_np[flat].astype(np.int64)
+        cell = group * capacity * heads + row  # flat index into lengths / tail
+        used = -(-self.lengths.numpy().reshape(-1)[cell].astype(np.int64) // self.block_size)
         # Heads of a request take pool entries in head order: offset = needs of its earlier heads.
         request = flat // heads
-        taken = torch.cumsum(count, 0, dtype=torch.int32)
-        run_start = torch.ones_like(request, dtype=torch.bool)
+        taken = np.cumsum(count)
+        run_start = np.ones(len(flat), dtype=bool)
         run_start[1:] = request[1:] != request[:-1]
-        before_run = torch.where(run_start, taken - count, 0).cummax(0).values
-        cursor_index = group * self.capacity + slot
-        pool = self.cursor.view(-1).index_select(0, cursor_index) + taken - count - before_run
-        is_pool = compacted.index_select(0, slot)
-        self.cursor.view(-1).index_add_(0, cursor_index, count * is_pool)
-        first = self.first_block.index_select(0, slot)
+        before_run = np.maximum.accumulate(np.where(run_start, taken - count, 0))
+        cursor = self.cursor.numpy().reshape(-1)
+        request_cell = group * capacity + slot
+        pool = cursor[request_cell].astype(np.int64) + taken - count - before_run
+        is_pool = compacted.numpy()[slot]
+        starts = np.flatnonzero(run_start)  # one run per (group, request): add its entries to its cursor
+        cursor[request_cell[starts]] += np.add.reduceat(count * is_pool, starts).astype(cursor.dtype)
+        first = self.first_block.numpy()[slot].astype(np.int64)
+        rows = block_table.numpy()
+        blocks_held = num_blocks.numpy()[slot]
+        tables, tail = self.tables.numpy().reshape(-1), self.tail.numpy().reshape(-1)
         for k in range(max_new):
             if k:
                 keep = count > k
-                slot, head, count, used, pool, is_pool, first, tail_index = (
-                    t[keep] for t in (slot, head, count, used, pool, is_pool, first, tail_index)
+                slot, head, count, used, pool, is_pool, first, cell, blocks_held = (
+                    a[keep] for a in (slot, head, count, used, pool, is_pool, first, cell, blocks_held)
                 )
             entry = pool + k
-            column = torch.where(is_pool, first + entry // heads, used + k)
-            if bool((is_pool & (column >= num_blocks.index_select(0, slot))).any()):
+            column = np.where(is_pool, first + entry // heads, used + k)
+            if (is_pool & (column >= blocks_held)).any():
                 raise SubBlockPoolExhausted(
                     "a compacted request needs a sub-block and has none free; the block accounting rule was "
                     "broken"
                 )
-            column = column.clamp(max=block_table.shape[1] - 1)
-            block = block_table.reshape(-1).index_select(0, slot * block_table.shape[1] + column)
-            subblock = block.to(torch.int32) * heads + torch.where(
-                is_pool, entry % heads, head.to(torch.int32)
-            )
-            target = tail_index.to(torch.int64) * self.width + (used + k).clamp(max=self.width - 1)
-            self.tables.view(-1).index_copy_(0, target, subblock)
-            self.tail.view(-1).index_copy_(0, tail_index, subblock)
+            block = rows[slot, np.minimum(column, rows.shape[1] - 1)].astype(np.int64)
+            subblock = block * heads + np.where(is_pool, entry % heads, head)
+            tables[cell * self.width + np.minimum(used + k, self.width - 1)] = subblock
+            tail[cell] = subblock
 
     def _assign_dense(self, num_slots, need, compacted, block_table, num_blocks, max_new) -> None:
         """``grow``'s assignment over every row, with no device read (GPU)."""

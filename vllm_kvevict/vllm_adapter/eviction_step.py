@@ -127,8 +127,7 @@ class EvictionStep:
         self._layout = layout
         self._block_table = block_table
         self._slot_mapping = slot_mapping
-        self._batches: dict[int, HeadSequenceBatch] = {}
-        self._views: tuple[tuple[torch.Tensor, ...], ...] | None = None
+        self._per_layer: list[HeadSequenceBatch] | None = None  # built at the first head_batch call
         self._pending: dict[tuple[str, int], TableRows] = {}  # (req, group) -> table not yet committed
         self._kept_for_dump: dict[str, list[KeptTokens]] = {}
         self._kept_counts: dict[str, list[torch.Tensor]] = {}  # req -> per layer [H] kept, for metrics
@@ -149,27 +148,22 @@ class EvictionStep:
 
     def head_batch(self, layer_idx: int) -> HeadSequenceBatch:
         """The head-as-sequence view of the batch for ``layer_idx`` (shared by the layers of its group)."""
-        layout = self._layout
-        assert layout is not None, "head_batch is only defined when the batch runs head-as-sequence"
-        tables = self.worker.tables
-        group = tables.group_of(layer_idx)
-        batch = self._batches.get(group)
-        if batch is None:
-            if self._views is None:
-                # Every group's views in three calls: per layer, only a small object is made.
-                store = tables.store
-                assert store is not None
-                self._views = (
-                    store.block_tables(self.num_reqs).unbind(0),
-                    store.all_seq_lens(self.num_reqs).unbind(0),
-                    layout.token_slots.view(store.num_groups, -1).unbind(0),
-                )
-            block_tables, seq_lens, slots = self._views
-            batch = HeadSequenceBatch(
-                block_tables[group], seq_lens[group], layout.query_start_loc, slots[group]
-            )
-            self._batches[group] = batch
-        return batch
+        if self._per_layer is None:
+            layout = self._layout
+            assert layout is not None, "head_batch is only defined when the batch runs head-as-sequence"
+            tables = self.worker.tables
+            store = tables.store
+            assert store is not None
+            # Every group's views in three calls, one small object per group, then a list lookup per layer.
+            block_tables = store.block_tables(self.num_reqs).unbind(0)
+            seq_lens = store.all_seq_lens(self.num_reqs).unbind(0)
+            slots = layout.token_slots.view(store.num_groups, -1).unbind(0)
+            groups = [
+                HeadSequenceBatch(block_tables[g], seq_lens[g], layout.query_start_loc, slots[g])
+                for g in range(store.num_groups)
+            ]
+            self._per_layer = [groups[tables.group_of(layer)] for layer in range(self.worker.num_layers)]
+        return self._per_layer[layer_idx]
 
     # ----- compaction -----------------------------------------------------------------------------------
     def compact_layer(
