@@ -109,8 +109,8 @@ HAND_EXPECTED = {
     "ada-snapkv": {0: [1, 6, 7], 1: [1, 2, 3, 6, 7]},
 }
 HAND_PARAMS = {
-    "snapkv": {"window": 2, "kernel": 1},
-    "ada-snapkv": {"window": 2, "kernel": 1},
+    "snapkv": {"window": 2, "kernel": 1, "span_after": 0},
+    "ada-snapkv": {"window": 2, "kernel": 1, "span_after": 0},
     "streamingllm": {"sinks": 2},
 }
 HAND_KVPRESS = {
