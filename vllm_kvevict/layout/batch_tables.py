@@ -138,8 +138,12 @@ class BatchSubBlocks:
         ]
         if not decode_only:
             parts.append(_sequence_rows(q_lens, q_start, req_of_token, token_offset, heads))
-        # Everything the device needs from the host this step, in one copy.
-        packed = torch.from_numpy(np.concatenate([p.astype(np.int64) for p in parts])).to(store.device)
+        # Everything the device needs from the host this step, in one copy (pinned, so it does not block).
+        packed = torch.from_numpy(np.concatenate([p.astype(np.int64) for p in parts]))
+        if store.device.type == "cuda":
+            packed = packed.pin_memory().to(store.device, non_blocking=True)
+        else:
+            packed = packed.to(store.device)
         pieces = packed.split([len(p) for p in parts])
         q_dev, blocks_dev, compacted_dev, growing_dev, token_req, offsets, qsl, rebuilt_dev, rebuilt_lens = (
             pieces[:9]

@@ -54,11 +54,14 @@ class Simulation:
             table[i, : len(self.rows[req_id])] = torch.tensor(self.rows[req_id])
         return table
 
-    def prefill(self, req_ids: list[str], prompts: list[int], budget: int | float, method: str) -> None:
-        """One step computing every prompt; compacting requests are compacted layer by layer."""
+    def prefill(
+        self, req_ids: list[str], prompts: list[int], budget: int | float, method: str, trailing: int = 0
+    ) -> None:
+        """One step computing every prompt (and ``trailing`` tokens after it, as a request recomputed after
+        preemption does); compacting requests are compacted layer by layer."""
         for req_id, prompt in zip(req_ids, prompts, strict=True):
-            self.rows[req_id] = [next(self.next_block) for _ in range(cdiv(prompt, self.bs))]
-            self.lengths[req_id] = prompt
+            self.rows[req_id] = [next(self.next_block) for _ in range(cdiv(prompt + trailing, self.bs))]
+            self.lengths[req_id] = prompt + trailing
         table = self.block_table(req_ids)
         store = self.tables.begin(req_ids, np.zeros(len(req_ids), dtype=np.int64), table)
         self.tables.skip(len(req_ids))
@@ -75,15 +78,15 @@ class Simulation:
                     counts = [layer_budget] * self.heads
                 else:
                     counts = ragged(self.heads * layer_budget, self.heads, prompt, self.rng)
-                reference.compact_layer(layer, counts)
+                reference.compact_layer(layer, counts, trailing)
                 if pending is None or not self.shared:
                     pending = store.assign(
                         torch.tensor(counts),
                         table[slot],
                         plan.blocks_to_free,
-                        0,
+                        trailing,
                         sum(counts),
-                        cdiv(prompt, self.bs),
+                        cdiv(prompt + trailing, self.bs),
                         self.check,
                     )
                 if self.tables.last_layer_of_group(layer):
@@ -154,7 +157,7 @@ def test_tensor_tables_match_the_reference_model_through_batch_changes(seed: int
     prompts = [rng.randint(block_size + 1, 10 * block_size) for _ in req_ids]
     prompts[0] = 6 * block_size + 5  # at least one request compacts at budget 2*bs...
     prompts[-1] = block_size // 2  # ...and one stays in the standard layout
-    sim.prefill(req_ids, prompts, 2 * block_size, method)
+    sim.prefill(req_ids, prompts, 2 * block_size, method, trailing=rng.choice([0, 0, 3, block_size + 1]))
     for _ in range(rng.randint(block_size, 3 * block_size)):
         batch = rng.sample(req_ids, rng.randint(1, len(req_ids)))
         q_lens = [1 if rng.random() < 0.85 else rng.randint(2, block_size + 3) for _ in batch]
