@@ -315,7 +315,9 @@ TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}
 @pytest.fixture(scope="module")
 def evicting_tp3(model_dir):
     args = (*COMMON_ARGS, *EVICTION_ARGS, "--tensor-parallel-size", "3")
-    with VLLMServer(model_dir, extra_args=args, kv_cache_space_gib=1, env=TP_ENV) as server:
+    # Three ranks on two shared cores: start-up took 106-393 s here, and once timed out at 600 s (load 24).
+    server = VLLMServer(model_dir, extra_args=args, kv_cache_space_gib=1, env=TP_ENV, startup_timeout_s=1500)
+    with server:
         yield server
 
 
