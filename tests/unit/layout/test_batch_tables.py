@@ -16,6 +16,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from layout_cases import ragged_counts
 
 from vllm_kvevict.layout.accounting import cdiv, plan_request
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
@@ -23,17 +24,6 @@ from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockPoolExh
 from vllm_kvevict.policies.registry import build_policy
 
 LAYERS = 4
-
-
-def ragged(total: int, heads: int, cap: int, rng: random.Random) -> list[int]:
-    """A random split of ``total`` over ``heads`` heads, each <= cap (Ada-KV-like)."""
-    weights = [rng.random() ** 3 + 1e-6 for _ in range(heads)]
-    counts = [min(cap, int(total * w / sum(weights))) for w in weights]
-    for h in itertools.cycle(rng.sample(range(heads), heads)):
-        if sum(counts) == total:
-            break
-        counts[h] += min(cap - counts[h], total - sum(counts))
-    return counts
 
 
 class Simulation:
@@ -77,7 +67,7 @@ class Simulation:
                 if self.shared:
                     counts = [layer_budget] * self.heads
                 else:
-                    counts = ragged(self.heads * layer_budget, self.heads, prompt, self.rng)
+                    counts = ragged_counts(self.heads * layer_budget, self.heads, prompt, self.rng)
                 reference.compact_layer(layer, counts, trailing)
                 if pending is None or not self.shared:
                     pending = store.assign(

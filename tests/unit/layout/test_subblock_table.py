@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from layout_cases import ragged_counts
 
 from vllm_kvevict.layout.accounting import cdiv, plan_request
 from vllm_kvevict.layout.compaction import plan_compaction
@@ -19,17 +20,6 @@ from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockPoolExh
 from vllm_kvevict.policies.registry import build_policy
 
 NUM_LAYERS = 6
-
-
-def ragged_counts(total: int, heads: int, cap: int, rng: random.Random) -> list[int]:
-    """A random split of ``total`` kept tokens over ``heads`` heads, each <= cap (Ada-KV-like)."""
-    weights = [rng.random() ** 3 + 1e-6 for _ in range(heads)]
-    counts = [min(cap, int(total * w / sum(weights))) for w in weights]
-    for h in itertools.cycle(rng.sample(range(heads), heads)):
-        if sum(counts) == total:
-            break
-        counts[h] += min(cap - counts[h], total - sum(counts))
-    return counts
 
 
 def check_table(table: SubBlockTable, blocks: list[int]) -> None:
