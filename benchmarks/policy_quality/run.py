@@ -137,6 +137,29 @@ def kvpress_rows(result_path: Path, fractions: list[float]) -> list[dict]:
     return rows
 
 
+def decode_in_batches(
+    model,
+    prompt: PrefilledPrompt,
+    kept_rows: list,
+    max_new_tokens: int,
+    context_len: int,
+    stops: list[int],
+    finished,
+    batch_bytes: float,
+) -> list[torch.Tensor]:
+    """Greedy token ids [T_r] for each kept set of ``kept_rows``, decoded several per batch, the batch sized
+    so its KV entries (the first ``context_len`` tokens of every layer) stay under ``batch_bytes``."""
+    per_row = sum(k.numel() * k.element_size() * 2 for k in prompt.keys) * context_len / prompt.num_tokens
+    batch = max(1, int(batch_bytes // per_row))
+    tokens = []
+    for start in range(0, len(kept_rows), batch):
+        outputs = decode_batch_with_kept(
+            model, prompt, kept_rows[start : start + batch], max_new_tokens, context_len, stops, finished
+        )
+        tokens += [row_tokens for row_tokens, _ in outputs]
+    return tokens
+
+
 def decode_rows(
     model,
     tokenizer,
@@ -148,18 +171,15 @@ def decode_rows(
 ):
     """Fill ``answer_text``/``correct`` of every row that has a kept set, in memory-bounded batches."""
     runnable = [row for row in rows if "kept" in row]
-    per_row = sum(k.numel() * k.element_size() * 2 for k in prompt.keys) * context_len / prompt.num_tokens
-    batch = max(1, int(batch_bytes // per_row))
     finished = answer_decided(answer, tokenizer)
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for start in range(0, len(runnable), batch):
-        chunk = runnable[start : start + batch]
-        outputs = decode_batch_with_kept(
-            model, prompt, [row["kept"] for row in chunk], MAX_NEW_TOKENS, context_len, stops, finished
-        )
-        for row, (tokens, _) in zip(chunk, outputs, strict=True):
-            row["answer_text"] = tokenizer.decode(tokens, skip_special_tokens=True)
-            row["correct"] = is_correct(row["answer_text"], answer)
+    kept_rows = [row["kept"] for row in runnable]
+    outputs = decode_in_batches(
+        model, prompt, kept_rows, MAX_NEW_TOKENS, context_len, stops, finished, batch_bytes
+    )
+    for row, tokens in zip(runnable, outputs, strict=True):
+        row["answer_text"] = tokenizer.decode(tokens, skip_special_tokens=True)
+        row["correct"] = is_correct(row["answer_text"], answer)
 
 
 def run_prompt(model, tokenizer, sample: NeedlePrompt, args, work: Path) -> list[dict]:

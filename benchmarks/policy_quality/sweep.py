@@ -24,13 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import answer_decided  # noqa: E402
+from run import answer_decided, decode_in_batches  # noqa: E402
 
 from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
 from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
 from vllm_kvevict.hf_reference import (  # noqa: E402
-    decode_batch_with_kept,
     kept_per_layer,
     kvpress_kept_count,
     load_reference_model,
@@ -85,20 +84,16 @@ def sweep_prompt(model, tokenizer, sample, variants, fractions, batch_bytes: flo
                 row["error"] = str(error)
             rows.append(row)
     runnable = [row for row in rows if "kept" in row]
-    per_row = sum(k.numel() * k.element_size() * 2 for k in prompt.keys)
-    batch = max(1, int(batch_bytes // per_row))
     single_number = len(sample.answers) == 1 and sample.answers[0].isdigit()
     finished = answer_decided(sample.answers[0], tokenizer) if single_number else None
     new_tokens = NEEDLE_NEW_TOKENS if single_number else sample.max_new_tokens
-    stops = [tokenizer.eos_token_id]
-    for start in range(0, len(runnable), batch):
-        chunk = runnable[start : start + batch]
-        outputs = decode_batch_with_kept(
-            model, prompt, [row["kept"] for row in chunk], new_tokens, n, stops, finished
-        )
-        for row, (tokens, _) in zip(chunk, outputs, strict=True):
-            row["output"] = tokenizer.decode(tokens, skip_special_tokens=True)
-            row["score"] = score_output(row["output"], sample.answers, sample.metric)
+    kept_rows = [row["kept"] for row in runnable]
+    outputs = decode_in_batches(
+        model, prompt, kept_rows, new_tokens, n, [tokenizer.eos_token_id], finished, batch_bytes
+    )
+    for row, tokens in zip(runnable, outputs, strict=True):
+        row["output"] = tokenizer.decode(tokens, skip_special_tokens=True)
+        row["score"] = score_output(row["output"], sample.answers, sample.metric)
     for row in rows:
         row.pop("kept", None)
         row.update(
