@@ -55,21 +55,21 @@ def long_ids(tokenizer, num_tokens: int, seed: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def wait_for_usage_zero(server: VLLMServer, timeout_s: float = 60.0) -> float:
-    """Poll ``vllm:kv_cache_usage_perc`` until it is 0 (no block held); returns the last value."""
+def wait_for_metric_zero(server: VLLMServer, metric: str, timeout_s: float) -> float:
+    """Poll ``metric`` every 0.5 s until it is 0 or ``timeout_s`` passes; returns the last value."""
     deadline = time.monotonic() + timeout_s
-    value = server.metric_value(USAGE)
+    value = server.metric_value(metric)
     while value != 0 and time.monotonic() < deadline:
         time.sleep(0.5)
-        value = server.metric_value(USAGE)
+        value = server.metric_value(metric)
     return value
+
+
+def wait_for_usage_zero(server: VLLMServer, timeout_s: float = 60.0) -> float:
+    """Poll ``vllm:kv_cache_usage_perc`` until it is 0 (no block held); returns the last value."""
+    return wait_for_metric_zero(server, USAGE, timeout_s)
 
 
 def wait_for_worker_state_empty(server: VLLMServer, timeout_s: float = 30.0) -> float:
     """Poll ``vllm_kvevict_worker_requests`` (set after every runner step) until 0; returns the last value."""
-    deadline = time.monotonic() + timeout_s
-    value = server.metric_value(WORKER_STATE)
-    while value != 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = server.metric_value(WORKER_STATE)
-    return value
+    return wait_for_metric_zero(server, WORKER_STATE, timeout_s)
