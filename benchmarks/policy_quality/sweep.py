@@ -6,6 +6,8 @@ every variant then selects its kept sets at every kept fraction, question-aware 
 compressed, the first answer token comes from the full prefill, as in the server), and the same masked
 runner decodes them greedily. A variant is ``label=method`` or ``label=method:param=value,param=value``
 (values parsed as JSON, else kept as strings), so every parameter the registry knows can be swept.
+``--kvpress`` adds kvpress 0.5.5's presses at their own defaults (window 64, average pooling 5), chosen on
+the same captured tensors in ``.venv-ref`` as ``run.py`` does, as variants ``kvpress:<press>``.
 
     .venv/bin/python benchmarks/policy_quality/sweep.py --lengths 4096 --samples 4 \
         --variants 'snapkv=snapkv;snap-span=snapkv:span_after=8' --out /tmp/sweep.jsonl
@@ -24,7 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import answer_decided, decode_in_batches  # noqa: E402
+from run import (  # noqa: E402
+    KVPRESS_PRESSES,
+    answer_decided,
+    decode_in_batches,
+    kvpress_rows,
+    start_kvpress,
+    write_kvpress_case,
+)
 
 from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
@@ -38,6 +47,7 @@ from vllm_kvevict.hf_reference import (  # noqa: E402
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 #: Single-answer needle tasks of the eval suite: an answer is decided at its first wrong digit.
 NEEDLE_TASKS = ("niah_single_noise", "niah_single_essay", "niah_single_digits", "niah_multikey")
 QUERY_WINDOW = 256
@@ -64,10 +74,26 @@ def parse_variants(text: str) -> dict[str, EvictionPolicy]:
     return variants
 
 
-def sweep_prompt(model, tokenizer, sample, variants, fractions, batch_bytes: float) -> list[dict]:
-    """Every (variant, fraction) row of one prompt, decoded; plus the full-cache row."""
+def sweep_prompt(
+    model,
+    tokenizer,
+    sample,
+    variants,
+    fractions,
+    batch_bytes: float,
+    kvpress_python: Path | None = None,
+    work_dir: Path = Path("/tmp/kvevict-sweep"),
+) -> list[dict]:
+    """Every (variant, fraction) row of one prompt, decoded; plus the full-cache row, and kvpress's presses
+    (variants ``kvpress:<press>``) when ``kvpress_python`` is given."""
     prompt = prefill(model, torch.tensor(sample.token_ids), query_window=QUERY_WINDOW)
     n = prompt.num_tokens
+    kvpress = None
+    if kvpress_python is not None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        case = work_dir / f"{sample.id}.pt"
+        write_kvpress_case(case, prompt.layers)
+        kvpress = start_kvpress(work_dir, [case], fractions, kvpress_python)
     rows = [
         {
             "variant": "full-cache",
@@ -83,6 +109,20 @@ def sweep_prompt(model, tokenizer, sample, variants, fractions, batch_bytes: flo
             except ValueError as error:
                 row["error"] = str(error)
             rows.append(row)
+    if kvpress is not None:
+        if kvpress.wait() != 0:
+            raise RuntimeError(f"kvpress reference script failed with exit code {kvpress.returncode}")
+        result = work_dir / f"{sample.id}.kvpress.pt"
+        for press_row in kvpress_rows(result, fractions):
+            rows.append(
+                {
+                    "variant": f"kvpress:{press_row['method']}",
+                    "fraction": press_row["kept_fraction"],
+                    "kept": press_row["kept"],
+                }
+            )
+        case.unlink()
+        result.unlink()
     runnable = [row for row in rows if "kept" in row]
     single_number = len(sample.answers) == 1 and sample.answers[0].isdigit()
     finished = answer_decided(sample.answers[0], tokenizer) if single_number else None
@@ -136,6 +176,12 @@ def main() -> None:
     )
     parser.add_argument("--batch-bytes", type=float, default=2e9)
     parser.add_argument("--summary-only", action="store_true")
+    parser.add_argument(
+        "--kvpress",
+        action="store_true",
+        help=f"also kvpress's presses ({', '.join(KVPRESS_PRESSES)}) at their defaults, via .venv-ref",
+    )
+    parser.add_argument("--ref-python", type=Path, default=ROOT / ".venv-ref" / "bin" / "python")
     args = parser.parse_args()
     variants = parse_variants(args.variants)
     fractions = [float(x) for x in args.fractions.split(",")]
@@ -155,10 +201,14 @@ def main() -> None:
                 for label, p in variants.items()
                 if any((sample.id, label, f) not in done for f in fractions)
             }
-            if not todo:
+            press_todo = args.kvpress and any(
+                (sample.id, f"kvpress:{press}", f) not in done for press in KVPRESS_PRESSES for f in fractions
+            )
+            if not todo and not press_todo:
                 continue
             started = time.time()
-            rows = sweep_prompt(model, tokenizer, sample, todo, fractions, args.batch_bytes)
+            kvpress_python = args.ref_python if press_todo else None
+            rows = sweep_prompt(model, tokenizer, sample, todo, fractions, args.batch_bytes, kvpress_python)
             rows = [r for r in rows if (r["sample"], r["variant"], r["fraction"]) not in done]
             with args.out.open("a") as out:
                 for row in rows:
