@@ -97,15 +97,34 @@ class RocoStatistics:
                 f"attn_row must be [kv_heads={self.sums.shape[0]}, m >= {self.num_tokens}]; "
                 f"got {tuple(attn_row.shape)}"
             )
+        self.fold(attn_row[:, None], torch.ones_like(attn_row[:, None], dtype=torch.bool))
+
+    def fold(self, rows: torch.Tensor, seen: torch.Tensor) -> None:
+        """Add several queries' attention per KV head at once.
+
+        rows: [kv_heads, T, m] attention rows, m >= the tracked tokens (new ones at the end start at zero);
+        seen: [kv_heads, T, m] bool, the (query, entry) pairs that count (the query could see the entry).
+        """
+        self.fit(rows.shape[2])
+        rows = torch.where(seen, rows.float(), 0.0)
+        self.sums += rows.sum(dim=1)
+        self.sq_sums += rows.square().sum(dim=1)
+        self.counts += seen.sum(dim=1)
+
+    def fit(self, m: int) -> None:
+        """Grow (zero statistics for the new tokens at the end) or cut the tracked tokens to ``m``."""
         if m > self.num_tokens:
             grow = m - self.num_tokens
             self.sums, self.sq_sums, self.counts = (
                 torch.nn.functional.pad(t, (0, grow)) for t in (self.sums, self.sq_sums, self.counts)
             )
-        row = attn_row.float()
-        self.sums += row
-        self.sq_sums += row.square()
-        self.counts += 1
+        elif m < self.num_tokens:
+            self.sums, self.sq_sums, self.counts = (t[:, :m] for t in (self.sums, self.sq_sums, self.counts))
+
+    def reset(self, entries: torch.Tensor) -> None:
+        """Zero the statistics where ``entries`` [kv_heads, n] bool is True (a slot now holds a new token)."""
+        for t in (self.sums, self.sq_sums, self.counts):
+            t.masked_fill_(entries, 0.0)
 
     def mean(self) -> torch.Tensor:
         """[kv_heads, n] mean attention received."""
@@ -130,7 +149,10 @@ class RocoStatistics:
         return evicted.indices[:, :num_evict]
 
     def keep(self, indices: torch.Tensor) -> None:
-        """Compact to the kept tokens, indices: [kv_heads, m] sorted per head (after an eviction)."""
+        """Compact to the kept tokens, indices: [kv_heads, m] sorted per head (after an eviction); -1
+        entries (a head keeping fewer than m) get zero statistics."""
+        present = indices >= 0
+        safe = indices.clamp(min=0)
         self.sums, self.sq_sums, self.counts = (
-            t.gather(1, indices) for t in (self.sums, self.sq_sums, self.counts)
+            torch.where(present, t.gather(1, safe), 0.0) for t in (self.sums, self.sq_sums, self.counts)
         )

@@ -1,0 +1,32 @@
+"""Decode-time eviction: per-head caps while generating, re-scored every ``interval`` tokens."""
+
+from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy, DecodeState, ada_caps, held_attention
+from vllm_kvevict.policies.decode.h2o import DecodeH2O
+from vllm_kvevict.policies.decode.registry import (
+    build_decode_policy,
+    decode_method_description,
+    decode_method_names,
+    decode_method_params,
+)
+from vllm_kvevict.policies.decode.roco import DecodeRoCo
+from vllm_kvevict.policies.decode.snapkv import DecodeSnapKV
+from vllm_kvevict.policies.decode.statistics import AccumulatingPolicy, AttentionStatistics, WindowScores
+from vllm_kvevict.policies.decode.streamingllm import DecodeStreamingLLM
+
+__all__ = [
+    "AccumulatingPolicy",
+    "AttentionStatistics",
+    "DecodeEvictionPolicy",
+    "DecodeH2O",
+    "DecodeRoCo",
+    "DecodeSnapKV",
+    "DecodeState",
+    "DecodeStreamingLLM",
+    "WindowScores",
+    "ada_caps",
+    "build_decode_policy",
+    "decode_method_description",
+    "decode_method_names",
+    "decode_method_params",
+    "held_attention",
+]

@@ -1,0 +1,23 @@
+"""H2O while decoding: heavy hitters by accumulated attention plus the recent entries (Zhang et al., 2023).
+
+https://arxiv.org/abs/2306.14048
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.policies.decode.base import DecodeState, recent_entries
+from vllm_kvevict.policies.decode.statistics import AccumulatingPolicy
+
+
+@dataclass
+class DecodeH2O(AccumulatingPolicy):
+    """Score = attention accumulated over every query since the entry was held (a KV head's row being the
+    mean over its query group); the newest ``window`` positions are always kept."""
+
+    def scores(self, state: DecodeState | None, key_positions: torch.Tensor) -> torch.Tensor:
+        accumulated = self.statistics(state, key_positions).stats.sums.clone()
+        return accumulated.masked_fill(recent_entries(key_positions, self.window), float("inf"))

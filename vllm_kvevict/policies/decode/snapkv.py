@@ -1,0 +1,78 @@
+"""SnapKV-style re-score while decoding: the held entries the last ``window`` queries attend to (Li et al.,
+2024, applied at every re-score instead of once after prefill). https://arxiv.org/abs/2404.14469
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.policies.base import check_choice, check_int
+from vllm_kvevict.policies.decode.base import (
+    DecodeEvictionPolicy,
+    DecodeState,
+    held_attention,
+    recent_entries,
+)
+from vllm_kvevict.policies.decode.statistics import WindowScores
+from vllm_kvevict.policies.scoring import POOLING_KINDS, pool_scores
+
+
+@dataclass
+class DecodeSnapKV(DecodeEvictionPolicy):
+    """Score = mean attention of the last ``window`` queries per query head, pooled over neighbouring held
+    entries (slot order, which is position order), then averaged over the GQA group, as the prefill
+    ``SnapKV`` does; the newest ``window`` positions are always kept. Scores are replaced at each observe.
+    """
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        check_int(owner, "window", self.window, 1)
+        check_int(owner, "kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"{owner}: kernel={self.kernel} is not valid; it must be an odd int >= 1")
+        check_choice(owner, "pooling", self.pooling, POOLING_KINDS)
+
+    @property
+    def query_window(self) -> int:
+        return self.window
+
+    @property
+    def min_cap(self) -> int:
+        return self.window
+
+    def init_state(self, num_kv_heads: int, device: torch.device | str) -> WindowScores:
+        return WindowScores(num_kv_heads, device)
+
+    def observe(
+        self,
+        state: DecodeState | None,
+        keys: torch.Tensor,
+        key_positions: torch.Tensor,
+        queries: torch.Tensor,
+        query_positions: torch.Tensor,
+    ) -> WindowScores:
+        assert isinstance(state, WindowScores), "init_state gives SnapKV's state"
+        state.fit(key_positions)
+        query_positions = query_positions.to(device=keys.device, dtype=torch.int64)
+        # The last `window` queries by position; absent ones (-1) sort first and drop out.
+        last = query_positions.argsort()[-self.window :]
+        probs, _ = held_attention(keys, key_positions, queries[:, last], query_positions[last])
+        present = (query_positions[last] >= 0).sum().clamp(min=1)
+        mean = probs.sum(dim=2) / present  # [kv_heads, g, L]
+        valid = (key_positions >= 0)[:, None, :]
+        # Padding never wins a max pool (-inf) and adds nothing to an average (0).
+        filler = float("-inf") if self.pooling == "max" else 0.0
+        pooled = pool_scores(mean.masked_fill(~valid, filler), self.kernel, self.pooling)
+        state.values = pooled.mean(dim=1).masked_fill(~valid[:, 0], float("-inf"))
+        return state
+
+    def scores(self, state: DecodeState | None, key_positions: torch.Tensor) -> torch.Tensor:
+        assert isinstance(state, WindowScores), "init_state gives SnapKV's state"
+        state.fit(key_positions)
+        return state.values.masked_fill(recent_entries(key_positions, self.window), float("inf"))
