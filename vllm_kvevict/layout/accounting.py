@@ -9,13 +9,27 @@ needs Σ_h ceil((B_h + t) / bs) < H·((B' + t)/bs + 1) sub-blocks, i.e. at most 
 So the scheduler frees s = (P - B')/bs - 1 leading blocks once the prompt is processed: the request then
 holds ceil((P + t)/bs) - s = ceil((B' + t)/bs) + 1 blocks at every later step — always enough — and vLLM's
 ordinary per-position growth hands it the next block exactly when the rule needs it.
+
+Decode-time cap, the same rule extended in time (like vLLM's SlidingWindowManager). Write the plan as an
+offset O(t): after t decode tokens a layer holds at most ``H·a(t)`` entries with ``a(t) = P + t - O(t)``, in
+the blocks ``[O(t)/bs - 1, ceil((P+t)/bs))`` (O = 0: nothing compacted, nothing freed; a compacted prompt
+starts at O0 = P - B'). With cap C and interval k (whole blocks), let F(t) = bs·floor((P + t - C)/bs), the
+largest block-aligned offset that still leaves C per head. The first re-score is at the first t >= 1 with
+F(t) >= O0 + k (O0 + max(k, 2bs) for a prompt that was not compacted: it must free a block), i.e.
+``t1 = max(1, O0 + threshold + C - P)``; from then on ``O(t) = F(t1) + k·floor((F(t) - F(t1))/k)``. At every
+t where O grows the worker re-scores each layer and keeps ``<= H·a(t)`` entries (a(t) in [C, C + bs)), and
+the scheduler frees ``O(t)/bs - 1`` leading blocks: held blocks stay ``ceil(a(t)/bs) + 1`` as above, and a
+head never holds more than its cap + k + bs - 1 entries between re-scores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from vllm_kvevict.policies.base import EvictionPolicy
 
@@ -44,6 +58,22 @@ def align_budget(prompt_len: int, budget: int, block_size: int) -> int:
     return budget + (prompt_len - budget) % block_size
 
 
+#: first re-score of a request without a decode cap: never.
+NEVER = 1 << 62
+
+
+def evicted_offset(prompt_len, offset0, first_rescore, decode_cap, interval, block_size: int, generated):
+    """O(t) of the module docstring for ints or numpy arrays (elementwise, one formula for both sides).
+
+    offset0: O0 (P - B' for a compacted prompt, else 0); first_rescore: t1 (``NEVER`` without a cap);
+    generated: t, decode tokens in the cache."""
+    aligned = block_size * ((prompt_len + generated - decode_cap) // block_size)
+    first = block_size * ((prompt_len + first_rescore - decode_cap) // block_size)
+    step = np.maximum(interval, 1)
+    later = first + step * ((aligned - first) // step)
+    return np.where(generated < first_rescore, offset0, later)
+
+
 @dataclass(frozen=True)
 class RequestPlan:
     """What one request keeps and frees.
@@ -52,6 +82,8 @@ class RequestPlan:
     kept_bound: B', >= every layer budget, with prompt_len - B' a multiple of block_size.
     blocks_to_free: s, the leading blocks [0, s) the scheduler frees once the prompt is processed.
     compacts: False when the prompt is within budget: the request keeps its full cache, standard layout.
+    decode_cap: C, kept tokens per KV head while generating (0: no decode-time cap).
+    decode_interval: k, decode tokens between re-scores (a multiple of block_size; 0 without a cap).
     """
 
     prompt_len: int
@@ -60,10 +92,71 @@ class RequestPlan:
     kept_bound: int
     blocks_to_free: int
     compacts: bool
+    decode_cap: int = 0
+    decode_interval: int = 0
+
+    @property
+    def offset0(self) -> int:
+        """O0: tokens per head evicted from the prompt (P - B' when it compacts)."""
+        return self.prompt_len - self.kept_bound if self.compacts else 0
+
+    @property
+    def first_rescore(self) -> int:
+        """t1: decode tokens after which the first decode-time re-score runs (``NEVER`` without a cap)."""
+        if not self.decode_cap:
+            return NEVER
+        bs, k = self.block_size, self.decode_interval
+        threshold = k if self.compacts else max(k, 2 * bs)
+        return max(1, self.offset0 + threshold + self.decode_cap - self.prompt_len)
+
+    def offset(self, generated_tokens: int) -> int:
+        """O(t): positions per head evicted after ``generated_tokens`` decode tokens are in the cache."""
+        return int(
+            evicted_offset(
+                self.prompt_len,
+                self.offset0,
+                self.first_rescore,
+                self.decode_cap,
+                self.decode_interval,
+                self.block_size,
+                generated_tokens,
+            )
+        )
+
+    def kept_length(self, generated_tokens: int) -> int:
+        """a(t): a layer holds at most H·a(t) entries after ``generated_tokens`` decode tokens."""
+        return self.prompt_len + generated_tokens - self.offset(generated_tokens)
+
+    def rescores_at(self, generated_tokens: int) -> bool:
+        """True when the step that brings the cache to ``generated_tokens`` decode tokens re-scores."""
+        t = generated_tokens
+        return t >= 1 and self.offset(t) != self.offset(t - 1)
+
+    def compacted_at(self, generated_tokens: int) -> bool:
+        """True when the request reads per-head sub-blocks once ``generated_tokens`` are in the cache."""
+        return self.offset(generated_tokens) > 0
+
+    def blocks_freed(self, generated_tokens: int) -> int:
+        """Leading blocks freed once the prompt and ``generated_tokens`` decode tokens are processed."""
+        return max(0, self.offset(generated_tokens) // self.block_size - 1)
 
     def blocks_held(self, generated_tokens: int) -> int:
         """Blocks held after ``generated_tokens`` decode tokens, once the prompt is processed."""
-        return cdiv(self.prompt_len + generated_tokens, self.block_size) - self.blocks_to_free
+        return cdiv(self.prompt_len + generated_tokens, self.block_size) - self.blocks_freed(generated_tokens)
+
+
+def with_decode_cap(
+    plan: RequestPlan, decode_cap: int | float | None, interval: int | None, minimum: int = 0
+) -> RequestPlan:
+    """``plan`` with a decode-time cap: ``decode_cap`` an int (tokens per KV head) or a float in (0, 1)
+    (a fraction of the prompt), at least ``minimum``; ``interval`` rounded up to whole blocks (default one
+    block). None: no cap."""
+    if decode_cap is None:
+        return plan
+    bs = plan.block_size
+    cap = max(resolve_token_budget(decode_cap, max(plan.prompt_len, 1)), minimum, 1)
+    k = bs * max(1, cdiv(interval or bs, bs))
+    return dataclasses.replace(plan, decode_cap=cap, decode_interval=k)
 
 
 def plan_request(
@@ -100,13 +193,20 @@ def plan_request(
 
 
 def request_planner(
-    budget: int | float, block_size: int, policy: EvictionPolicy, num_layers: int
+    budget: int | float,
+    block_size: int,
+    policy: EvictionPolicy,
+    num_layers: int,
+    decode_cap: int | float | None = None,
+    decode_interval: int | None = None,
+    decode_min: int = 0,
 ) -> Callable[[int], RequestPlan]:
-    """``plan_request`` with everything but the prompt length fixed, memoised per prompt length (the
-    scheduler and the worker both ask for the same plans on every step)."""
+    """``plan_request`` (plus ``with_decode_cap``) with everything but the prompt length fixed, memoised per
+    prompt length (the scheduler and the worker both ask for the same plans on every step)."""
 
     @lru_cache(maxsize=4096)
     def plan_for(prompt_len: int) -> RequestPlan:
-        return plan_request(prompt_len, budget, block_size, policy, num_layers)
+        plan = plan_request(prompt_len, budget, block_size, policy, num_layers)
+        return with_decode_cap(plan, decode_cap, decode_interval, decode_min)
 
     return plan_for
