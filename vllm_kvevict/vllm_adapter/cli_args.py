@@ -13,14 +13,20 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_kvevict.policies.decode.registry import decode_method_names
 from vllm_kvevict.policies.presets import Preset
 from vllm_kvevict.vllm_adapter.config import (
     ADDITIONAL_CONFIG_KEY,
+    DECODE_ALLOCATIONS,
+    DECODE_TIME_METHODS,
+    NO_DECODE,
     EvictionConfig,
     EvictionConfigError,
     eviction_config_from_additional,
+    implied_decode,
     method_names,
     parse_budget,
+    parse_params_json,
     parse_params_or_preset,
 )
 from vllm_kvevict.vllm_adapter.metrics_multiprocess import ensure_multiprocess_collection
@@ -42,6 +48,34 @@ def _budget_type(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(exc).replace("kv_eviction.budget", "--kv-budget")) from exc
 
 
+def _decode_budget_type(text: str) -> int | float:
+    try:
+        return parse_budget(text, "--kv-decode-budget")
+    except EvictionConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _interval_type(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"--kv-decode-interval={text!r} is not valid; use an integer >= 1 (generated tokens between "
+            "re-scores, rounded up to whole blocks)"
+        )
+    return value
+
+
+def _json_type(text: str) -> dict[str, Any]:
+    try:
+        return parse_params_json(text)
+    except EvictionConfigError as exc:
+        message = str(exc).replace("--kv-eviction-config", "--kv-decode-config")
+        raise argparse.ArgumentTypeError(message) from exc
+
+
 def _params_type(text: str) -> dict[str, Any] | Preset:
     try:
         return parse_params_or_preset(text)
@@ -55,8 +89,8 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         return
     group = parser.add_argument_group(
         title=FLAG_GROUP_TITLE,
-        description="vllm-kvevict: evict KV-cache entries per attention head after prefill and free "
-        "paged blocks. "
+        description="vllm-kvevict: evict KV-cache entries per attention head after prefill (and, with a "
+        "decode-time cap, while generating) and free paged blocks. "
         "Off unless --kv-eviction is given (or additional_config.kv_eviction is set).",
     )
     names = method_names()
@@ -86,6 +120,52 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         help='Method parameters as a JSON object, e.g. \'{"window": 32, "kernel": 7, "alpha": 0.2}\', or a '
         "preset file such as configs/ada-snapkv.yaml (its method is used unless --kv-eviction names it).",
     )
+    decode_names = [*decode_method_names(), NO_DECODE]
+    group.add_argument(
+        "--kv-decode-eviction",
+        dest="kv_decode_eviction",
+        metavar="METHOD",
+        choices=decode_names,
+        default=None,
+        help=f"Decode-time cap: re-score what each KV head holds while generating and evict down to "
+        f"--kv-decode-budget, one of: {', '.join(decode_names)}. With --kv-eviction "
+        f"{'/'.join(DECODE_TIME_METHODS)} alone the cap is implied (the same method, cap = --kv-budget); "
+        "'none' turns it off.",
+    )
+    group.add_argument(
+        "--kv-decode-budget",
+        dest="kv_decode_budget",
+        metavar="CAP",
+        type=_decode_budget_type,
+        default=None,
+        help="Decode-time cap: an integer = entries kept per KV head while generating (e.g. 2048), or a "
+        "float in (0, 1) = a fraction of the prompt. Required with --kv-decode-eviction.",
+    )
+    group.add_argument(
+        "--kv-decode-interval",
+        dest="kv_decode_interval",
+        metavar="TOKENS",
+        type=_interval_type,
+        default=None,
+        help="Generated tokens between decode-time re-scores (default: one block; rounded up to whole "
+        "blocks). A head holds at most cap + interval + block size - 1 entries.",
+    )
+    group.add_argument(
+        "--kv-decode-config",
+        dest="kv_decode_config",
+        metavar="JSON",
+        type=_json_type,
+        default=None,
+        help='Decode method parameters as a JSON object, e.g. \'{"window": 32, "std_ratio": 0.5}\'.',
+    )
+    group.add_argument(
+        "--kv-decode-allocation",
+        dest="kv_decode_allocation",
+        choices=DECODE_ALLOCATIONS,
+        default=None,
+        help="How a layer's decode cap is split across KV heads at each re-score: uniform (default, every "
+        "head at the cap) or ada (heads x cap per layer, split by score as Ada-KV does).",
+    )
 
 
 def eviction_config_from_args(args: argparse.Namespace, additional_config: dict[str, Any] | None) -> (
@@ -103,7 +183,17 @@ def eviction_config_from_args(args: argparse.Namespace, additional_config: dict[
                 "(--kv-eviction-config); drop --kv-eviction or use a preset of that method"
             )
         method, params = params.method, params.params
+    decode_given = any(
+        getattr(args, name, None) is not None
+        for name in ("kv_decode_eviction", "kv_decode_budget", "kv_decode_interval", "kv_decode_config",
+                     "kv_decode_allocation")
+    )
     if method is None and existing is None:
+        if decode_given:
+            raise EvictionConfigError(
+                "--kv-decode-* need --kv-eviction METHOD --kv-budget N (the prefill setting; a budget at "
+                "least the prompt keeps the prompt whole); valid methods: " + ", ".join(method_names())
+            )
         if budget is not None or params is not None:
             raise EvictionConfigError(
                 "--kv-budget/--kv-eviction-config need --kv-eviction METHOD; valid methods: "
@@ -122,7 +212,50 @@ def eviction_config_from_args(args: argparse.Namespace, additional_config: dict[
             f"--kv-eviction {method} needs --kv-budget: an integer (kept tokens per KV head, e.g. 1024) "
             "or a float in (0, 1) (kept fraction of the prompt)"
         )
+    existing_decode = merged.get("decode")
+    if existing_decode is None and "method" in merged and "budget" in merged:
+        # --kv-eviction roco --kv-budget N --kv-decode-interval 64 tunes the cap roco implies.
+        implied = implied_decode(merged["method"], merged["budget"], merged.get("params") or {})
+        existing_decode = implied.to_dict() if implied is not None else None
+    decode = decode_from_args(args, existing_decode)
+    if decode is not None:
+        merged["decode"] = decode
     return eviction_config_from_additional({ADDITIONAL_CONFIG_KEY: merged})
+
+
+def decode_from_args(args: argparse.Namespace, existing: Any) -> dict[str, Any] | None:
+    """The ``decode`` entry from the ``--kv-decode-*`` flags over an existing one (None: no flag given)."""
+    flags = {
+        "method": getattr(args, "kv_decode_eviction", None),
+        "budget": getattr(args, "kv_decode_budget", None),
+        "interval": getattr(args, "kv_decode_interval", None),
+        "params": getattr(args, "kv_decode_config", None),
+        "allocation": getattr(args, "kv_decode_allocation", None),
+    }
+    given = {key: value for key, value in flags.items() if value is not None}
+    if not given:
+        return None
+    decode: dict[str, Any] = dict(existing) if isinstance(existing, dict) else {}
+    decode.update(given)
+    if decode.get("method") == NO_DECODE:
+        extra = sorted(set(given) - {"method"})
+        if extra:
+            raise EvictionConfigError(
+                f"--kv-decode-eviction none with --kv-decode-{extra[0]}: a request without a decode-time cap "
+                "takes no decode setting; drop one of them"
+            )
+        return {"method": NO_DECODE}
+    if "method" not in decode:
+        raise EvictionConfigError(
+            "--kv-decode-budget/--kv-decode-interval/--kv-decode-config/--kv-decode-allocation need "
+            f"--kv-decode-eviction METHOD; valid methods: {', '.join(decode_method_names())}"
+        )
+    if "budget" not in decode:
+        raise EvictionConfigError(
+            f"--kv-decode-eviction {decode['method']} needs --kv-decode-budget: an integer (entries kept per "
+            "KV head while generating, e.g. 2048) or a float in (0, 1) (a fraction of the prompt)"
+        )
+    return decode
 
 
 def apply_eviction_to_engine_args(args: argparse.Namespace, engine_args: Any) -> None:

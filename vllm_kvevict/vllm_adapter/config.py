@@ -6,6 +6,7 @@ EngineCore and every worker. It is validated once, here; the rest of the code tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -15,12 +16,26 @@ from typing import Any
 import yaml
 
 from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.registry import (
+    build_decode_policy,
+    decode_method_names,
+    decode_method_params,
+)
 from vllm_kvevict.policies.presets import Preset, load_preset
 from vllm_kvevict.policies.registry import available_methods, build_policy
 
 #: key of the eviction settings inside vLLM's ``additional_config``.
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
-_KNOWN_KEYS = ("method", "budget", "params")
+_KNOWN_KEYS = ("method", "budget", "params", "decode")
+_DECODE_KEYS = ("method", "budget", "interval", "params", "allocation")
+#: ``decode.method`` that turns the decode-time cap off (also for the paper methods that imply one).
+NO_DECODE = "none"
+#: how a layer's decode-time cap is split across its KV heads at a re-score.
+DECODE_ALLOCATIONS = ("uniform", "ada")
+#: prefill methods defined at decode time in their papers: ``--kv-eviction roco --kv-budget N`` alone
+#: caps every head at N while generating too.
+DECODE_TIME_METHODS = ("roco", "h2o", "streamingllm")
 
 
 class EvictionConfigError(ValueError):
@@ -31,7 +46,7 @@ def method_names() -> list[str]:
     return [info.name for info in available_methods()]
 
 
-def parse_budget(raw: Any) -> int | float:
+def parse_budget(raw: Any, field_name: str = "kv_eviction.budget") -> int | float:
     """``--kv-budget`` value: an int >= 1 (average kept tokens per KV head) or a float in (0, 1) (kept
     fraction of the prompt). Strings are parsed the same way ("1024", "0.25")."""
     value = raw
@@ -46,21 +61,127 @@ def parse_budget(raw: Any) -> int | float:
                 value = raw
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise EvictionConfigError(
-            f"kv_eviction.budget={raw!r} is not a number; use an integer >= 1 (kept tokens per KV head) "
+            f"{field_name}={raw!r} is not a number; use an integer >= 1 (kept tokens per KV head) "
             "or a float in (0, 1) (kept fraction of the prompt)"
         )
     if isinstance(value, int):
         if value < 1:
             raise EvictionConfigError(
-                f"kv_eviction.budget={raw!r}: an integer budget must be >= 1 (kept tokens per KV head)"
+                f"{field_name}={raw!r}: an integer budget must be >= 1 (kept tokens per KV head)"
             )
         return value
     if not 0.0 < value < 1.0:
         raise EvictionConfigError(
-            f"kv_eviction.budget={raw!r}: a fractional budget must lie in (0, 1); "
+            f"{field_name}={raw!r}: a fractional budget must lie in (0, 1); "
             "use an integer for a token count"
         )
     return float(value)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The decode-time cap: which method re-scores, the cap per KV head and how often.
+
+    method: a decode method name (``roco``, ``h2o``, ``streamingllm``, ``snapkv``).
+    budget: int >= 1 = cap in tokens per KV head while generating; float in (0, 1) = a fraction of the
+        prompt length.
+    interval: generated tokens between re-scores (None: one block); rounded up to whole blocks.
+    params: method parameters, validated by the decode registry.
+    allocation: "uniform" (every head capped at the budget) or "ada" (a layer keeps heads x budget,
+        split across heads by score at each re-score).
+    """
+
+    method: str
+    budget: int | float
+    interval: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    allocation: str = "uniform"
+
+    def __post_init__(self) -> None:
+        names = decode_method_names()
+        if self.method not in names:
+            raise EvictionConfigError(
+                f"kv_eviction.decode.method={self.method!r} is not a known decode method; valid: "
+                f"{', '.join([*names, NO_DECODE])}"
+            )
+        object.__setattr__(self, "budget", parse_budget(self.budget, "kv_eviction.decode.budget"))
+        if self.interval is not None and (
+            isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1
+        ):
+            raise EvictionConfigError(
+                f"kv_eviction.decode.interval={self.interval!r} is not valid; use an integer >= 1 (generated "
+                "tokens between re-scores, rounded up to whole blocks)"
+            )
+        if self.allocation not in DECODE_ALLOCATIONS:
+            raise EvictionConfigError(
+                f"kv_eviction.decode.allocation={self.allocation!r} is not valid; valid: "
+                f"{', '.join(DECODE_ALLOCATIONS)}"
+            )
+        if not isinstance(self.params, dict):
+            raise EvictionConfigError(f"kv_eviction.decode.params={self.params!r} must be a JSON object")
+        try:
+            policy = self.build_policy()
+            if self.interval is not None:
+                policy.check_interval(self.interval)
+        except (TypeError, ValueError) as exc:
+            raise EvictionConfigError(f"kv_eviction.decode for {self.method!r}: {exc}") from exc
+        if isinstance(self.budget, int) and self.budget < policy.min_cap:
+            raise EvictionConfigError(
+                f"kv_eviction.decode.budget={self.budget} is below the {policy.min_cap} entries "
+                f"{self.method} always keeps; valid: an integer >= {policy.min_cap} or a float in (0, 1)"
+            )
+
+    def build_policy(self) -> DecodeEvictionPolicy:
+        return build_decode_policy(self.method, **self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method, "budget": self.budget, "interval": self.interval,
+            "params": dict(self.params), "allocation": self.allocation,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> DecodeConfig | None:
+        """None for ``{"method": "none"}``."""
+        if not isinstance(raw, dict):
+            raise EvictionConfigError(
+                f"kv_eviction.decode={raw!r} must be a mapping with keys {', '.join(_DECODE_KEYS)}"
+            )
+        unknown = sorted(set(raw) - set(_DECODE_KEYS))
+        if unknown:
+            raise EvictionConfigError(
+                f"kv_eviction.decode has unknown key(s) {unknown}; valid keys: {', '.join(_DECODE_KEYS)}"
+            )
+        if raw.get("method") == NO_DECODE:
+            return None
+        if "method" not in raw or "budget" not in raw:
+            raise EvictionConfigError(
+                f"kv_eviction.decode={raw!r} needs both 'method' and 'budget' (e.g. --kv-decode-eviction "
+                "roco --kv-decode-budget 2048)"
+            )
+        params = raw.get("params") or {}
+        if isinstance(params, str):
+            params = parse_params_json(params)
+        interval = raw.get("interval")
+        if isinstance(interval, str) and interval.strip().isdigit():
+            interval = int(interval)
+        return cls(raw["method"], raw["budget"], interval, params, raw.get("allocation") or "uniform")
+
+    def describe(self) -> str:
+        cap = f"{self.budget:.0%} of each prompt" if isinstance(self.budget, float) else f"{self.budget}"
+        every = f"every {self.interval} tokens" if self.interval else "every block"
+        extra = f" {json.dumps(self.params, sort_keys=True)}" if self.params else ""
+        allocation = " (ada allocation)" if self.allocation == "ada" else ""
+        return f"decode={self.method} cap={cap} per KV head {every}{allocation}{extra}"
+
+
+def implied_decode(method: str, budget: int | float, params: dict[str, Any]) -> DecodeConfig | None:
+    """The decode-time cap a paper method implies on its own (its prefill budget, its parameters where
+    the decode form has them), or None for methods defined after prefill only."""
+    if method not in DECODE_TIME_METHODS:
+        return None
+    known = decode_method_params(method)
+    return DecodeConfig(method, budget, None, {k: v for k, v in params.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -70,11 +191,14 @@ class EvictionConfig:
     method: a registered name (``vllm-kvevict methods`` lists them).
     budget: int >= 1 = average kept tokens per KV head; float in (0, 1) = kept fraction of the prompt.
     params: method parameters (window, kernel, alpha, sinks, seed, ...), validated by the policy registry.
+    decode: the decode-time cap (None: every generated token is kept). ``from_dict`` fills it for the
+        paper methods that imply one (``DECODE_TIME_METHODS``) unless ``decode.method`` is "none".
     """
 
     method: str
     budget: int | float
     params: dict[str, Any] = field(default_factory=dict)
+    decode: DecodeConfig | None = None
 
     def __post_init__(self) -> None:
         names = method_names()
@@ -96,7 +220,12 @@ class EvictionConfig:
         return build_policy(self.method, **self.params)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "budget": self.budget, "params": dict(self.params)}
+        raw: dict[str, Any] = {"method": self.method, "budget": self.budget, "params": dict(self.params)}
+        if self.decode is not None:
+            raw["decode"] = self.decode.to_dict()
+        elif self.method in DECODE_TIME_METHODS:  # the implied cap was turned off: say so explicitly
+            raw["decode"] = {"method": NO_DECODE}
+        return raw
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> EvictionConfig:
@@ -115,14 +244,20 @@ class EvictionConfig:
         params = raw.get("params") or {}
         if isinstance(params, str):
             params = parse_params_json(params)
-        return cls(method=raw["method"], budget=raw["budget"], params=params)
+        config = cls(method=raw["method"], budget=raw["budget"], params=params)
+        if "decode" in raw:
+            decode = DecodeConfig.from_dict(raw["decode"])
+        else:
+            decode = implied_decode(config.method, config.budget, config.params)
+        return dataclasses.replace(config, decode=decode) if decode is not None else config
 
     def describe(self) -> str:
         budget = f"{self.budget:.0%} of each prompt" if isinstance(self.budget, float) else (
             f"{self.budget} tokens per KV head"
         )
         extra = f" {json.dumps(self.params, sort_keys=True)}" if self.params else ""
-        return f"method={self.method} budget={budget}{extra}"
+        decode = f"; {self.decode.describe()}" if self.decode is not None else ""
+        return f"method={self.method} budget={budget}{extra}{decode}"
 
 
 def parse_params_json(text: str) -> dict[str, Any]:
