@@ -20,7 +20,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_kvevict.layout.accounting import RequestPlan, cdiv, request_planner
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.config import EvictionConfig, eviction_config_from_json, get_eviction_config
 from vllm_kvevict.vllm_adapter.request_settings import RequestSettings
@@ -59,18 +59,19 @@ class EvictingAttentionSpec(FullAttentionSpec):
 
 class EvictingAttentionManager(FullAttentionManager):
     """FullAttentionManager that frees the leading blocks [0, s) of every compacted request once its prompt
-    is processed (s from ``plan_request``). Positions, slot math and ``num_computed_tokens`` stay untouched;
-    freed blocks return to the pool and are reused by the next ``allocate_slots``."""
+    is processed (s from ``plan_request``), and with a decode-time cap more leading blocks as its output
+    grows (``RequestPlan.blocks_freed(t)``, like SlidingWindowManager). Positions, slot math and
+    ``num_computed_tokens`` stay untouched; freed blocks return to the pool and are reused by the next
+    ``allocate_slots``."""
 
     def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         config = kv_cache_spec.eviction_config()
-        policy = config.build_policy()
         block_size = kv_cache_spec.block_size
         num_layers = kv_cache_spec.num_model_layers
 
-        self.plan_for = request_planner(config.budget, block_size, policy, num_layers)
         self.settings = RequestSettings(config, block_size, num_layers)
+        self.plan_for = self.settings.plan_for
         # request -> its own planner, for requests with a per-request setting (vllm_xargs)
         self.request_planners: dict[str, Callable[[int], RequestPlan]] = {}
         self.saved_blocks: dict[str, int] = {}  # request -> leading blocks freed (metrics)
@@ -105,11 +106,12 @@ class EvictingAttentionManager(FullAttentionManager):
         if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
             return
         plan = self.request_plan(request_id, num_prompt_tokens)
-        if plan.blocks_to_free > 0:
+        freed = plan.blocks_freed(processed_computed_tokens - num_prompt_tokens)
+        if freed > 0:
             # Iterates backwards and stops at the first null block, so repeated calls cost O(1).
-            self._remove_blocks_in_range(request_id, 0, plan.blocks_to_free)
-            if request_id not in self.saved_blocks and request_id in self.req_to_blocks:
-                self.saved_blocks[request_id] = plan.blocks_to_free
+            self._remove_blocks_in_range(request_id, 0, freed)
+            if self.saved_blocks.get(request_id) != freed and request_id in self.req_to_blocks:
+                self.saved_blocks[request_id] = freed
                 self._publish_saved_blocks()
 
     def free(self, request_id: str) -> None:
@@ -128,10 +130,19 @@ def capacity_summary(config: EvictionConfig, plan: RequestPlan) -> str:
     """One start-up line: the active setting and the expected capacity gain for a prompt of plan's length."""
     full_blocks = cdiv(plan.prompt_len, plan.block_size)
     kept_blocks = plan.blocks_held(0)
+    decode = ""
+    if plan.decode_cap:
+        peak = plan.decode_cap + plan.decode_interval + plan.block_size - 1
+        decode = (
+            f"; while generating each KV head is re-scored every {plan.decode_interval} tokens down to "
+            f"{plan.decode_cap} (at most {peak} entries), a request then holds <= "
+            f"{cdiv(peak, plan.block_size) + 1} blocks"
+        )
     return (
         f"kv-eviction active: {config.describe()}, block size {plan.block_size}; a {plan.prompt_len}-token "
         f"prompt keeps <= {plan.kept_bound} tokens per KV head and holds {kept_blocks} of {full_blocks} "
         f"blocks after prefill (about {full_blocks / kept_blocks:.1f}x more such requests in the KV pool)"
+        f"{decode}"
     )
 
 

@@ -3,6 +3,7 @@
 A client overrides the server's method and/or budget for one request::
 
     extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_budget": 0.1}}   # or "kv_eviction": "none"
+    extra_body={"vllm_xargs": {"kv_decode_budget": 1024}}   # the server's decode method, its own cap
 
 The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The scheduler's
 manager (``kv_spec.py``) and each worker (``eviction_step.py``) both see the request's sampling parameters,
@@ -12,6 +13,7 @@ the same pure function of (extra_args, prompt length) on both sides, so they agr
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,23 +22,32 @@ from typing import Any
 
 from vllm_kvevict.layout.accounting import RequestPlan, request_planner
 from vllm_kvevict.policies.base import EvictionPolicy
-from vllm_kvevict.vllm_adapter.config import EvictionConfig, EvictionConfigError, method_names
+from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
+from vllm_kvevict.vllm_adapter.config import (
+    DecodeConfig,
+    EvictionConfig,
+    EvictionConfigError,
+    method_names,
+)
 
 logger = logging.getLogger("vllm.kvevict")
 
 #: ``vllm_xargs`` keys read per request.
 METHOD_KEY = "kv_eviction"
 BUDGET_KEY = "kv_budget"
+DECODE_BUDGET_KEY = "kv_decode_budget"
 #: ``kv_eviction`` value that keeps the request's cache whole.
 NO_EVICTION = "none"
 
 
 @dataclass(frozen=True)
 class RequestOverride:
-    """A request's validated setting. method: a registered name or ``"none"``; budget: None for ``"none"``."""
+    """A request's validated setting. method: a registered name or ``"none"``; budget: None for ``"none"``;
+    decode_budget: the request's own decode-time cap (None: the server's)."""
 
     method: str
     budget: int | float | None
+    decode_budget: int | float | None = None
 
 
 def needs_o_proj(method: str) -> bool:
@@ -62,8 +73,9 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
 
     Raises EvictionConfigError naming the bad key, its value and the valid ones.
     """
-    if not extra_args or (METHOD_KEY not in extra_args and BUDGET_KEY not in extra_args):
+    if not extra_args or not any(key in extra_args for key in (METHOD_KEY, BUDGET_KEY, DECODE_BUDGET_KEY)):
         return None
+    decode_budget = parse_decode_budget(extra_args, server)
     method = extra_args.get(METHOD_KEY, server.method)
     valid = per_request_methods(server)
     if not isinstance(method, str) or method not in valid:
@@ -75,11 +87,12 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
             )
         raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r} {problem}; valid: {', '.join(valid)}")
     if method == NO_EVICTION:
-        if BUDGET_KEY in extra_args:
-            raise EvictionConfigError(
-                f"vllm_xargs.{BUDGET_KEY}={extra_args[BUDGET_KEY]!r} with {METHOD_KEY}='none': a request "
-                f"that keeps its whole cache has no budget; drop {BUDGET_KEY} or name a method"
-            )
+        for key in (BUDGET_KEY, DECODE_BUDGET_KEY):
+            if key in extra_args:
+                raise EvictionConfigError(
+                    f"vllm_xargs.{key}={extra_args[key]!r} with {METHOD_KEY}='none': a request "
+                    f"that keeps its whole cache has no budget; drop {key} or name a method"
+                )
         return RequestOverride(NO_EVICTION, None)
     budget = extra_args.get(BUDGET_KEY, server.budget)
     if BUDGET_KEY in extra_args:
@@ -90,20 +103,67 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
             f"vllm_xargs.{BUDGET_KEY}={budget!r} is below the {policy.min_budget} tokens {method} always "
             f"keeps (its window/sinks); valid: an integer >= {policy.min_budget} or a float in (0, 1)"
         )
-    return RequestOverride(method, budget)
+    return RequestOverride(method, budget, decode_budget)
 
 
-def parse_request_budget(raw: Any) -> int | float:
+def parse_decode_budget(extra_args: Mapping[str, Any], server: EvictionConfig) -> int | float | None:
+    """The request's ``kv_decode_budget`` (None when absent); the server must run a decode-time method."""
+    if DECODE_BUDGET_KEY not in extra_args:
+        return None
+    raw = extra_args[DECODE_BUDGET_KEY]
+    if server.decode is None:
+        raise EvictionConfigError(
+            f"vllm_xargs.{DECODE_BUDGET_KEY}={raw!r}: this server runs no decode-time eviction method "
+            "(start it with --kv-decode-eviction METHOD); drop the key"
+        )
+    budget = parse_request_budget(raw, DECODE_BUDGET_KEY)
+    minimum = decode_policy(server.decode).min_cap
+    if isinstance(budget, int) and budget < minimum:
+        raise EvictionConfigError(
+            f"vllm_xargs.{DECODE_BUDGET_KEY}={budget!r} is below the {minimum} entries "
+            f"{server.decode.method} always keeps; valid: an integer >= {minimum} or a float in (0, 1)"
+        )
+    return budget
+
+
+def parse_request_budget(raw: Any, key: str = BUDGET_KEY) -> int | float:
     """A JSON number: int >= 1 (kept tokens per KV head) or float in (0, 1) (kept fraction of the prompt)."""
     valid = (
         "valid: an integer >= 1 (kept tokens per KV head) or a float in (0, 1) (kept fraction of the prompt)"
     )
     if isinstance(raw, bool) or not isinstance(raw, int | float):
         kind = "a string" if isinstance(raw, str) else f"a {type(raw).__name__}"
-        raise EvictionConfigError(f"vllm_xargs.{BUDGET_KEY}={raw!r} is {kind}, not a number; {valid}")
+        raise EvictionConfigError(f"vllm_xargs.{key}={raw!r} is {kind}, not a number; {valid}")
     if isinstance(raw, int) and raw < 1 or isinstance(raw, float) and not 0.0 < raw < 1.0:
-        raise EvictionConfigError(f"vllm_xargs.{BUDGET_KEY}={raw!r} is out of range; {valid}")
+        raise EvictionConfigError(f"vllm_xargs.{key}={raw!r} is out of range; {valid}")
     return raw
+
+
+def decode_policy(decode: DecodeConfig) -> DecodeEvictionPolicy:
+    """The decode-time policy of a setting (built once per distinct setting)."""
+    return _decode_policy(json.dumps(decode.to_dict(), sort_keys=True))
+
+
+@lru_cache(maxsize=8)
+def _decode_policy(text: str) -> DecodeEvictionPolicy:
+    return DecodeConfig.from_dict(json.loads(text)).build_policy()
+
+
+def planner(
+    budget: int | float,
+    policy: EvictionPolicy,
+    decode: DecodeConfig | None,
+    block_size: int,
+    num_layers: int,
+    decode_budget: int | float | None = None,
+) -> Callable[[int], RequestPlan]:
+    """The plan per prompt length of a setting: prefill budget and, with ``decode``, its decode-time cap
+    (``decode_budget`` overriding the setting's). Scheduler and workers build it from the same values."""
+    if decode is None:
+        return request_planner(budget, block_size, policy, num_layers)
+    cap = decode.budget if decode_budget is None else decode_budget
+    minimum = decode_policy(decode).min_cap
+    return request_planner(budget, block_size, policy, num_layers, cap, decode.interval, minimum)
 
 
 @lru_cache(maxsize=32)
@@ -125,7 +185,8 @@ def keep_whole(prompt_len: int, block_size: int, num_layers: int) -> RequestPlan
 
 @dataclass(frozen=True)
 class ResolvedSetting:
-    """What one side needs for a request: its method, policy (None for "none") and plan per prompt length."""
+    """What one side needs for a request: its method, policy (None for "none") and plan per prompt length
+    (whose ``decode_cap`` says whether the server's decode-time policy re-scores it)."""
 
     method: str
     policy: EvictionPolicy | None
@@ -146,6 +207,8 @@ class RequestSettings:
         self.block_size = block_size
         self.num_layers = num_layers
         self._resolved = lru_cache(maxsize=64)(self._resolve)
+        #: the server's own plan per prompt length
+        self.plan_for = planner(server.budget, server.build_policy(), server.decode, block_size, num_layers)
 
     def override(self, extra_args: Mapping[str, Any] | None) -> RequestOverride | None:
         """The request's override, or None for the server's setting (also when the value is invalid)."""
@@ -166,5 +229,8 @@ class RequestSettings:
             return ResolvedSetting(NO_EVICTION, None, lambda prompt_len: keep_whole(prompt_len, bs, layers))
         policy = build_request_policy(override.method, self.server)
         assert override.budget is not None
-        planner = request_planner(override.budget, self.block_size, policy, self.num_layers)
-        return ResolvedSetting(override.method, policy, planner)
+        plan_for = planner(
+            override.budget, policy, self.server.decode, self.block_size, self.num_layers,
+            override.decode_budget,
+        )
+        return ResolvedSetting(override.method, policy, plan_for)
