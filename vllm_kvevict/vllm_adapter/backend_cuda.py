@@ -185,7 +185,23 @@ def backend_classes() -> dict[str, type]:
                     # view, never reshape: a copy would make the moves land nowhere
                     subblocks = kv_cache.view(num_blocks * heads, block_size, two_d)
                     dispatch.compact_subblocks(subblocks, write.src_slots, write.slots, validate=False)
+            if step.ring_writes is not None:
+                tokens = step.num_tokens
+                step.record_queries(layer_idx, query[:tokens].view(tokens, self.num_heads, self.head_size))
+            if step.rescores:
+                self._rescore(step, layer_idx, kv_cache)
             return output
+
+        def _rescore(self, step: EvictionStep, layer_idx: int, kv_cache) -> None:
+            """Decode-time cap: re-score this step's capped requests, move kept rows (K and V together)."""
+            num_blocks, heads, block_size, two_d = kv_cache.shape
+            subblocks = kv_cache.view(num_blocks * heads, block_size, two_d)
+            half = two_d // 2
+            moves = step.rescore_layer(
+                layer_idx, lambda slots: subblocks[slots // block_size, slots % block_size, :half]
+            )
+            if moves is not None and moves.slots.numel():
+                dispatch.compact_subblocks(subblocks, moves.src_slots, moves.slots, validate=False)
 
         def _head_sequence_attention(self, layer, step: EvictionStep, layer_idx: int, query, kv_cache,
                                      output) -> None:

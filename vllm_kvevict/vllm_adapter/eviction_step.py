@@ -11,7 +11,9 @@ attention layer of that step reads:
   sequence with its own sub-block table row and length ("head as sequence"); requests still in the
   standard layout appear there with sub-blocks ``block * H + h`` and the full length;
 - requests whose prompt completes in this step and whose plan compacts are scored and compacted layer by
-  layer, right after that layer's attention, from the keys/values/queries the layer has in hand.
+  layer, right after that layer's attention, from the keys/values/queries the layer has in hand;
+- with a decode-time cap (``decode_eviction.py``), the step keeps the queries of capped decoding requests
+  and re-scores, layer by layer after attention, the requests whose rule says so in this step.
 """
 
 from __future__ import annotations
@@ -25,15 +27,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_kvevict.layout.accounting import RequestPlan, cdiv, request_planner
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks, StepLayout
 from vllm_kvevict.layout.subblock_store import TableRows, head_token_index
 from vllm_kvevict.layout.subblock_table import SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
 from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.vllm_adapter.decode_eviction import (
+    DecodeEviction,
+    DecodeMoves,
+    DecodeRecord,
+    KeyReader,
+    Rescore,
+    RingWrites,
+)
 from vllm_kvevict.vllm_adapter.policy_guard import guarded_select
-from vllm_kvevict.vllm_adapter.request_settings import RequestSettings
+from vllm_kvevict.vllm_adapter.request_settings import RequestSettings, decode_policy
 
 logger = logging.getLogger("vllm.kvevict.eviction_step")
 
@@ -64,6 +74,7 @@ class StepRequest:
     prompt_len: int
     plan: RequestPlan | None = None  # compacts in this step
     policy: EvictionPolicy | None = None  # the request's policy when it compacts in this step
+    decode: DecodeRecord | None = None  # its decode cap already applies in this step (a recomputed request)
 
 
 @dataclass
@@ -115,9 +126,13 @@ class EvictionStep:
         max_query_len: int,
         seq_lens: np.ndarray,
         prompt_lens: np.ndarray,
+        ring_writes: RingWrites | None = None,
+        rescores: list[Rescore] | None = None,
     ) -> None:
         self.worker = worker
         self.compacting = compacting
+        self.ring_writes = ring_writes
+        self.rescores = rescores or []
         self.num_reqs = num_reqs
         self.num_tokens = num_tokens
         self.max_seq_len = max_seq_len  # host bounds for kernels that take them as ints (no device read)
@@ -132,6 +147,11 @@ class EvictionStep:
         self._kept_for_dump: dict[str, list[KeptTokens]] = {}
         self._kept_counts: dict[str, list[torch.Tensor]] = {}  # req -> per layer [H] kept, for metrics
         self.eviction_seconds = 0.0  # scoring, selection and compaction planning in this step
+
+    @property
+    def evicts(self) -> bool:
+        """True when some layer work follows attention: a prompt compacts or a decode cap re-scores."""
+        return bool(self.compacting or self.rescores)
 
     @property
     def has_compacted(self) -> bool:
@@ -165,6 +185,26 @@ class EvictionStep:
             self._per_layer = [groups[tables.group_of(layer)] for layer in range(self.worker.num_layers)]
         return self._per_layer[layer_idx]
 
+    # ----- decode-time cap ------------------------------------------------------------------------------
+    def record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Keep the queries [T, Hq, D] of capped decoding requests (one batched write per layer)."""
+        if self.ring_writes is not None and self.worker.decode is not None:
+            self.worker.decode.record_queries(layer_idx, query, self.ring_writes)
+
+    def rescore_layer(self, layer_idx: int, read_keys: KeyReader) -> DecodeMoves | None:
+        """Re-score ``layer_idx`` of the requests whose cap re-scores in this step; the moves to make inside
+        the layer's cache (None: none). Runs after the layer's attention (this step's token is cached)."""
+        decode = self.worker.decode
+        if not self.rescores or decode is None:
+            return None
+        started = time.perf_counter()
+        worker = self.worker
+        moves = decode.rescore_layer(layer_idx, self.rescores, self._block_table, read_keys, worker.check)
+        if layer_idx == self.worker.num_layers - 1:
+            self.worker.record_rescored(self.rescores)
+        self.eviction_seconds += time.perf_counter() - started
+        return moves
+
     # ----- compaction -----------------------------------------------------------------------------------
     def compact_layer(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -181,6 +221,9 @@ class EvictionStep:
         for req in self.compacting:
             plan = req.plan
             assert plan is not None and req.policy is not None
+            if req.decode is not None:
+                writes.append(self._compact_with_cap(req, layer_idx, query, key, value))
+                continue
             prompt = slice(req.q_start, req.q_start + req.prompt_len)
             window = req.policy.query_window(req.prompt_len)
             layer = LayerKV(
@@ -196,16 +239,13 @@ class EvictionStep:
             trailing = req.q_len - req.prompt_len
             table = self._table_for(req, layer_idx, kept.counts, budget, trailing)
             writes.append(self._moves(req, kept, table, budget, trailing))
-            self._kept_counts.setdefault(req.req_id, []).append(kept.counts)
-            if worker.dump_dir is not None:
-                self._kept_for_dump.setdefault(req.req_id, []).append(kept)
+            record = worker.decode.records.get(req.req_id) if worker.decode is not None else None
+            if record is not None:  # the decode cap starts from what the prompt kept
+                record.positions[layer_idx] = kept.indices.to(torch.int64)
             if worker.tables.last_layer_of_group(layer_idx):
                 worker.tables.commit(layer_idx, req.index, table, plan.blocks_to_free)
                 del self._pending[(req.req_id, worker.tables.group_of(layer_idx))]
-            if layer_idx == worker.num_layers - 1:
-                worker.finish_compaction(req, self._kept_for_dump.pop(req.req_id, None))
-                kept_per_head = torch.stack(self._kept_counts.pop(req.req_id)).tolist()  # once per request
-                worker.record_compacted(req, kept_per_head)
+            self._finish_layer(req, layer_idx, kept)
         self.eviction_seconds += time.perf_counter() - started
         return CompactionWrite(
             torch.cat([w.tokens for w in writes]),
@@ -213,6 +253,72 @@ class EvictionStep:
             torch.cat([w.slots for w in writes]),
             torch.cat([w.src_slots for w in writes]),
         )
+
+    def _finish_layer(self, req: StepRequest, layer_idx: int, kept: KeptTokens) -> None:
+        """Bookkeeping of a compacted layer: kept prompt counts for the metrics, the debug dump, and the
+        request's record once its last layer is done."""
+        worker = self.worker
+        self._kept_counts.setdefault(req.req_id, []).append(kept.counts)
+        if worker.dump_dir is not None:
+            self._kept_for_dump.setdefault(req.req_id, []).append(kept)
+        if layer_idx == worker.num_layers - 1:
+            worker.finish_compaction(req, self._kept_for_dump.pop(req.req_id, None))
+            kept_per_head = torch.stack(self._kept_counts.pop(req.req_id)).tolist()  # once per request
+            worker.record_compacted(req, kept_per_head)
+
+    def _compact_with_cap(
+        self, req: StepRequest, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> CompactionWrite:
+        """A recomputed request whose decode cap already applies: the prompt's own selection (or the whole
+        prompt when its plan keeps it), then the decode method over those entries and the recomputed output,
+        down to ``a(t)``, compacted straight from this step's standard-layout slots."""
+        worker, record, plan = self.worker, req.decode, req.plan
+        assert record is not None and plan is not None and worker.decode is not None
+        bs, heads = worker.block_size, worker.num_kv_heads
+        prompt_len, generated = req.prompt_len, req.q_len - req.prompt_len
+        start = req.q_start
+        if plan.compacts:
+            window = req.policy.query_window(prompt_len) if req.policy is not None else 0
+            layer = LayerKV(
+                keys=key[start : start + prompt_len].transpose(0, 1),
+                values=value[start : start + prompt_len].transpose(0, 1),
+                queries=query[start + prompt_len - window : start + prompt_len].transpose(0, 1),
+                layer_idx=layer_idx,
+                num_layers=worker.num_layers,
+                o_proj=worker.o_proj.get(layer_idx),
+            )
+            kept = worker.select(layer, plan.layer_budgets[layer_idx], req)
+        else:
+            kept = KeptTokens.everything(heads, prompt_len, key.device)
+        counts = kept.counts.to(device=key.device, dtype=torch.int64)
+        width = (int(counts.max()) if kept.indices.numel() else 0) + generated
+        j = torch.arange(width, device=key.device)
+        from_prompt = kept.indices.to(key.device, torch.int64)
+        if from_prompt.shape[1]:
+            from_prompt = from_prompt.gather(1, j.clamp(max=from_prompt.shape[1] - 1).expand(heads, width))
+        else:
+            from_prompt = torch.zeros(heads, width, dtype=torch.int64, device=key.device)
+        candidates = torch.where(j < counts[:, None], from_prompt, prompt_len + j - counts[:, None])
+        candidates = torch.where(j < counts[:, None] + generated, candidates, -1)
+        head_ids = torch.arange(heads, device=key.device)[:, None]
+        keys = key[start + candidates.clamp(min=0), head_ids]  # [H, L, D]
+        outputs = query[start + prompt_len : start + req.q_len]
+        positions, lengths = worker.decode.compact_recomputed(
+            layer_idx, record, candidates, keys, outputs, generated
+        )
+        first_block = plan.blocks_freed(generated)
+        total = int(lengths.sum())
+        table = worker.tables.store.assign(  # type: ignore[union-attr]
+            lengths, self._block_table[req.index], first_block, 0, total=total,
+            num_blocks=cdiv(req.seq_len, bs), check=worker.check,
+        )
+        kept_heads, index = head_token_index(lengths, total)
+        rows = positions[kept_heads, index] + start
+        standard = self._slot_mapping[rows].to(torch.int64)
+        src = ((standard // bs) * heads + kept_heads) * bs + standard % bs
+        worker.tables.commit(layer_idx, req.index, table, first_block)
+        self._finish_layer(req, layer_idx, kept)
+        return CompactionWrite(rows, kept_heads, table.token_slots(bs, kept_heads, index), src)
 
     def _table_for(
         self, req: StepRequest, layer_idx: int, counts: torch.Tensor, budget: int, trailing: int
@@ -281,7 +387,16 @@ class EvictionWorker:
         self.requests: dict[str, RequestPlan] = {}  # compacted requests
         self.kept_tokens: dict[str, float] = {}  # req -> mean kept prompt entries per KV head (metrics)
         shared = shares_tables(policy)
+        server = config if config is not None else EvictionConfig(policy.name, budget)
+        # A decode cap re-scores each layer on its own: ragged across layers, one table group per layer.
+        shared = shared and server.decode is None
         self.tables = BatchSubBlocks(num_layers, num_kv_heads, block_size, shared, max_num_seqs)
+        self.decode: DecodeEviction | None = None
+        if server.decode is not None:
+            self.decode = DecodeEviction(
+                decode_policy(server.decode), server.decode.allocation, num_layers, num_kv_heads, block_size,
+                self.tables,
+            )
         self.check = True  # set per step from the cache's device (see make_step)
         self._kept_by_slot = np.zeros(0)  # [R] kept_tokens of each batch slot (nan: not compacted)
         self._metric_ids: list[str] | None = None
@@ -291,11 +406,12 @@ class EvictionWorker:
         self._step: EvictionStep | None = None
         dump = os.environ.get(DEBUG_DUMP_ENV)
         self.dump_dir = Path(dump) if dump else None
+        if self.decode is not None:
+            self.decode.dump = self.dump_dir is not None
 
-        self.plan_for = request_planner(budget, block_size, policy, num_layers)
         # Per-request settings (vllm_xargs), resolved exactly like the scheduler's manager does.
-        server = config if config is not None else EvictionConfig(policy.name, budget)
         self.settings = RequestSettings(server, block_size, num_layers)
+        self.plan_for = self.settings.plan_for
 
     # ----- called by the runner hooks -------------------------------------------------------------------
     def begin_step(self, inputs: StepInputs) -> None:
@@ -321,6 +437,9 @@ class EvictionWorker:
             self.kept_tokens.pop(req_id, None)
             self.tables.forget(req_id)
             self._metric_ids = None
+            if self.decode is not None:
+                self.dump_decode(req_id)
+                self.decode.drop(req_id)
 
     # ----- called by the metadata builder ---------------------------------------------------------------
     def make_step(
@@ -353,7 +472,15 @@ class EvictionWorker:
             self.requests.pop(inputs.req_ids[slot], None)
             self.kept_tokens.pop(inputs.req_ids[slot], None)
             self._kept_by_slot[slot] = np.nan
-        compacted = self.tables.compacted(num_reqs)
+            if self.decode is not None:
+                self.decode.restart(inputs.req_ids[slot])
+        compacted = self.tables.compacted(num_reqs).copy()
+        ring_writes, rescores = None, []
+        if self.decode is not None:
+            ring_writes, rescores = self.decode.plan_step(
+                inputs.req_ids, computed, q_lens, compacted,
+                lambda slot: self._setting_plan(inputs, slot, int(prompt_lens[slot]))[0], block_table.device,
+            )
         q_start = np.cumsum(q_lens) - q_lens
         candidates = np.flatnonzero(~compacted & (computed < prompt_lens) & (prompt_lens <= seq_lens_host))
         compacting: list[StepRequest] = []
@@ -362,10 +489,16 @@ class EvictionWorker:
             req = StepRequest(
                 index, req_id, int(q_start[index]), int(q_lens[index]), int(seq_lens_host[index]), prompt_len
             )
-            setting = self.settings.resolve(inputs.extra_args[index] if inputs.extra_args else None)
-            plan = (setting.plan_for if setting else self.plan_for)(prompt_len)
+            plan, setting = self._setting_plan(inputs, index, prompt_len)
             req.policy = setting.policy if setting else self.policy
-            if not plan.compacts:
+            generated = int(seq_lens_host[index]) - prompt_len
+            record = self.decode.admit(req_id, plan) if self.decode is not None else None
+            if record is not None and plan.offset(generated) != plan.offset0:
+                # Recomputed after preemption with its decode cap already applied: evict to a(t) now.
+                req.plan, req.decode = plan, record
+                self.tables.split()
+                compacting.append(req)
+            elif not plan.compacts:
                 metrics.record_request_skipped(setting.method if setting else self.policy.name)
             elif computed[index] != 0:
                 raise RuntimeError(
@@ -385,9 +518,14 @@ class EvictionWorker:
         self._step = EvictionStep(
             self, compacting, block_table, slot_mapping, num_reqs, num_tokens, layout,
             max_seq_len=int(seq_lens_host.max(initial=0)), max_query_len=int(q_lens.max(initial=0)),
-            seq_lens=seq_lens_host, prompt_lens=prompt_lens,
+            seq_lens=seq_lens_host, prompt_lens=prompt_lens, ring_writes=ring_writes, rescores=rescores,
         )
         return self._step
+
+    def _setting_plan(self, inputs: StepInputs, slot: int, prompt_len: int):
+        """(plan, per-request setting or None) of the request in ``slot``."""
+        setting = self.settings.resolve(inputs.extra_args[slot] if inputs.extra_args else None)
+        return (setting.plan_for if setting else self.plan_for)(prompt_len), setting
 
     def layer_table(self, req_id: str, layer_idx: int) -> SubBlockTable:
         """A compacted request's table for ``layer_idx`` as the reference model (inspection and tests)."""
@@ -417,10 +555,33 @@ class EvictionWorker:
             counts=torch.full((self.num_kv_heads,), budget, dtype=torch.int64),
         )
 
+    def record_rescored(self, rescores: list[Rescore]) -> None:
+        """Every layer of ``rescores`` was re-scored: their resident entries per head are now a(t)."""
+        for r in rescores:
+            plan = r.record.plan
+            self.requests[r.req_id] = plan
+            # resident = kept + generated (see _publish_step_metrics): a(t) after the re-score.
+            self.kept_tokens[r.req_id] = float(plan.kept_length(r.generated) - r.generated)
+            self._kept_by_slot[r.slot] = self.kept_tokens[r.req_id]
+
+    def dump_decode(self, req_id: str) -> None:
+        """Save a finished capped request's per-head lengths before each re-score (debug dump only)."""
+        if self.dump_dir is None or self.decode is None:
+            return
+        record = self.decode.dump_record(req_id)
+        if record is None:
+            return
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in req_id)
+        torch.save(record, self.dump_dir / f"{safe}.decode.pt")
+
     def record_compacted(self, req: StepRequest, kept_per_head: list[list[int]]) -> None:
         """Publish a request's compaction (metrics.py): kept counts [layer][kv head], blocks freed."""
         assert req.plan is not None
         self.kept_tokens[req.req_id] = sum(map(sum, kept_per_head)) / (len(kept_per_head) * self.num_kv_heads)
+        if req.decode is not None:  # compacted straight to its decode cap: a(t) resident
+            generated = req.seq_len - req.prompt_len
+            self.kept_tokens[req.req_id] = float(req.plan.kept_length(generated) - generated)
         self._kept_by_slot[req.index] = self.kept_tokens[req.req_id]
         self.requests[req.req_id] = req.plan
         self.tables.mark_compacted(req.index)

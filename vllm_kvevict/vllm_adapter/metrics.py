@@ -94,6 +94,21 @@ class EvictionMetrics:
             "Kept tokens per KV head of each layer for the most recently compacted request.",
             ["layer"], registry=registry, multiprocess_mode="mostrecent",
         )
+        self.decode_evictions = Counter(
+            PREFIX + "decode_evictions",
+            "Decode-time re-scores: a capped request evicted down to its cap while generating (all layers).",
+            ["method"], registry=registry,
+        )
+        self.decode_tokens_evicted = Counter(
+            PREFIX + "decode_tokens_evicted",
+            "Entries per KV head evicted while generating (the rule's bound, summed over re-scores).",
+            ["method"], registry=registry,
+        )
+        self.decode_blocks_freed = Counter(
+            PREFIX + "decode_blocks_freed",
+            "Paged KV blocks given back to vLLM's pool while generating (decode-time cap).",
+            ["method"], registry=registry,
+        )
         self.policy_fallbacks = Counter(
             PREFIX + "policy_fallbacks",
             "Layers of a request whose policy failed (reason) and kept the most recent tokens instead.",
@@ -146,6 +161,18 @@ class EvictionMetrics:
 
     def record_request_skipped(self, method: str) -> None:
         self.requests_skipped.labels(method=method).inc()
+
+    def record_decode_eviction(self, method: str, tokens_evicted: float, blocks_freed: int) -> None:
+        if tokens_evicted < 0 or blocks_freed < 0:
+            raise ValueError(f"tokens_evicted={tokens_evicted} and blocks_freed={blocks_freed} must be >= 0")
+        self.decode_evictions.labels(method=method).inc()
+        self.decode_tokens_evicted.labels(method=method).inc(tokens_evicted)
+        self.decode_blocks_freed.labels(method=method).inc(blocks_freed)
+
+    def record_decode_config(self, method: str) -> None:
+        """Series at 0 from the start, so the dashboard's rate() panels show 0, not "no data"."""
+        for counter in (self.decode_evictions, self.decode_tokens_evicted, self.decode_blocks_freed):
+            counter.labels(method=method)
 
     def observe_eviction_step(self, seconds: float, phase: str = "total") -> None:
         if phase not in STEP_PHASES:
@@ -237,6 +264,17 @@ def record_kept_per_head(
     ]
     kept_tokens = sum(layer_budgets) / len(layer_budgets)
     record_request_compacted(method, prompt_tokens, kept_tokens, layer_budgets, ratios, blocks_freed)
+
+
+def record_decode_eviction(method: str, tokens_evicted: float, blocks_freed: int) -> None:
+    """One decode-time re-score of a capped request (every layer): entries per KV head evicted, blocks the
+    rule frees for it (decode method ``method``)."""
+    process_metrics().record_decode_eviction(method, tokens_evicted, blocks_freed)
+
+
+def record_decode_config(method: str) -> None:
+    """The decode-time method of this worker (creates its series at 0)."""
+    process_metrics().record_decode_config(method)
 
 
 def record_request_skipped(method: str) -> None:
