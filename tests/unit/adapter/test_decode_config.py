@@ -146,3 +146,16 @@ def test_a_dotted_additional_config_reaches_the_same_setting():
 def test_an_unknown_decode_key_is_named():
     with pytest.raises(EvictionConfigError, match="'cap'"):
         EvictionConfig.from_dict({"method": "snapkv", "budget": 512, "decode": {"cap": 5}})
+
+
+def test_a_per_request_decode_budget_needs_a_decode_method_on_the_server():
+    from vllm_kvevict.vllm_adapter.request_settings import RequestOverride, parse_override
+
+    capped = EvictionConfig.from_dict({"method": "h2o", "budget": 512})
+    assert parse_override({"kv_decode_budget": 1024}, capped) == RequestOverride("h2o", 512, 1024)
+    with pytest.raises(EvictionConfigError, match="kv_decode_budget=8 is below the 32"):
+        parse_override({"kv_decode_budget": 8}, capped)
+    with pytest.raises(EvictionConfigError, match="runs no decode-time eviction method"):
+        parse_override({"kv_decode_budget": 1024}, EvictionConfig("snapkv", 512))
+    with pytest.raises(EvictionConfigError, match="kv_decode_budget=1024 with kv_eviction='none'"):
+        parse_override({"kv_eviction": "none", "kv_decode_budget": 1024}, capped)
