@@ -11,14 +11,25 @@ from prometheus_client.parser import text_string_to_metric_families
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+PREEMPTIONS = "vllm:num_preemptions"  # a counter family: its sample is ..._total
 
 
 @dataclass
 class Peaks:
+    """Peaks of the polled gauges, plus the running-request sum for the time average (long outputs: the
+    pool limits how many requests keep running, not how many start) and the last preemption count."""
+
     max_running: float = 0.0
     max_waiting: float = 0.0
     max_kv_usage: float = 0.0
     samples: int = 0
+    sum_running: float = 0.0
+    preemptions: float = 0.0
+
+    @property
+    def mean_running(self) -> float:
+        """Running requests averaged over the samples (polled every ``interval_s``)."""
+        return self.sum_running / self.samples if self.samples else 0.0
 
 
 def gauge_values(metrics_text: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -51,8 +62,10 @@ class MetricsPoller:
     def poll_once(self) -> None:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             text = response.read().decode()
-        values = gauge_values(text, (RUNNING, WAITING, KV_USAGE))
+        values = gauge_values(text, (RUNNING, WAITING, KV_USAGE, PREEMPTIONS))
         self.peaks.max_running = max(self.peaks.max_running, values[RUNNING])
+        self.peaks.sum_running += values[RUNNING]
+        self.peaks.preemptions = max(self.peaks.preemptions, values[PREEMPTIONS])
         self.peaks.max_waiting = max(self.peaks.max_waiting, values[WAITING])
         self.peaks.max_kv_usage = max(self.peaks.max_kv_usage, values[KV_USAGE])
         self.peaks.samples += 1

@@ -29,6 +29,8 @@ class ServerResult:
     latency_mean_s: float
     num_requests: int
     wall_s: float
+    mean_running: float = 0.0  # running requests averaged over the run (long outputs)
+    preemptions: float = 0.0  # vllm:num_preemptions_total at the end of the run
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -50,6 +52,8 @@ def summarise(label: str, timing: RunTiming, peaks: Peaks) -> ServerResult:
         latency_mean_s=statistics.fmean(request.latency_s for request in timing.requests),
         num_requests=len(timing.requests),
         wall_s=timing.wall_s,
+        mean_running=peaks.mean_running,
+        preemptions=peaks.preemptions,
     )
 
 

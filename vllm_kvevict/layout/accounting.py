@@ -18,8 +18,10 @@ largest block-aligned offset that still leaves C per head. The first re-score is
 F(t) >= O0 + k (O0 + max(k, 2bs) for a prompt that was not compacted: it must free a block), i.e.
 ``t1 = max(1, O0 + threshold + C - P)``; from then on ``O(t) = F(t1) + k·floor((F(t) - F(t1))/k)``. At every
 t where O grows the worker re-scores each layer and keeps ``<= H·a(t)`` entries (a(t) in [C, C + bs)), and
-the scheduler frees ``O(t)/bs - 1`` leading blocks: held blocks stay ``ceil(a(t)/bs) + 1`` as above, and a
-head never holds more than its cap + k + bs - 1 entries between re-scores.
+the scheduler frees ``O(t)/bs - 1`` leading blocks: held blocks stay ``ceil(a(t)/bs) + 1`` as above. After
+each step a(t) <= C + k + bs - 1 (C + k - 1 in steady state); right before a re-score, with that step's token,
+a head holds at most C + max(k, 2bs) entries (C + k in steady state; C + 2bs when a prompt kept whole is first
+cut), unless the prompt itself kept more.
 """
 
 from __future__ import annotations

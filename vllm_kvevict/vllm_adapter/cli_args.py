@@ -148,7 +148,7 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         type=_interval_type,
         default=None,
         help="Generated tokens between decode-time re-scores (default: one block; rounded up to whole "
-        "blocks). A head holds at most cap + interval + block size - 1 entries.",
+        "blocks). A head holds at most cap + max(interval, 2 blocks) entries.",
     )
     group.add_argument(
         "--kv-decode-config",

@@ -132,10 +132,10 @@ def capacity_summary(config: EvictionConfig, plan: RequestPlan) -> str:
     kept_blocks = plan.blocks_held(0)
     decode = ""
     if plan.decode_cap:
-        peak = plan.decode_cap + plan.decode_interval + plan.block_size - 1
+        peak = plan.decode_cap + max(plan.decode_interval, 2 * plan.block_size)
         decode = (
             f"; while generating each KV head is re-scored every {plan.decode_interval} tokens down to "
-            f"{plan.decode_cap} (at most {peak} entries), a request then holds <= "
+            f"{plan.decode_cap} (at most {peak} entries per head), a request then holds <= "
             f"{cdiv(peak, plan.block_size) + 1} blocks"
         )
     return (

@@ -10,6 +10,7 @@ import torch
 
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.kernels import dispatch
+from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.backend_cpu import part_view, read_rows
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
 from vllm_kvevict.vllm_adapter.eviction_step import EvictionWorker, StepInputs
@@ -164,6 +165,9 @@ def test_a_short_prompt_decodes_whole_until_the_rule_compacts_it():
     """``--kv-eviction roco --kv-budget 48`` with a 40-token prompt: no prefill compaction; the standard
     layout is cut at t1 = 40 (-> 48 per head), and every 16 tokens after."""
     engine = SimulatedEngine(EvictionConfig.from_dict({"method": "roco", "budget": 48}))
+    recorded = metrics.process_metrics()
+    counters = (recorded.decode_evictions, recorded.decode_blocks_freed, recorded.decode_tokens_evicted)
+    before = [counter.labels(method="roco")._value.get() for counter in counters]
     engine.step([("r", 40, 0, 40, None)])
     plan = engine.worker.decode.records["r"].plan
     assert not plan.compacts and plan.first_rescore == 40
@@ -176,6 +180,11 @@ def test_a_short_prompt_decodes_whole_until_the_rule_compacts_it():
         assert all(len(h) <= 48 + 16 - 1 + BS for h in held)
         assert engine.blocks_read("r", 1) <= set(engine.rows["r"][plan.blocks_freed(t) :])
     assert engine.worker.requests["r"] == plan
+    after = [counter.labels(method="roco")._value.get() for counter in counters]
+    rescores = [t for t in range(1, 120) if plan.rescores_at(t)]
+    assert after[0] - before[0] == len(rescores) == 5  # t = 40, 56, 72, 88, 104
+    assert after[1] - before[1] == plan.blocks_freed(119) == 5
+    assert after[2] - before[2] == plan.offset(119) == 96
 
 
 def test_a_recomputed_request_is_compacted_straight_to_its_cap():

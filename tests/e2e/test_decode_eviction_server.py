@@ -1,0 +1,183 @@
+"""The decode-time cap inside a real ``vllm serve`` with the bundled model (issue 12).
+
+One server: SnapKV after prefill (256 per KV head) and RoCo while decoding, capped at 256 per KV head and
+re-scored every block (32 tokens). It saves each capped request's per-head lengths right before every
+re-score (``KVEVICT_DEBUG_DUMP_DIR``): those are the largest each head ever holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+BLOCK_SIZE = 32
+CAP = 256
+INTERVAL = BLOCK_SIZE  # the default: one block
+# A head holds at most CAP + max(interval, 2 blocks) entries (right before a re-score, the step's token
+# included): CAP + interval in steady state, CAP + 2 blocks when a prompt kept whole is first cut.
+SLACK = max(INTERVAL, 2 * BLOCK_SIZE)
+OUTPUT_TOKENS = 2100
+SERVER_ARGS = (
+    "--max-model-len",
+    "4096",
+    "--max-num-batched-tokens",
+    "4096",
+    "--max-num-seqs",
+    "8",
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--kv-eviction",
+    "snapkv",
+    "--kv-budget",
+    "256",
+    "--kv-decode-eviction",
+    "roco",
+    "--kv-decode-budget",
+    str(CAP),
+)
+USAGE = "vllm:kv_cache_usage_perc"
+SAVED = "vllm_kvevict_kv_cache_saved_perc"
+DECODE_BLOCKS_FREED = "vllm_kvevict_decode_blocks_freed_total"
+
+
+@pytest.fixture(scope="module")
+def dump_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("decode")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, dump_dir):
+    env = {DEBUG_DUMP_ENV: str(dump_dir)}
+    with VLLMServer(model_dir, extra_args=SERVER_ARGS, kv_cache_space_gib=1, env=env) as launched:
+        yield launched
+
+
+def client_of(server: VLLMServer):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url, api_key="unused", timeout=1200, max_retries=0)
+
+
+def counter(server: VLLMServer, name: str) -> float:
+    return sum(value for labels, value in server.metric_samples(name) if labels.get("method") == "roco")
+
+
+def gauge(server: VLLMServer, name: str) -> float:
+    """A gauge's value, 0 before it is first set (the saved-blocks gauge appears at the first free)."""
+    return sum(value for _, value in server.metric_samples(name))
+
+
+def wait_for_zero(server: VLLMServer, name: str, timeout_s: float = 60.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    value = server.metric_value(name)
+    while value != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = server.metric_value(name)
+    return value
+
+
+def complete(server: VLLMServer, prompt: str, max_tokens: int, xargs: dict | None, out: dict, key: str):
+    extra = {"ignore_eos": True, **({"vllm_xargs": xargs} if xargs else {})}
+    result = client_of(server).completions.create(
+        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra
+    )
+    out[key] = result.usage.completion_tokens
+
+
+def long_prompt(num_chars: int) -> str:
+    """About num_chars / 4 tokens of a caravan log, then a question (its prompt is compacted)."""
+    places = ["dunes", "river", "pass"]
+    log = " ".join(f"On day {d}, the caravan crossed the {places[d % 3]} at dawn." for d in range(600))
+    return log[:num_chars] + "\nQuestion: where was the caravan on day 7? Answer:"
+
+
+def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_and_prefilling_ones(
+    server, dump_dir
+):
+    """A short prompt generates 2100 tokens (ignore_eos). While it decodes, an uncapped request
+    (``vllm_xargs kv_eviction=none``) decodes and a long prompt is prefilled and compacted in the same
+    steps. Every head of every layer stays within CAP + SLACK; the freed blocks show on the gauges while
+    it runs, and every block comes back after."""
+    freed_before = counter(server, DECODE_BLOCKS_FREED)
+    before = set(dump_dir.glob("*.decode.pt"))
+    stream = client_of(server).completions.create(
+        model=server.served_model_name,
+        prompt="Write a very long story about a lighthouse keeper.",
+        max_tokens=OUTPUT_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    others: dict[str, int] = {}
+    threads = [
+        threading.Thread(
+            target=complete, args=(server, "Count slowly:", 300, {"kv_eviction": "none"}, others, "uncapped")
+        ),
+        threading.Thread(target=complete, args=(server, long_prompt(5000), 8, None, others, "prefill")),
+    ]
+    samples: list[tuple[int, float, float]] = []  # (chunk, usage, saved)
+    chunks = 0
+    for _chunk in stream:
+        chunks += 1
+        if chunks == 400:
+            for thread in threads:
+                thread.start()
+        if chunks % 100 == 0:
+            samples.append((chunks, gauge(server, USAGE), gauge(server, SAVED)))
+    for thread in threads:
+        thread.join()
+    assert others == {"uncapped": 300, "prefill": 8}
+
+    # While it ran: the late usage is a fraction of what the request would hold uncapped (usage + saved).
+    late = [(usage, saved) for chunk, usage, saved in samples if chunk >= 1800]
+    assert late and all(usage <= 0.25 * (usage + saved) for usage, saved in late), samples
+    assert counter(server, DECODE_BLOCKS_FREED) - freed_before >= (OUTPUT_TOKENS - CAP) // BLOCK_SIZE - 2
+
+    # Every head of every layer, right before each re-score (its largest size), within CAP + SLACK.
+    dumps = [torch.load(path) for path in set(dump_dir.glob("*.decode.pt")) - before]
+    capped = [d for d in dumps if len(d["rescored_at"]) > 10]
+    assert len(capped) == 1, [len(d["rescored_at"]) for d in dumps]
+    record = capped[0]
+    assert record["decode_cap"] == CAP and record["decode_interval"] == INTERVAL
+    assert len(record["rescored_at"]) >= (OUTPUT_TOKENS - CAP - SLACK) // INTERVAL
+    peaks = torch.tensor(record["lengths_before"])  # [re-scores, layers, heads]
+    assert peaks.shape[1:] == (30, 3)
+    assert int(peaks.max()) <= CAP + SLACK
+    assert int(peaks[1:].min()) >= CAP  # the cap is what each head keeps, not less
+
+    assert wait_for_zero(server, USAGE) == 0
+    assert wait_for_zero(server, "vllm_kvevict_worker_requests") == 0
+
+
+def test_aborting_a_capped_request_mid_decode_returns_its_blocks(server):
+    stream = client_of(server).completions.create(
+        model=server.served_model_name,
+        prompt="List the prime numbers:",
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for index, _chunk in enumerate(stream):
+        if index == 600:  # well past the first re-score (t1 = 2 x 32 + 256 - prompt)
+            break
+    stream.close()
+    assert wait_for_zero(server, USAGE) == 0
+    assert wait_for_zero(server, "vllm_kvevict_worker_requests") == 0
+
+
+def test_the_start_up_line_states_the_decode_cap(server):
+    log = Path(server.log_path).read_text()
+    bound = cdiv(CAP + SLACK, BLOCK_SIZE) + 1
+    assert f"re-scored every {INTERVAL} tokens down to {CAP} (at most {CAP + SLACK} entries per head)" in log
+    assert f"holds <= {bound} blocks" in log
