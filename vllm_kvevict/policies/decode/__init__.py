@@ -1,6 +1,12 @@
 """Decode-time eviction: per-head caps while generating, re-scored every ``interval`` tokens."""
 
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy, DecodeState, ada_caps, held_attention
+from vllm_kvevict.policies.decode.base import (
+    DecodeEvictionPolicy,
+    DecodeState,
+    ada_caps,
+    ada_caps_from_scores,
+    held_attention,
+)
 from vllm_kvevict.policies.decode.h2o import DecodeH2O
 from vllm_kvevict.policies.decode.registry import (
     build_decode_policy,
@@ -24,6 +30,7 @@ __all__ = [
     "DecodeStreamingLLM",
     "WindowScores",
     "ada_caps",
+    "ada_caps_from_scores",
     "build_decode_policy",
     "decode_method_description",
     "decode_method_names",

@@ -66,6 +66,10 @@ class DecodeEvictionPolicy(ABC):
         """Smallest per-head cap: the entries the method always keeps (sinks, recent window)."""
         return 1
 
+    def queries_needed(self, interval: int) -> int:
+        """Recent queries to pass when re-scoring every ``interval`` tokens (at most ``query_window``)."""
+        return self.query_window
+
     def check_interval(self, interval: int) -> None:
         """Raise ValueError when re-scoring every ``interval`` tokens loses queries the method needs."""
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
@@ -220,9 +224,17 @@ def ada_caps(
     rest of the layer's ``kv_heads * cap`` slots go to the highest scores of all heads together
     (``selection.ada_allocation``, as Ada-KV does after prefill). A head never gets more than it holds.
     """
-    valid = key_positions >= 0
-    held = valid.sum(dim=1)
     if cap >= key_positions.shape[1]:
-        return held
-    scores = torch.where(valid, policy.scores(state, key_positions), float("-inf"))
+        return (key_positions >= 0).sum(dim=1)
+    return ada_caps_from_scores(policy.scores(state, key_positions), key_positions, cap, alpha)
+
+
+def ada_caps_from_scores(
+    scores: torch.Tensor, key_positions: torch.Tensor, cap: int, alpha: float
+) -> torch.Tensor:
+    """``ada_caps`` of one layer from its scores [kv_heads, L] (``policy.scores``): [kv_heads] int64."""
+    valid = key_positions >= 0
+    if cap >= key_positions.shape[1]:
+        return valid.sum(dim=1)
+    scores = torch.where(valid, scores, float("-inf"))
     return (ada_allocation(scores, cap, alpha) & valid).sum(dim=1)

@@ -65,14 +65,28 @@ class DecodeSnapKV(DecodeEvictionPolicy):
         probs, _ = held_attention(keys, key_positions, queries[:, last], query_positions[last])
         present = (query_positions[last] >= 0).sum().clamp(min=1)
         mean = probs.sum(dim=2) / present  # [kv_heads, g, L]
-        valid = (key_positions >= 0)[:, None, :]
-        # Padding never wins a max pool (-inf) and adds nothing to an average (0).
-        filler = float("-inf") if self.pooling == "max" else 0.0
-        pooled = pool_scores(mean.masked_fill(~valid, filler), self.kernel, self.pooling)
-        state.values = pooled.mean(dim=1).masked_fill(~valid[:, 0], float("-inf"))
+        state.values = group_mean_pooled(mean, key_positions, self.kernel, self.pooling)
         return state
 
     def scores(self, state: DecodeState | None, key_positions: torch.Tensor) -> torch.Tensor:
         assert isinstance(state, WindowScores), "init_state gives SnapKV's state"
         state.fit(key_positions)
         return state.values.masked_fill(recent_entries(key_positions, self.window), float("inf"))
+
+
+def group_mean_pooled(
+    mean: torch.Tensor, key_positions: torch.Tensor, kernel: int, pooling: str
+) -> torch.Tensor:
+    """Pool ``mean`` [kv_heads, g, L] over neighbouring held entries in position order, whatever the
+    caller's slot layout (padding between entries is skipped), then average over the group: [kv_heads, L],
+    -inf for padding."""
+    valid = key_positions >= 0
+    # Held entries first, by position; padding after them.
+    order = torch.where(valid, key_positions, torch.iinfo(torch.int64).max).argsort(dim=1, stable=True)
+    index = order[:, None, :].expand_as(mean)
+    packed = mean.gather(2, index).masked_fill(~valid.gather(1, order)[:, None, :], 0.0)
+    # Padding sits after every held entry: at a row's end, max pooling sees zeros where a sequence end
+    # would give nothing, which a max of probabilities (>= 0) does not notice; avg pooling zero-pads anyway.
+    pooled = pool_scores(packed, kernel, pooling).mean(dim=1)
+    scores = torch.empty_like(pooled).scatter_(1, order, pooled)
+    return scores.masked_fill(~valid, float("-inf"))

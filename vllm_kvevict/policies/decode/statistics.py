@@ -98,6 +98,10 @@ class AccumulatingPolicy(DecodeEvictionPolicy):
     def min_cap(self) -> int:
         return max(1, self.window)
 
+    def queries_needed(self, interval: int) -> int:
+        # Queries already folded are skipped: only the ones since the last re-score are needed.
+        return min(self.max_interval, interval)
+
     def check_interval(self, interval: int) -> None:
         super().check_interval(interval)
         if interval > self.max_interval:
