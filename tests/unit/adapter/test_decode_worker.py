@@ -217,3 +217,23 @@ def test_finished_requests_leave_no_decode_state():
         engine.step([("a", 100, 99 + t, 1, None), ("b", 300, 299 + t, 1, None)])
     engine.worker.drop({"a", "b"})
     assert not engine.worker.decode.records and not engine.worker.requests
+
+
+def test_a_failing_decode_policy_keeps_each_heads_newest_entries_and_is_counted(monkeypatch):
+    engine = SimulatedEngine(EvictionConfig.from_dict({"method": "h2o", "budget": 48}))
+    decode = engine.worker.decode
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("scores went NaN")
+
+    monkeypatch.setattr(decode.policy, "select", broken)  # the policy instance is cached per setting
+    fallbacks = metrics.process_metrics().policy_fallbacks.labels(method="h2o", reason="raised")
+    before = fallbacks._value.get()
+    engine.step([("r", 40, 0, 40, None)])
+    for t in range(1, 41):
+        engine.step([("r", 40, 40 + t - 1, 1, None)])
+    plan = decode.records["r"].plan
+    assert plan.rescores_at(40)
+    for layer in range(LAYERS):
+        assert engine.held("r", layer) == [list(range(80 - 48, 80))] * HEADS
+    assert fallbacks._value.get() - before == LAYERS
