@@ -102,6 +102,13 @@ class QueryRing:
         assert self.queries is not None and self.positions is not None
         return self.queries[layer, row].transpose(0, 1), self.positions[row]
 
+    def read_recent(self, layer: int, row: int, newest: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([Hq, count, D], [count]) the queries at positions newest - count + 1 .. newest (count <= R)."""
+        assert self.queries is not None and self.positions is not None
+        device = self.positions.device
+        index = torch.arange(newest - count + 1, newest + 1, device=device) % self.window
+        return self.queries[layer, row, index].transpose(0, 1), self.positions[row, index]
+
 
 @dataclass(frozen=True)
 class RingWrites:
@@ -382,7 +389,7 @@ class DecodeEviction:
         if self.policy.query_window:
             heads, width = slots.shape
             keys = read_keys(slots.clamp(min=0).reshape(-1)).reshape(heads, width, -1)
-        queries = self.ring.read(layer_idx, record.row) if self.policy.query_window else None
+        queries = self._queries(layer_idx, r) if self.policy.query_window else None
         cap = plan.kept_length(r.generated)
         kept, lengths = self.select(layer_idx, record, keys, positions, queries, cap)
         store = self.tables.store
@@ -403,6 +410,18 @@ class DecodeEviction:
         self.tables.commit(layer_idx, r.slot, table, first_block)
         record.positions[layer_idx] = gather_padded(positions, kept, -1)
         return DecodeMoves(source, table.token_slots(self.block_size, heads, index))
+
+    def _queries(self, layer_idx: int, r: Rescore) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring's queries to observe: a state that folds queries once (``observed_upto``: H2O, RoCo)
+        gets only those since the last re-score (the rest it would skip after computing their attention);
+        a fresh state, or one that re-reads its window (SnapKV), gets the whole ring."""
+        record = r.record
+        newest = record.plan.prompt_len + r.generated - 1
+        since = newest + 1 - record.anchor
+        state = record.states[layer_idx]
+        if state is not None and hasattr(state, "observed_upto") and 0 < since < self.ring.window:
+            return self.ring.read_recent(layer_idx, record.row, newest, since)
+        return self.ring.read(layer_idx, record.row)
 
     def _finish(self, r: Rescore) -> None:
         """Every layer of ``r`` was re-scored: its tail starts after this step's token; publish."""

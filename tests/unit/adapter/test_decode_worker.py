@@ -237,3 +237,23 @@ def test_a_failing_decode_policy_keeps_each_heads_newest_entries_and_is_counted(
     for layer in range(LAYERS):
         assert engine.held("r", layer) == [list(range(80 - 48, 80))] * HEADS
     assert fallbacks._value.get() - before == LAYERS
+
+
+@pytest.mark.parametrize("method", ["roco", "h2o"])
+def test_observing_only_the_queries_since_the_last_rescore_keeps_the_same_entries(method, monkeypatch):
+    """A state that folds each query once is handed only the ring's new queries; handing it the whole
+    ring (which it would skip past) must select the very same entries."""
+
+    def run(whole_ring: bool) -> list[list[list[int]]]:
+        engine = SimulatedEngine(
+            decode_config("snapkv", 64, {"method": method, "budget": 48, "interval": 16})
+        )
+        if whole_ring:
+            decode = engine.worker.decode
+            monkeypatch.setattr(decode, "_queries", lambda layer, r: decode.ring.read(layer, r.record.row))
+        engine.step([("r", 300, 0, 300, None)])
+        for t in range(1, 100):
+            engine.step([("r", 300, 300 + t - 1, 1, None)])
+        return [engine.held("r", layer) for layer in range(LAYERS)]
+
+    assert run(whole_ring=False) == run(whole_ring=True)
