@@ -230,7 +230,11 @@ class RequestSettings:
         policy = build_request_policy(override.method, self.server)
         assert override.budget is not None
         plan_for = planner(
-            override.budget, policy, self.server.decode, self.block_size, self.num_layers,
+            override.budget,
+            policy,
+            self.server.decode,
+            self.block_size,
+            self.num_layers,
             override.decode_budget,
         )
         return ResolvedSetting(override.method, policy, plan_for)
