@@ -117,19 +117,21 @@ class CappedDecoder:
     def __init__(self, model: PreTrainedModel, configs: Sequence[DecodeCap], interval: int) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval={interval!r} must be an int >= 1")
-        needed = [0]
-        for config in configs:
+        # Per row, the recent queries its method gets at a re-score: the ones since the last re-score on the
+        # fixed schedule; a custom schedule may leave longer gaps, so its method's whole query_window.
+        self.needed = [0] * len(configs)
+        for index, config in enumerate(configs):
             if config.policy is not None:
                 config.policy.check_interval(interval)
-                # A custom schedule may leave longer gaps: keep every query the method may need.
                 fixed = config.schedule is None
-                needed.append(config.policy.queries_needed(interval) if fixed else config.policy.query_window)
+                policy = config.policy
+                self.needed[index] = policy.queries_needed(interval) if fixed else policy.query_window
         self.model = model
         self.configs = list(configs)
         self.interval = interval
         self.modules = attention_modules(model)
         self.kv_heads = model.config.num_key_value_heads
-        self.rings = [QueryRing(max(needed)) for _ in self.modules]
+        self.rings = [QueryRing(max(self.needed, default=0)) for _ in self.modules]
         self.rows: list[_Row] = []
         self.length = 0
         self.synced = 0  # positions up to here are in every row's held entries
@@ -199,9 +201,11 @@ class CappedDecoder:
                 continue
             keys = torch.cat([cache.layers[i].keys[index] for i in range(layers)])  # [layers*H, length, d]
             held_keys = keys.gather(1, row.held.clamp(min=0)[..., None].expand(-1, -1, keys.shape[2]))
-            queries = torch.cat([ring.queries[index] for ring in self.rings])  # type: ignore[index]
+            last = self.needed[index]
+            queries = torch.cat([ring.queries[index, :, -last:] for ring in self.rings])  # type: ignore[index]
+            positions = self.rings[0].positions[-last:]
             policy = config.policy
-            state = policy.observe(row.state, held_keys, row.held, queries, self.rings[0].positions)
+            state = policy.observe(row.state, held_keys, row.held, queries, positions)
             cap: int | torch.Tensor = int(caps[index])  # type: ignore[arg-type]
             if config.ada_alpha is not None:
                 scores = policy.scores(state, row.held).reshape(layers, heads, -1)
