@@ -67,13 +67,16 @@ class CappedRun:
 
     tokens: [rows, T] the tokens fed after the prompt (teacher-forced) or chosen (greedy);
     nll: [rows, T] float64 negative log-likelihood of tokens[:, t] under the logits that preceded it;
-    max_held: [rows] int64 the most entries any head of any layer held at any step.
+    max_held: [rows] int64 the most entries any head of any layer held at any step;
+    held: per row [layers * kv_heads, L] int64 the positions held at the end (layer l's head h is row
+    l * kv_heads + h, -1 padded).
     """
 
     labels: list[str]
     tokens: torch.Tensor
     nll: torch.Tensor
     max_held: torch.Tensor
+    held: list[torch.Tensor] = field(default_factory=list, repr=False)
     logits: torch.Tensor | None = field(default=None, repr=False)
 
 
@@ -299,6 +302,7 @@ def capped_decode(
         tokens=tokens,
         nll=nll,
         max_held=decoder.max_held.clone(),
+        held=[row.held.cpu() for row in decoder.rows],
         logits=torch.cat(all_logits, dim=1) if keep_logits else None,
     )
 
