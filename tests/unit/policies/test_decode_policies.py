@@ -255,3 +255,22 @@ def test_ragged_caps_never_exceed_what_a_head_holds() -> None:
     key_positions = positions([0, 1, 2, 3], [0, 1, -1, -1])
     caps = ada_caps(DecodeH2O(window=1), state, key_positions, cap=3, alpha=0.2)
     assert caps.tolist() == [4, 2]
+
+
+def test_snapkv_scores_do_not_depend_on_where_padding_sits() -> None:
+    keys, key_positions, queries, query_positions = padded_case()
+    policy = DecodeSnapKV(window=2, kernel=3)
+    state = policy.observe(policy.init_state(2, "cpu"), keys, key_positions, queries, query_positions)
+    # Head 1 again, its held entries packed to the front: same entries, same scores.
+    order = torch.tensor([0, 1, 2, 4, 5, 6, 7, 3, 8, 9])
+    packed_keys, packed_positions = keys[1:, order], key_positions[1:, order]
+    packed = policy.observe(
+        policy.init_state(1, "cpu"), packed_keys, packed_positions, queries[2:], query_positions
+    )
+    torch.testing.assert_close(packed.values[0, :7], state.values[1, order[:7]])
+
+
+def test_accumulating_methods_need_only_the_queries_since_the_last_rescore() -> None:
+    assert DecodeRoCo(max_interval=128).queries_needed(16) == 16
+    assert DecodeSnapKV(window=32).queries_needed(16) == 32
+    assert DecodeStreamingLLM().queries_needed(16) == 0
