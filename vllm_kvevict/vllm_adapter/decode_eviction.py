@@ -151,6 +151,7 @@ class DecodeEviction:
         num_kv_heads: int,
         block_size: int,
         tables: BatchSubBlocks,
+        interval: int | None = None,
     ) -> None:
         self.policy = policy
         self.allocation = allocation
@@ -159,7 +160,10 @@ class DecodeEviction:
         self.block_size = block_size
         self.tables = tables
         self.records: dict[str, DecodeRecord] = {}
-        self.ring = QueryRing(num_layers, policy.query_window)
+        # Every request re-scores every k tokens (the server's interval in whole blocks): the ring holds
+        # the queries a re-score passes, queries_needed(k) (k for H2O/RoCo, the window for SnapKV).
+        k = block_size * max(1, cdiv(interval or block_size, block_size))
+        self.ring = QueryRing(num_layers, min(policy.query_window, policy.queries_needed(k)))
         self.dump = False  # keep per-head peaks for the debug dump
         # [R] per batch slot, rebuilt when the batch changes: cap parameters of the evicted_offset rule.
         self._slot_ids: list[str] | None = None
@@ -230,17 +234,24 @@ class DecodeEviction:
             return None, []
         positions = computed.astype(np.int64)  # the position of a decode step's one token
         decoding = (rows >= 0) & (q_lens == 1) & (positions >= prompt)
+        # A prompt completing in this step leaves its last R queries too: a re-score soon after it (a
+        # prefill budget above the cap) sees the same recent queries as the HF reference does.
+        prefilling = (rows >= 0) & (positions < prompt) & (positions + q_lens >= prompt)
         writes = None
-        if self.ring.window and decoding.any():
-            slots = np.flatnonzero(decoding)
-            tokens = np.cumsum(q_lens)[slots] - 1
-            ring_rows = rows[slots]
-            index = positions[slots] % self.ring.window
-            packed = torch.from_numpy(np.stack([tokens, ring_rows, index, positions[slots]])).to(device)
+        self._ring_positions = None
+        if self.ring.window and (decoding.any() or prefilling.any()):
+            slots = np.flatnonzero(decoding | prefilling)
+            count = np.minimum(q_lens[slots], self.ring.window)
+            slot_of = np.repeat(slots, count)
+            back = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)  # 0.. per slot
+            from_end = np.repeat(count, count) - back  # count .. 1
+            tokens = np.cumsum(q_lens)[slot_of] - from_end
+            token_positions = positions[slot_of] + q_lens[slot_of] - from_end
+            ring_rows = rows[slot_of]
+            index = token_positions % self.ring.window
+            packed = torch.from_numpy(np.stack([tokens, ring_rows, index, token_positions])).to(device)
             writes = RingWrites(packed[0], packed[1], packed[2])
             self._ring_positions = (packed[1], packed[2], packed[3])
-        else:
-            self._ring_positions = None
         generated = positions + q_lens - prompt
         bs = self.block_size
         now = evicted_offset(prompt, offset0, first, cap, interval, bs, generated)
@@ -412,16 +423,15 @@ class DecodeEviction:
         return DecodeMoves(source, table.token_slots(self.block_size, heads, index))
 
     def _queries(self, layer_idx: int, r: Rescore) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ring's queries to observe: a state that folds queries once (``observed_upto``: H2O, RoCo)
-        gets only those since the last re-score (the rest it would skip after computing their attention);
-        a fresh state, or one that re-reads its window (SnapKV), gets the whole ring."""
+        """The newest ``policy.queries_needed(k)`` queries of the ring (prompt queries included while fewer
+        tokens were generated): H2O/RoCo fold each query once and need only those since the last re-score,
+        SnapKV its window. The HF reference passes the same ones."""
         record = r.record
         newest = record.plan.prompt_len + r.generated - 1
-        since = newest + 1 - record.anchor
-        state = record.states[layer_idx]
-        if state is not None and hasattr(state, "observed_upto") and 0 < since < self.ring.window:
-            return self.ring.read_recent(layer_idx, record.row, newest, since)
-        return self.ring.read(layer_idx, record.row)
+        count = min(self.ring.window, self.policy.queries_needed(record.plan.decode_interval))
+        if not count:
+            return self.ring.read(layer_idx, record.row)
+        return self.ring.read_recent(layer_idx, record.row, newest, count)
 
     def _finish(self, r: Rescore) -> None:
         """Every layer of ``r`` was re-scored: its tail starts after this step's token; publish."""
@@ -448,10 +458,10 @@ class DecodeEviction:
         """Positions [H, M] (-1 padded) and counts [H] each head keeps of ``candidates`` [H, L] (positions
         of the kept prompt entries then the recomputed output, -1 padded), down to ``a(t)``.
 
-        keys: [H, L, D] of the candidates; queries: [T, Hq, D] of the recomputed output tokens (the last
-        ``query_window`` are observed, positions P .. P + T - 1)."""
+        keys: [H, L, D] of the candidates; queries: [P + t, Hq, D] of the step (prompt and recomputed
+        output; the last ``queries_needed(k)`` are observed, as at a decode-time re-score)."""
         plan = record.plan
-        window = self.policy.query_window
+        window = min(self.policy.query_window, self.policy.queries_needed(plan.decode_interval))
         observed = None
         if window:
             recent = queries[-window:]

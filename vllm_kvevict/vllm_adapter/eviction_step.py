@@ -302,9 +302,8 @@ class EvictionStep:
         candidates = torch.where(j < counts[:, None] + generated, candidates, -1)
         head_ids = torch.arange(heads, device=key.device)[:, None]
         keys = key[start + candidates.clamp(min=0), head_ids]  # [H, L, D]
-        outputs = query[start + prompt_len : start + req.q_len]
         positions, lengths = worker.decode.compact_recomputed(
-            layer_idx, record, candidates, keys, outputs, generated
+            layer_idx, record, candidates, keys, query[start : start + req.q_len], generated
         )
         first_block = plan.blocks_freed(generated)
         total = int(lengths.sum())
@@ -395,7 +394,7 @@ class EvictionWorker:
         if server.decode is not None:
             self.decode = DecodeEviction(
                 decode_policy(server.decode), server.decode.allocation, num_layers, num_kv_heads, block_size,
-                self.tables,
+                self.tables, server.decode.interval,
             )
         self.check = True  # set per step from the cache's device (see make_step)
         self._kept_by_slot = np.zeros(0)  # [R] kept_tokens of each batch slot (nan: not compacted)

@@ -239,21 +239,31 @@ def test_a_failing_decode_policy_keeps_each_heads_newest_entries_and_is_counted(
     assert fallbacks._value.get() - before == LAYERS
 
 
-@pytest.mark.parametrize("method", ["roco", "h2o"])
-def test_observing_only_the_queries_since_the_last_rescore_keeps_the_same_entries(method, monkeypatch):
-    """A state that folds each query once is handed only the ring's new queries; handing it the whole
-    ring (which it would skip past) must select the very same entries."""
+@pytest.mark.parametrize(("method", "needed"), [("roco", 16), ("h2o", 16), ("snapkv", 32)])
+def test_a_rescore_observes_the_newest_queries_the_method_needs_prompt_ones_included(method, needed):
+    """Prompt 300 kept at 76 > cap 48 + 16: the first re-score comes one token after the prompt and sees
+    the prompt's last queries with that token; later ones see the newest queries_needed(k): those since the
+    last re-score (H2O/RoCo) or the last window (SnapKV) — the queries the HF reference passes."""
+    engine = SimulatedEngine(decode_config("snapkv", 64, {"method": method, "budget": 48, "interval": 16}))
+    policy = engine.worker.decode.policy
+    seen: list[list[int]] = []
+    observe = policy.observe
 
-    def run(whole_ring: bool) -> list[list[list[int]]]:
-        engine = SimulatedEngine(
-            decode_config("snapkv", 64, {"method": method, "budget": 48, "interval": 16})
-        )
-        if whole_ring:
-            decode = engine.worker.decode
-            monkeypatch.setattr(decode, "_queries", lambda layer, r: decode.ring.read(layer, r.record.row))
+    def spy(state, keys, key_positions, queries, query_positions):
+        seen.append(query_positions.tolist())
+        return observe(state, keys, key_positions, queries, query_positions)
+
+    policy.observe = spy
+    try:
         engine.step([("r", 300, 0, 300, None)])
-        for t in range(1, 100):
+        for t in range(1, 34):
             engine.step([("r", 300, 300 + t - 1, 1, None)])
-        return [engine.held("r", layer) for layer in range(LAYERS)]
-
-    assert run(whole_ring=False) == run(whole_ring=True)
+    finally:
+        del policy.observe  # the policy instance is cached per setting
+    plan = engine.worker.decode.records["r"].plan
+    rescored = [t for t in range(1, 34) if plan.rescores_at(t)]
+    assert rescored == [1, 4, 20]  # 61 per head after t=1 (block-aligned), then every 16 tokens from 64
+    assert len(seen) == len(rescored) * LAYERS
+    for index, t in enumerate(rescored):
+        newest = 300 + t - 1
+        assert seen[index * LAYERS] == list(range(newest - needed + 1, newest + 1))
