@@ -280,13 +280,19 @@ def enable_request_validation(args: argparse.Namespace, engine_args: Any, config
     """Per-request ``vllm_xargs`` overrides are checked by the API server (HTTP 400 before scheduling):
     an ASGI middleware (``--middleware``, read from ``args`` when the app is built) and vLLM's
     logits-processor ``validate_params`` hook (``request_validation.py``)."""
+    add_request_validator(engine_args, config)
+    middleware = list(getattr(args, "middleware", None) or [])
+    if MIDDLEWARE_PATH not in middleware:
+        args.middleware = [*middleware, MIDDLEWARE_PATH]
+
+
+def add_request_validator(engine_args: Any, config: EvictionConfig) -> None:
+    """The engine side of the per-request check (also for ``LLM()``): the server's setting published for
+    ``request_validation.py`` and its logits processor, whose ``validate_params`` refuses bad extra_args."""
     publish_server_config(config)
     processors = list(engine_args.logits_processors or [])
     if VALIDATOR_FQCN not in processors:
         engine_args.logits_processors = [*processors, VALIDATOR_FQCN]
-    middleware = list(getattr(args, "middleware", None) or [])
-    if MIDDLEWARE_PATH not in middleware:
-        args.middleware = [*middleware, MIDDLEWARE_PATH]
 
 
 def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvevict.vllm_adapter.cli_args import apply_guard_rails
+from vllm_kvevict.vllm_adapter.cli_args import add_request_validator, apply_guard_rails
 from vllm_kvevict.vllm_adapter.config import (
     ADDITIONAL_CONFIG_KEY,
     EvictionConfigError,
     eviction_config_from_additional,
 )
-from vllm_kvevict.vllm_adapter.request_validation import VALIDATOR_FQCN, publish_server_config
 
 #: How apply_guard_rails starts its refusals (written for the ``vllm serve`` command line).
 CLI_ERROR_PREFIX = "vllm serve: error: "
@@ -45,10 +44,7 @@ def guard_engine_args(engine_args: Any) -> None:
         raise ValueError(str(exc).removeprefix(CLI_ERROR_PREFIX)) from None
     engine_args.additional_config = {**additional, ADDITIONAL_CONFIG_KEY: config.to_dict()}
     # Per-request vllm_xargs (SamplingParams.extra_args) are checked like the API server checks them.
-    publish_server_config(config)
-    processors = list(engine_args.logits_processors or [])
-    if VALIDATOR_FQCN not in processors:
-        engine_args.logits_processors = [*processors, VALIDATOR_FQCN]
+    add_request_validator(engine_args, config)
     mark_guarded(engine_args)
 
 
