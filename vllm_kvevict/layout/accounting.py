@@ -22,6 +22,15 @@ the scheduler frees ``O(t)/bs - 1`` leading blocks: held blocks stay ``ceil(a(t)
 each step a(t) <= C + k + bs - 1 (C + k - 1 in steady state); right before a re-score, with that step's token,
 a head holds at most C + max(k, 2bs) entries (C + k in steady state; C + 2bs when a prompt kept whole is first
 cut), unless the prompt itself kept more.
+
+Per-chunk eviction, the same rule before the prompt is complete (chunked prefill). With an intermediate
+budget I >= B' (``chunk_budget``), once ``n < P`` prompt tokens are in the cache the offset is
+``O(n) = bs·floor((n - I)/bs)`` when that frees at least one block (``O(n) >= 2bs``), else 0: each layer then
+holds ``a(n) = n - O(n)`` in [I, I + bs) entries per head, the same count for every head and layer, and the
+scheduler frees ``O(n)/bs - 1`` leading blocks, exactly as after the prompt. O is non-decreasing in n and
+``O(n) < P - I <= P - B' = O0``, so the prompt's own compaction and the decode cap continue from it. Whatever
+the chunk sizes, the worker re-scores a request in the step that moves it from n0 to n1 computed tokens iff
+``O(n1) != O(n0)``; during that step a head holds at most I + bs - 1 + (n1 - n0) entries.
 """
 
 from __future__ import annotations
@@ -86,6 +95,8 @@ class RequestPlan:
     compacts: False when the prompt is within budget: the request keeps its full cache, standard layout.
     decode_cap: C, kept tokens per KV head while generating (0: no decode-time cap).
     decode_interval: k, decode tokens between re-scores (a multiple of block_size; 0 without a cap).
+    chunk_budget: I, kept tokens per KV head between chunks of a prompt prefilled in several steps
+        (>= kept_bound; 0: nothing is evicted before the prompt is complete).
     """
 
     prompt_len: int
@@ -96,6 +107,7 @@ class RequestPlan:
     compacts: bool
     decode_cap: int = 0
     decode_interval: int = 0
+    chunk_budget: int = 0
 
     @property
     def offset0(self) -> int:
@@ -123,6 +135,34 @@ class RequestPlan:
                 self.block_size,
                 generated_tokens,
             )
+        )
+
+    def prefill_offset(self, computed_tokens: int) -> int:
+        """O(n) for n = ``computed_tokens`` < P prompt tokens in the cache (per-chunk eviction)."""
+        if not self.chunk_budget or computed_tokens >= self.prompt_len:
+            return 0
+        aligned = self.block_size * ((computed_tokens - self.chunk_budget) // self.block_size)
+        return aligned if aligned >= 2 * self.block_size else 0
+
+    def offset_at(self, computed_tokens: int) -> int:
+        """O after ``computed_tokens`` tokens (prompt, then generated) are in the cache."""
+        if computed_tokens < self.prompt_len:
+            return self.prefill_offset(computed_tokens)
+        return self.offset(computed_tokens - self.prompt_len)
+
+    def kept_length_at(self, computed_tokens: int) -> int:
+        """Entries per KV head (layer average) held after ``computed_tokens`` tokens are in the cache."""
+        return computed_tokens - self.offset_at(computed_tokens)
+
+    def blocks_freed_at(self, computed_tokens: int) -> int:
+        """Leading blocks freed once ``computed_tokens`` tokens (prompt, then generated) are processed."""
+        return max(0, self.offset_at(computed_tokens) // self.block_size - 1)
+
+    def chunk_rescores(self, computed_before: int, computed_after: int) -> bool:
+        """True when a step that ends a prompt chunk before the prompt is complete (``computed_after`` < P)
+        evicts: the offset moves."""
+        return computed_after < self.prompt_len and self.prefill_offset(computed_after) != self.prefill_offset(
+            computed_before
         )
 
     def kept_length(self, generated_tokens: int) -> int:
@@ -159,6 +199,19 @@ def with_decode_cap(
     cap = max(resolve_token_budget(decode_cap, max(plan.prompt_len, 1)), minimum, 1)
     k = bs * max(1, cdiv(interval or bs, bs))
     return dataclasses.replace(plan, decode_cap=cap, decode_interval=k)
+
+
+def with_chunk_budget(plan: RequestPlan, chunk_budget: int | float | None) -> RequestPlan:
+    """``plan`` evicting between chunks down to I: ``chunk_budget`` an int (tokens per KV head) or a float
+    >= 1 (a multiple of the plan's B'), never below B'. None, or a prompt kept whole: nothing between
+    chunks."""
+    if chunk_budget is None or not plan.compacts:
+        return plan
+    if isinstance(chunk_budget, float):
+        tokens = int(chunk_budget * plan.kept_bound)
+    else:
+        tokens = int(chunk_budget)
+    return dataclasses.replace(plan, chunk_budget=max(tokens, plan.kept_bound))
 
 
 def plan_request(
@@ -202,13 +255,16 @@ def request_planner(
     decode_cap: int | float | None = None,
     decode_interval: int | None = None,
     decode_min: int = 0,
+    chunk_budget: int | float | None = None,
 ) -> Callable[[int], RequestPlan]:
-    """``plan_request`` (plus ``with_decode_cap``) with everything but the prompt length fixed, memoised per
-    prompt length (the scheduler and the worker both ask for the same plans on every step)."""
+    """``plan_request`` (plus ``with_decode_cap`` and ``with_chunk_budget``) with everything but the prompt
+    length fixed, memoised per prompt length (the scheduler and the worker both ask for the same plans on
+    every step)."""
 
     @lru_cache(maxsize=4096)
     def plan_for(prompt_len: int) -> RequestPlan:
         plan = plan_request(prompt_len, budget, block_size, policy, num_layers)
+        plan = with_chunk_budget(plan, chunk_budget)
         return with_decode_cap(plan, decode_cap, decode_interval, decode_min)
 
     return plan_for

@@ -27,7 +27,14 @@ from vllm_kvevict.policies.registry import available_methods, build_policy
 
 #: key of the eviction settings inside vLLM's ``additional_config``.
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
-_KNOWN_KEYS = ("method", "budget", "params", "decode")
+_KNOWN_KEYS = ("method", "budget", "params", "decode", "prefill", "chunk_budget")
+#: how a prompt is evicted: chunk by chunk as vLLM's chunked prefill computes it, or once when it is whole
+#: (chunked prefill then off).
+PREFILL_MODES = ("chunked", "whole")
+#: settings of the prefill schedule that ``--kv-eviction-config`` may carry beside the method parameters.
+PREFILL_KEYS = ("prefill", "chunk_budget")
+#: I between chunks, as a multiple of the final budget (docs/benchmarks.md: the memory it allows).
+DEFAULT_CHUNK_BUDGET = 1.5
 _DECODE_KEYS = ("method", "budget", "interval", "params", "allocation")
 #: ``decode.method`` that turns the decode-time cap off (also for the paper methods that imply one).
 NO_DECODE = "none"
@@ -193,12 +200,18 @@ class EvictionConfig:
     params: method parameters (window, kernel, alpha, sinks, seed, ...), validated by the policy registry.
     decode: the decode-time cap (None: every generated token is kept). ``from_dict`` fills it for the
         paper methods that imply one (``DECODE_TIME_METHODS``) unless ``decode.method`` is "none".
+    prefill: "chunked" (vLLM's chunked prefill stays on; a prompt computed in several steps is evicted
+        after each chunk down to ``chunk_budget``) or "whole" (chunked prefill off; one eviction per prompt).
+    chunk_budget: kept tokens per KV head between chunks: an int >= 1 (tokens, at least the final budget)
+        or a float >= 1.0 (a multiple of the final budget).
     """
 
     method: str
     budget: int | float
     params: dict[str, Any] = field(default_factory=dict)
     decode: DecodeConfig | None = None
+    prefill: str = "chunked"
+    chunk_budget: int | float = DEFAULT_CHUNK_BUDGET
 
     def __post_init__(self) -> None:
         names = method_names()
@@ -215,12 +228,25 @@ class EvictionConfig:
             self.build_policy()
         except (TypeError, ValueError) as exc:
             raise EvictionConfigError(f"kv_eviction.params for {self.method!r}: {exc}") from exc
+        if self.prefill not in PREFILL_MODES:
+            raise EvictionConfigError(
+                f"kv_eviction.prefill={self.prefill!r} is not valid; valid: {', '.join(PREFILL_MODES)}"
+            )
+        object.__setattr__(self, "chunk_budget", parse_chunk_budget(self.chunk_budget))
 
     def build_policy(self) -> EvictionPolicy:
         return build_policy(self.method, **self.params)
 
+    @property
+    def chunked(self) -> bool:
+        """True when vLLM's chunked prefill stays on and prompts are evicted chunk by chunk."""
+        return self.prefill == "chunked"
+
     def to_dict(self) -> dict[str, Any]:
-        raw: dict[str, Any] = {"method": self.method, "budget": self.budget, "params": dict(self.params)}
+        raw: dict[str, Any] = {
+            "method": self.method, "budget": self.budget, "params": dict(self.params),
+            "prefill": self.prefill, "chunk_budget": self.chunk_budget,
+        }
         if self.decode is not None:
             raw["decode"] = self.decode.to_dict()
         elif self.method in DECODE_TIME_METHODS:  # the implied cap was turned off: say so explicitly
@@ -244,7 +270,12 @@ class EvictionConfig:
         params = raw.get("params") or {}
         if isinstance(params, str):
             params = parse_params_json(params)
-        config = cls(method=raw["method"], budget=raw["budget"], params=params)
+        # --kv-eviction-config '{"prefill": "whole"}' sets the schedule beside the method's parameters.
+        params = dict(params) if isinstance(params, dict) else params
+        schedule = {key: raw[key] for key in PREFILL_KEYS if key in raw}
+        if isinstance(params, dict):
+            schedule.update({key: params.pop(key) for key in PREFILL_KEYS if key in params})
+        config = cls(method=raw["method"], budget=raw["budget"], params=params, **schedule)
         if "decode" in raw:
             decode = DecodeConfig.from_dict(raw["decode"])
         else:
@@ -257,7 +288,28 @@ class EvictionConfig:
         )
         extra = f" {json.dumps(self.params, sort_keys=True)}" if self.params else ""
         decode = f"; {self.decode.describe()}" if self.decode is not None else ""
-        return f"method={self.method} budget={budget}{extra}{decode}"
+        prefill = "prefill=whole" if not self.chunked else f"prefill=chunked chunk_budget={self.chunk_budget}"
+        return f"method={self.method} budget={budget}{extra} {prefill}{decode}"
+
+
+def parse_chunk_budget(raw: Any) -> int | float:
+    """``chunk_budget``: an int >= 1 (kept tokens per KV head between chunks) or a float >= 1.0 (a multiple
+    of the final budget)."""
+    value = raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw.strip())
+        except json.JSONDecodeError:
+            value = raw
+    valid = (isinstance(value, int) and not isinstance(value, bool) and value >= 1) or (
+        isinstance(value, float) and value >= 1.0
+    )
+    if not valid:
+        raise EvictionConfigError(
+            f"kv_eviction.chunk_budget={raw!r} is not valid; use an integer >= 1 (kept tokens per KV head "
+            "between chunks) or a float >= 1.0 (a multiple of the final budget)"
+        )
+    return value
 
 
 def parse_params_json(text: str) -> dict[str, Any]:

@@ -102,11 +102,12 @@ class EvictingAttentionManager(FullAttentionManager):
         num_prompt_tokens: int | None = None,
     ) -> None:
         super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
-        # Free only once the whole prompt is processed and committed: until then the worker has not compacted.
-        if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
+        if num_prompt_tokens is None:
             return
+        # Processed tokens only: the worker compacted in the step that computed them (per chunk, then after
+        # the prompt and at decode-time re-scores; accounting.py).
         plan = self.request_plan(request_id, num_prompt_tokens)
-        freed = plan.blocks_freed(processed_computed_tokens - num_prompt_tokens)
+        freed = plan.blocks_freed_at(processed_computed_tokens)
         if freed > 0:
             # Iterates backwards and stops at the first null block, so repeated calls cost O(1).
             self._remove_blocks_in_range(request_id, 0, freed)

@@ -156,14 +156,18 @@ def planner(
     block_size: int,
     num_layers: int,
     decode_budget: int | float | None = None,
+    chunk_budget: int | float | None = None,
 ) -> Callable[[int], RequestPlan]:
-    """The plan per prompt length of a setting: prefill budget and, with ``decode``, its decode-time cap
-    (``decode_budget`` overriding the setting's). Scheduler and workers build it from the same values."""
+    """The plan per prompt length of a setting: prefill budget, ``chunk_budget`` between chunks (None: none)
+    and, with ``decode``, its decode-time cap (``decode_budget`` overriding the setting's). Scheduler and
+    workers build it from the same values."""
     if decode is None:
-        return request_planner(budget, block_size, policy, num_layers)
+        return request_planner(budget, block_size, policy, num_layers, chunk_budget=chunk_budget)
     cap = decode.budget if decode_budget is None else decode_budget
     minimum = decode_policy(decode).min_cap
-    return request_planner(budget, block_size, policy, num_layers, cap, decode.interval, minimum)
+    return request_planner(
+        budget, block_size, policy, num_layers, cap, decode.interval, minimum, chunk_budget=chunk_budget
+    )
 
 
 @lru_cache(maxsize=32)
@@ -208,7 +212,11 @@ class RequestSettings:
         self.num_layers = num_layers
         self._resolved = lru_cache(maxsize=64)(self._resolve)
         #: the server's own plan per prompt length
-        self.plan_for = planner(server.budget, server.build_policy(), server.decode, block_size, num_layers)
+        self.chunk_budget = server.chunk_budget if server.chunked else None
+        self.plan_for = planner(
+            server.budget, server.build_policy(), server.decode, block_size, num_layers,
+            chunk_budget=self.chunk_budget,
+        )
 
     def override(self, extra_args: Mapping[str, Any] | None) -> RequestOverride | None:
         """The request's override, or None for the server's setting (also when the value is invalid)."""
@@ -236,5 +244,6 @@ class RequestSettings:
             self.block_size,
             self.num_layers,
             override.decode_budget,
+            self.chunk_budget,
         )
         return ResolvedSetting(override.method, policy, plan_for)

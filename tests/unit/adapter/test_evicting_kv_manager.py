@@ -24,9 +24,9 @@ NUM_BLOCKS = 400
 
 
 def make_manager(
-    method: str = "snapkv", budget: int | float = 256
+    method: str = "snapkv", budget: int | float = 256, prefill: str = "chunked"
 ) -> tuple[EvictingAttentionManager, BlockPool]:
-    config = EvictionConfig(method=method, budget=budget)
+    config = EvictionConfig(method=method, budget=budget, prefill=prefill)
     spec = EvictingAttentionSpec(
         block_size=BLOCK_SIZE,
         num_kv_heads=3,
@@ -68,7 +68,7 @@ def test_merge_keeps_the_eviction_setting():
 
 @pytest.mark.parametrize("prompt_len", [1000, 4096, 4097])
 def test_frees_leading_blocks_once_prompt_is_processed(prompt_len):
-    manager, pool = make_manager(budget=256)
+    manager, pool = make_manager(budget=256, prefill="whole")
     free_at_start = pool.get_num_free_blocks()
     manager.allocate_new_blocks("r", prompt_len, prompt_len)
     held = cdiv(prompt_len, BLOCK_SIZE)
@@ -93,6 +93,30 @@ def test_frees_leading_blocks_once_prompt_is_processed(prompt_len):
     held_now = sum(not b.is_null for b in manager.req_to_blocks["r"])
     assert held_now == plan.blocks_held(300)
 
+    manager.free("r")
+    assert pool.get_num_free_blocks() == free_at_start
+
+
+def test_chunked_prompt_frees_blocks_after_each_chunk():
+    """512-token chunks of a 4000-token prompt: after each chunk the request holds a(n) = n - O(n) entries
+    per head in [I, I + bs), and the pool gets back exactly the blocks the rule frees."""
+    manager, pool = make_manager(budget=256)
+    plan = manager.plan_for(4000)
+    assert plan.chunk_budget == int(1.5 * plan.kept_bound)
+    free_at_start = pool.get_num_free_blocks()
+    peak = 0
+    for end in [*range(512, 4000, 512), 4000]:
+        manager.remove_skipped_blocks("r", end - 512 if end < 4000 else 3584, 4000)
+        manager.allocate_new_blocks("r", end, end)
+        peak = max(peak, free_at_start - pool.get_num_free_blocks())
+        manager.remove_skipped_blocks("r", end, 4000)
+        held = free_at_start - pool.get_num_free_blocks()
+        assert held == cdiv(end, BLOCK_SIZE) - plan.blocks_freed_at(end)
+        if end < 4000 and end - plan.chunk_budget >= 2 * BLOCK_SIZE:
+            assert plan.chunk_budget <= plan.kept_length_at(end) < plan.chunk_budget + BLOCK_SIZE
+    assert held == plan.blocks_held(0)
+    # never more than I + bs + one chunk (+ one block of headroom) at once
+    assert peak <= cdiv(plan.chunk_budget + BLOCK_SIZE + 512, BLOCK_SIZE) + 1
     manager.free("r")
     assert pool.get_num_free_blocks() == free_at_start
 
