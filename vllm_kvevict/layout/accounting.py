@@ -161,9 +161,9 @@ class RequestPlan:
     def chunk_rescores(self, computed_before: int, computed_after: int) -> bool:
         """True when a step that ends a prompt chunk before the prompt is complete (``computed_after`` < P)
         evicts: the offset moves."""
-        return computed_after < self.prompt_len and self.prefill_offset(computed_after) != self.prefill_offset(
-            computed_before
-        )
+        if computed_after >= self.prompt_len:
+            return False
+        return self.prefill_offset(computed_after) != self.prefill_offset(computed_before)
 
     def kept_length(self, generated_tokens: int) -> int:
         """a(t): a layer holds at most H·a(t) entries after ``generated_tokens`` decode tokens."""

@@ -79,8 +79,7 @@ def parse_budget(raw: Any, field_name: str = "kv_eviction.budget") -> int | floa
         return value
     if not 0.0 < value < 1.0:
         raise EvictionConfigError(
-            f"{field_name}={raw!r}: a fractional budget must lie in (0, 1); "
-            "use an integer for a token count"
+            f"{field_name}={raw!r}: a fractional budget must lie in (0, 1); use an integer for a token count"
         )
     return float(value)
 
@@ -143,8 +142,11 @@ class DecodeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "method": self.method, "budget": self.budget, "interval": self.interval,
-            "params": dict(self.params), "allocation": self.allocation,
+            "method": self.method,
+            "budget": self.budget,
+            "interval": self.interval,
+            "params": dict(self.params),
+            "allocation": self.allocation,
         }
 
     @classmethod
@@ -244,8 +246,11 @@ class EvictionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         raw: dict[str, Any] = {
-            "method": self.method, "budget": self.budget, "params": dict(self.params),
-            "prefill": self.prefill, "chunk_budget": self.chunk_budget,
+            "method": self.method,
+            "budget": self.budget,
+            "params": dict(self.params),
+            "prefill": self.prefill,
+            "chunk_budget": self.chunk_budget,
         }
         if self.decode is not None:
             raw["decode"] = self.decode.to_dict()
@@ -283,8 +288,10 @@ class EvictionConfig:
         return dataclasses.replace(config, decode=decode) if decode is not None else config
 
     def describe(self) -> str:
-        budget = f"{self.budget:.0%} of each prompt" if isinstance(self.budget, float) else (
-            f"{self.budget} tokens per KV head"
+        budget = (
+            f"{self.budget:.0%} of each prompt"
+            if isinstance(self.budget, float)
+            else (f"{self.budget} tokens per KV head")
         )
         extra = f" {json.dumps(self.params, sort_keys=True)}" if self.params else ""
         decode = f"; {self.decode.describe()}" if self.decode is not None else ""

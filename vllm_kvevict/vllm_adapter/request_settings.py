@@ -214,7 +214,11 @@ class RequestSettings:
         #: the server's own plan per prompt length
         self.chunk_budget = server.chunk_budget if server.chunked else None
         self.plan_for = planner(
-            server.budget, server.build_policy(), server.decode, block_size, num_layers,
+            server.budget,
+            server.build_policy(),
+            server.decode,
+            block_size,
+            num_layers,
             chunk_budget=self.chunk_budget,
         )
 
