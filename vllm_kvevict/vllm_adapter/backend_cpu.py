@@ -133,7 +133,10 @@ def _worker_for(spec: EvictingAttentionSpec, builder: CPUAttentionMetadataBuilde
         set_worker(worker)
         logger.info(
             "kv eviction worker: %s, %d layers x %d KV heads, block size %d",
-            config.describe(), spec.num_model_layers, spec.num_kv_heads, spec.block_size,
+            config.describe(),
+            spec.num_model_layers,
+            spec.num_kv_heads,
+            spec.block_size,
         )
         metrics.record_eviction_config(config.method, config.budget, config.params)
         if config.decode is not None:
@@ -201,7 +204,8 @@ def packed_row_layouts(
     found = []
     for part, written in ((0, key[:, 0]), (1, value[:, 0])):
         match = [
-            layout for layout in ROW_LAYOUTS
+            layout
+            for layout in ROW_LAYOUTS
             if torch.equal(token_rows(part_view(cache, part, layout), 1, layout), written)
         ]
         if not match:
@@ -239,8 +243,9 @@ def cache_row_layouts(kv_cache: torch.Tensor, isa: str) -> tuple[str, str]:
         layouts = packed_row_layouts(isa, kv_cache.dtype, block_size, two_d // 2)
     if layouts is None:
         raise RuntimeError(
-            f"decode-time eviction cannot read or move rows of this CPU cache (ISA {isa}, {kv_cache.dtype}); "
-            "start without --kv-decode-eviction"
+            f"eviction cannot read or move rows of this CPU cache (ISA {isa}, {kv_cache.dtype}) for a "
+            "decode-time cap or per-chunk eviction; start without --kv-decode-eviction and with "
+            '--kv-eviction-config \'{"prefill": "whole"}\''
         )
     return layouts
 
@@ -300,8 +305,9 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         }
         bad = [name for name, present in unsupported.items() if present]
         if bad and self.attn_type == AttentionType.DECODER:
-            raise ValueError(f"kv eviction does not support attention with {', '.join(bad)}; start without "
-                             "--kv-eviction")
+            raise ValueError(
+                f"kv eviction does not support attention with {', '.join(bad)}; start without --kv-eviction"
+            )
         config = get_eviction_config(get_current_vllm_config_or_none())
         if config is not None and config.decode is not None and self.kv_cache_dtype != "auto":
             raise ValueError(
@@ -371,9 +377,32 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
             step.record_queries(layer_idx, query[:tokens].view(tokens, self.num_heads, self.head_size))
         if step.compacting:
             self._compact(layer, step, layer_idx, query, key, value, kv_cache)
+        if step.chunks:
+            self._rescore_chunks(layer, step, layer_idx, query, kv_cache)
         if step.rescores:
             self._rescore(layer, step, layer_idx, kv_cache)
         return output
+
+    def _rescore_chunks(
+        self,
+        layer: torch.nn.Module,
+        step: EvictionStep,
+        layer_idx: int,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        """Per-chunk eviction: re-score what the requests ending an evicting chunk hold (keys and values read
+        from the cache) and move their kept rows inside the layer's cache."""
+        key_layout, value_layout = cache_row_layouts(kv_cache, layer.isa)
+        keys, values = part_view(kv_cache, 0, key_layout), part_view(kv_cache, 1, value_layout)
+        tokens = step.num_tokens
+        moves = step.rescore_chunks(
+            layer_idx,
+            query[:tokens].view(tokens, self.num_heads, self.head_size),
+            lambda slots: (read_rows(keys, slots, key_layout), read_rows(values, slots, value_layout)),
+        )
+        if moves is not None and moves.slots.numel():
+            move_rows(kv_cache, moves.src_slots, moves.slots, layer.isa)
 
     def _rescore(
         self, layer: torch.nn.Module, step: EvictionStep, layer_idx: int, kv_cache: torch.Tensor
@@ -475,6 +504,12 @@ class EvictingCPUAttentionImpl(CPUAttentionBackendImpl):
         if write is None or write.slots.numel() == 0:
             return
         write_compaction(
-            kv_cache, key[:tokens], value[:tokens], write, layer.isa, layer._k_scale_float,
-            layer._v_scale_float, self.kv_cache_dtype,
+            kv_cache,
+            key[:tokens],
+            value[:tokens],
+            write,
+            layer.isa,
+            layer._k_scale_float,
+            layer._v_scale_float,
+            self.kv_cache_dtype,
         )

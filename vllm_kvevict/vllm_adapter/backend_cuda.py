@@ -118,8 +118,12 @@ def backend_classes() -> dict[str, type]:
                     )
                     set_worker(self.worker)
 
-        def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-                  fast_build: bool = False):
+        def build(
+            self,
+            common_prefix_len: int,
+            common_attn_metadata: CommonAttentionMetadata,
+            fast_build: bool = False,
+        ):
             metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
             if self.worker is None:
                 return metadata
@@ -157,40 +161,93 @@ def backend_classes() -> dict[str, type]:
             reshape_and_cache_flash(
                 key[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
                 value[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
-                key_cache, value_cache, batch.slot_mapping, self.kv_cache_dtype,
-                layer._k_scale, layer._v_scale,
+                key_cache,
+                value_cache,
+                batch.slot_mapping,
+                self.kv_cache_dtype,
+                layer._k_scale,
+                layer._v_scale,
             )
 
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                    output_scale=None, output_block_scale=None):
+        def forward(
+            self,
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            output_scale=None,
+            output_block_scale=None,
+        ):
             step = getattr(attn_metadata, "eviction", None)
             if step is None or self.attn_type != AttentionType.DECODER:
-                return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                       output_scale, output_block_scale)
+                return super().forward(
+                    layer,
+                    query,
+                    key,
+                    value,
+                    kv_cache,
+                    attn_metadata,
+                    output,
+                    output_scale,
+                    output_block_scale,
+                )
             layer_idx = self._layer_index(layer)
             if step.has_compacted:
                 self._head_sequence_attention(layer, step, layer_idx, query, kv_cache, output)
             else:
-                super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                output_scale, output_block_scale)
+                super().forward(
+                    layer,
+                    query,
+                    key,
+                    value,
+                    kv_cache,
+                    attn_metadata,
+                    output,
+                    output_scale,
+                    output_block_scale,
+                )
             if step.compacting:
                 tokens = step.num_tokens
                 # Scoring, selection and the plan stay on the GPU (policies are device-agnostic torch).
                 write = step.compact_layer(
-                    layer_idx, query[:tokens].view(tokens, self.num_heads, self.head_size),
-                    key[:tokens], value[:tokens],
+                    layer_idx,
+                    query[:tokens].view(tokens, self.num_heads, self.head_size),
+                    key[:tokens],
+                    value[:tokens],
                 )
                 if write is not None and write.slots.numel():
                     num_blocks, heads, block_size, two_d = kv_cache.shape
                     # view, never reshape: a copy would make the moves land nowhere
                     subblocks = kv_cache.view(num_blocks * heads, block_size, two_d)
                     dispatch.compact_subblocks(subblocks, write.src_slots, write.slots, validate=False)
+            if step.chunks:
+                self._rescore_chunks(step, layer_idx, query, kv_cache)
             if step.ring_writes is not None:
                 tokens = step.num_tokens
                 step.record_queries(layer_idx, query[:tokens].view(tokens, self.num_heads, self.head_size))
             if step.rescores:
                 self._rescore(step, layer_idx, kv_cache)
             return output
+
+        def _rescore_chunks(self, step: EvictionStep, layer_idx: int, query, kv_cache) -> None:
+            """Per-chunk eviction: re-score held entries (K and V read from the cache), move kept rows."""
+            num_blocks, heads, block_size, two_d = kv_cache.shape
+            subblocks = kv_cache.view(num_blocks * heads, block_size, two_d)
+            half = two_d // 2
+
+            def read(slots):
+                rows = subblocks[slots // block_size, slots % block_size]
+                return rows[:, :half], rows[:, half:]
+
+            tokens = step.num_tokens
+            moves = step.rescore_chunks(
+                layer_idx, query[:tokens].view(tokens, self.num_heads, self.head_size), read
+            )
+            if moves is not None and moves.slots.numel():
+                dispatch.compact_subblocks(subblocks, moves.src_slots, moves.slots, validate=False)
 
         def _rescore(self, step: EvictionStep, layer_idx: int, kv_cache) -> None:
             """Decode-time cap: re-score this step's capped requests, move kept rows (K and V together)."""
@@ -203,13 +260,17 @@ def backend_classes() -> dict[str, type]:
             if moves is not None and moves.slots.numel():
                 dispatch.compact_subblocks(subblocks, moves.src_slots, moves.slots, validate=False)
 
-        def _head_sequence_attention(self, layer, step: EvictionStep, layer_idx: int, query, kv_cache,
-                                     output) -> None:
+        def _head_sequence_attention(
+            self, layer, step: EvictionStep, layer_idx: int, query, kv_cache, output
+        ) -> None:
             batch = step.head_batch(layer_idx)
             if batch.kernel_metadata is None:
                 # Host bounds, not device maxima: a head never holds more tokens than its request.
                 batch.kernel_metadata = (
-                    batch.block_table, batch.seq_lens, batch.query_start_loc, step.max_seq_len,
+                    batch.block_table,
+                    batch.seq_lens,
+                    batch.query_start_loc,
+                    step.max_seq_len,
                     step.max_query_len,
                 )
             block_table, seq_lens, query_start_loc, max_seqlen_k, max_seqlen_q = batch.kernel_metadata

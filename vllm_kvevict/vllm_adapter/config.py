@@ -241,8 +241,9 @@ class EvictionConfig:
 
     @property
     def chunked(self) -> bool:
-        """True when vLLM's chunked prefill stays on and prompts are evicted chunk by chunk."""
-        return self.prefill == "chunked"
+        """True when vLLM's chunked prefill stays on and prompts are evicted chunk by chunk. A decode-time cap
+        keeps prompts whole: a request recomputed after preemption must reach its cap in one step."""
+        return self.prefill == "chunked" and self.decode is None
 
     def to_dict(self) -> dict[str, Any]:
         raw: dict[str, Any] = {
@@ -295,7 +296,12 @@ class EvictionConfig:
         )
         extra = f" {json.dumps(self.params, sort_keys=True)}" if self.params else ""
         decode = f"; {self.decode.describe()}" if self.decode is not None else ""
-        prefill = "prefill=whole" if not self.chunked else f"prefill=chunked chunk_budget={self.chunk_budget}"
+        if self.chunked:
+            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}"
+        elif self.prefill == "chunked":
+            prefill = "prefill=whole (a decode-time cap needs whole prompts)"
+        else:
+            prefill = "prefill=whole"
         return f"method={self.method} budget={budget}{extra} {prefill}{decode}"
 
 

@@ -12,6 +12,8 @@ attention layer of that step reads:
   standard layout appear there with sub-blocks ``block * H + h`` and the full length;
 - requests whose prompt completes in this step and whose plan compacts are scored and compacted layer by
   layer, right after that layer's attention, from the keys/values/queries the layer has in hand;
+- requests whose prompt arrives in several steps (chunked prefill) are re-scored, layer by layer after
+  attention, from what they hold in the cache, after each chunk whose rule says so (``chunk_eviction.py``);
 - with a decode-time cap (``decode_eviction.py``), the step keeps the queries of capped decoding requests
   and re-scores, layer by layer after attention, the requests whose rule says so in this step.
 """
@@ -33,6 +35,13 @@ from vllm_kvevict.layout.subblock_store import TableRows, head_token_index
 from vllm_kvevict.layout.subblock_table import SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
 from vllm_kvevict.vllm_adapter import metrics
+from vllm_kvevict.vllm_adapter.chunk_eviction import (
+    ChunkEviction,
+    ChunkMoves,
+    ChunkRescore,
+    LayerResult,
+    RowReader,
+)
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
 from vllm_kvevict.vllm_adapter.decode_eviction import (
     DecodeEviction,
@@ -128,9 +137,12 @@ class EvictionStep:
         prompt_lens: np.ndarray,
         ring_writes: RingWrites | None = None,
         rescores: list[Rescore] | None = None,
+        chunks: list[ChunkRescore] | None = None,
     ) -> None:
         self.worker = worker
         self.compacting = compacting
+        self.chunks = chunks or []
+        self._chunk_kept: dict[str, list[LayerResult]] = {}  # req -> per layer, prompts completing now
         self.ring_writes = ring_writes
         self.rescores = rescores or []
         self.num_reqs = num_reqs
@@ -151,7 +163,7 @@ class EvictionStep:
     @property
     def evicts(self) -> bool:
         """True when some layer work follows attention: a prompt compacts or a decode cap re-scores."""
-        return bool(self.compacting or self.rescores)
+        return bool(self.compacting or self.rescores or self.chunks)
 
     @property
     def has_compacted(self) -> bool:
@@ -202,6 +214,38 @@ class EvictionStep:
         moves = decode.rescore_layer(layer_idx, self.rescores, self._block_table, read_keys, worker.check)
         if layer_idx == self.worker.num_layers - 1:
             self.worker.record_rescored(self.rescores)
+        self.eviction_seconds += time.perf_counter() - started
+        return moves
+
+    # ----- per-chunk eviction ---------------------------------------------------------------------------
+    def rescore_chunks(self, layer_idx: int, query: torch.Tensor, read_rows: RowReader) -> ChunkMoves | None:
+        """Re-score ``layer_idx`` of the requests whose prompt chunk evicts in this step (and keep the queries
+        of the other prefilling ones for a later window); the moves to make inside the layer's cache (None:
+        none). query [T, Hq, D]; runs after the layer's attention (the chunk is cached)."""
+        if not self.chunks:
+            return None
+        started = time.perf_counter()
+        worker = self.worker
+        moves, results = worker.chunks.rescore_layer(
+            layer_idx,
+            self.chunks,
+            self._block_table,
+            query,
+            read_rows,
+            worker.o_proj.get(layer_idx),
+            worker.check,
+        )
+        for r, result in zip(self.chunks, results, strict=True):
+            if not r.final or result is None:
+                continue
+            self._chunk_kept.setdefault(r.req_id, []).append(result)
+            record = worker.decode.records.get(r.req_id) if worker.decode is not None else None
+            if record is not None and not r.trailing:  # the decode cap starts from what the prompt kept
+                record.positions[layer_idx] = result.positions
+        if layer_idx == worker.num_layers - 1:
+            for r in self.chunks:
+                if r.evicts:
+                    worker.record_chunk(r, self._chunk_kept.pop(r.req_id, None))
         self.eviction_seconds += time.perf_counter() - started
         return moves
 
@@ -308,8 +352,13 @@ class EvictionStep:
         first_block = plan.blocks_freed(generated)
         total = int(lengths.sum())
         table = worker.tables.store.assign(  # type: ignore[union-attr]
-            lengths, self._block_table[req.index], first_block, 0, total=total,
-            num_blocks=cdiv(req.seq_len, bs), check=worker.check,
+            lengths,
+            self._block_table[req.index],
+            first_block,
+            0,
+            total=total,
+            num_blocks=cdiv(req.seq_len, bs),
+            check=worker.check,
         )
         kept_heads, index = head_token_index(lengths, total)
         rows = positions[kept_heads, index] + start
@@ -330,8 +379,12 @@ class EvictionStep:
             store = worker.tables.store
             assert req.plan is not None and store is not None
             table = store.assign(
-                counts, self._block_table[req.index], req.plan.blocks_to_free, trailing,
-                total=worker.num_kv_heads * budget, num_blocks=cdiv(req.seq_len, worker.block_size),
+                counts,
+                self._block_table[req.index],
+                req.plan.blocks_to_free,
+                trailing,
+                total=worker.num_kv_heads * budget,
+                num_blocks=cdiv(req.seq_len, worker.block_size),
                 check=worker.check,
             )
             self._pending[key] = table
@@ -390,11 +443,17 @@ class EvictionWorker:
         # A decode cap re-scores each layer on its own: ragged across layers, one table group per layer.
         shared = shared and server.decode is None
         self.tables = BatchSubBlocks(num_layers, num_kv_heads, block_size, shared, max_num_seqs)
+        self.chunks = ChunkEviction(num_layers, num_kv_heads, block_size, self.tables)
         self.decode: DecodeEviction | None = None
         if server.decode is not None:
             self.decode = DecodeEviction(
-                decode_policy(server.decode), server.decode.allocation, num_layers, num_kv_heads, block_size,
-                self.tables, server.decode.interval,
+                decode_policy(server.decode),
+                server.decode.allocation,
+                num_layers,
+                num_kv_heads,
+                block_size,
+                self.tables,
+                server.decode.interval,
             )
         self.check = True  # set per step from the cache's device (see make_step)
         self._kept_by_slot = np.zeros(0)  # [R] kept_tokens of each batch slot (nan: not compacted)
@@ -435,6 +494,7 @@ class EvictionWorker:
             self.requests.pop(req_id, None)
             self.kept_tokens.pop(req_id, None)
             self.tables.forget(req_id)
+            self.chunks.drop(req_id)
             self._metric_ids = None
             if self.decode is not None:
                 self.dump_decode(req_id)
@@ -442,7 +502,11 @@ class EvictionWorker:
 
     # ----- called by the metadata builder ---------------------------------------------------------------
     def make_step(
-        self, num_reqs: int, num_tokens: int, seq_lens: torch.Tensor, block_table: torch.Tensor,
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> EvictionStep | None:
         """The step's eviction data, or None when the batch is not a real scheduled step (dummy runs).
@@ -471,17 +535,32 @@ class EvictionWorker:
             self.requests.pop(inputs.req_ids[slot], None)
             self.kept_tokens.pop(inputs.req_ids[slot], None)
             self._kept_by_slot[slot] = np.nan
+            self.chunks.drop(inputs.req_ids[slot])
             if self.decode is not None:
                 self.decode.restart(inputs.req_ids[slot])
         compacted = self.tables.compacted(num_reqs).copy()
         ring_writes, rescores = None, []
         if self.decode is not None:
             ring_writes, rescores = self.decode.plan_step(
-                inputs.req_ids, computed, q_lens, compacted,
-                lambda slot: self._setting_plan(inputs, slot, int(prompt_lens[slot]))[0], block_table.device,
+                inputs.req_ids,
+                computed,
+                q_lens,
+                compacted,
+                lambda slot: self._setting_plan(inputs, slot, int(prompt_lens[slot]))[0],
+                block_table.device,
             )
         q_start = np.cumsum(q_lens) - q_lens
-        candidates = np.flatnonzero(~compacted & (computed < prompt_lens) & (prompt_lens <= seq_lens_host))
+        whole = ~compacted & (computed == 0) & (prompt_lens <= seq_lens_host)
+        candidates = np.flatnonzero(whole)
+        chunks = self._chunk_rescores(
+            inputs,
+            np.flatnonzero(~whole & (computed < prompt_lens)),
+            compacted,
+            computed,
+            seq_lens_host,
+            q_start,
+            q_lens,
+        )
         compacting: list[StepRequest] = []
         for index in candidates.tolist():
             req_id, prompt_len = inputs.req_ids[index], int(prompt_lens[index])
@@ -499,11 +578,6 @@ class EvictionWorker:
                 compacting.append(req)
             elif not plan.compacts:
                 metrics.record_request_skipped(setting.method if setting else self.policy.name)
-            elif computed[index] != 0:
-                raise RuntimeError(
-                    f"request {req_id}: its prompt completes in a step starting at token {computed[index]}; "
-                    "eviction needs the whole prompt in one step (no prefix caching/chunked prefill)"
-                )
             else:
                 req.plan = plan
                 if not shares_tables(req.policy):
@@ -515,11 +589,68 @@ class EvictionWorker:
         else:
             self.tables.skip(num_reqs)
         self._step = EvictionStep(
-            self, compacting, block_table, slot_mapping, num_reqs, num_tokens, layout,
-            max_seq_len=int(seq_lens_host.max(initial=0)), max_query_len=int(q_lens.max(initial=0)),
-            seq_lens=seq_lens_host, prompt_lens=prompt_lens, ring_writes=ring_writes, rescores=rescores,
+            self,
+            compacting,
+            block_table,
+            slot_mapping,
+            num_reqs,
+            num_tokens,
+            layout,
+            max_seq_len=int(seq_lens_host.max(initial=0)),
+            max_query_len=int(q_lens.max(initial=0)),
+            seq_lens=seq_lens_host,
+            prompt_lens=prompt_lens,
+            ring_writes=ring_writes,
+            rescores=rescores,
+            chunks=chunks,
         )
         return self._step
+
+    def _chunk_rescores(
+        self,
+        inputs: StepInputs,
+        prefilling: np.ndarray,
+        compacted: np.ndarray,
+        computed: np.ndarray,
+        seq_lens: np.ndarray,
+        q_start: np.ndarray,
+        q_lens: np.ndarray,
+    ) -> list[ChunkRescore]:
+        """Requests prefilling in this step without their whole prompt in it (a later chunk, or a first step
+        that does not start at token 0) whose rule evicts now: after a chunk that moves the offset, or when
+        the prompt completes and its plan compacts. Python work per prefilling request."""
+        chunks: list[ChunkRescore] = []
+        for index in prefilling.tolist():
+            prompt_len = int(inputs.prompt_lens[index])
+            plan, setting = self._setting_plan(inputs, index, prompt_len)
+            n0, n1 = int(computed[index]), int(seq_lens[index])
+            completes = n1 >= prompt_len
+            if completes and not plan.compacts:
+                metrics.record_request_skipped(setting.method if setting else self.policy.name)
+            if not plan.compacts:
+                continue
+            evicts = completes or plan.chunk_rescores(n0, n1)
+            policy = setting.policy if setting else self.policy
+            assert policy is not None
+            if completes and not shares_tables(policy):
+                self.tables.split()
+            if completes and self.decode is not None:
+                self.decode.admit(inputs.req_ids[index], plan)
+            chunks.append(
+                ChunkRescore(
+                    index,
+                    inputs.req_ids[index],
+                    int(q_start[index]),
+                    int(q_lens[index]),
+                    n0,
+                    n1,
+                    plan,
+                    policy,
+                    bool(compacted[index]),
+                    evicts,
+                )
+            )
+        return chunks
 
     def _setting_plan(self, inputs: StepInputs, slot: int, prompt_len: int):
         """(plan, per-request setting or None) of the request in ``slot``."""
@@ -546,7 +677,11 @@ class EvictionWorker:
             problem = str(exc)
         logger.error(
             "policy %r failed on request %s layer %d (%s); keeping its most recent %d tokens per head",
-            req.policy.name, req.req_id, layer.layer_idx, problem, budget,
+            req.policy.name,
+            req.req_id,
+            layer.layer_idx,
+            problem,
+            budget,
         )
         recent = torch.arange(req.prompt_len - budget, req.prompt_len)
         return KeptTokens(
@@ -573,6 +708,26 @@ class EvictionWorker:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in req_id)
         torch.save(record, self.dump_dir / f"{safe}.decode.pt")
+
+    def record_chunk(self, r: ChunkRescore, kept: list[LayerResult] | None) -> None:
+        """Every layer of ``r`` was re-scored after its chunk: publish (metrics, debug dump)."""
+        if not r.final:
+            held = r.plan.kept_length_at(r.seq_len)
+            # resident = kept + (seq_len - prompt_len) in _publish_step_metrics: the held entries here.
+            self.kept_tokens[r.req_id] = float(held + r.plan.prompt_len - r.seq_len)
+            self._kept_by_slot[r.slot] = self.kept_tokens[r.req_id]
+            return
+        assert kept is not None
+        prompt_counts = [(result.counts - r.trailing).tolist() for result in kept]
+        self.kept_tokens[r.req_id] = sum(map(sum, prompt_counts)) / (len(prompt_counts) * self.num_kv_heads)
+        self._kept_by_slot[r.slot] = self.kept_tokens[r.req_id]
+        self.requests[r.req_id] = r.plan
+        metrics.record_kept_per_head(r.policy.name, r.plan.prompt_len, prompt_counts, r.plan.blocks_to_free)
+        if self.dump_dir is not None:
+            as_kept = [KeptTokens(result.positions.cpu(), result.counts.cpu()) for result in kept]
+            self.finish_compaction(
+                StepRequest(r.slot, r.req_id, r.q_start, r.q_len, r.seq_len, r.plan.prompt_len), as_kept
+            )
 
     def record_compacted(self, req: StepRequest, kept_per_head: list[list[int]]) -> None:
         """Publish a request's compaction (metrics.py): kept counts [layer][kv head], blocks freed."""

@@ -1,125 +1,12 @@
-"""Worker side of the decode-time cap without a server: a simulated layer cache driven step by step exactly
-as the CPU backend does (write, attention-time query ring, prefill compaction, re-score moves). Every key
-row encodes (position, head, layer), so reading a head's sub-blocks back tells which entries it holds."""
+"""Worker side of the decode-time cap without a server (``simulated_engine.SimulatedEngine``)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
+from simulated_engine import BS, HEADS, LAYERS, SimulatedEngine
 
-from vllm_kvevict.layout.accounting import cdiv
-from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter import metrics
-from vllm_kvevict.vllm_adapter.backend_cpu import part_view, read_rows
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
-from vllm_kvevict.vllm_adapter.eviction_step import EvictionWorker, StepInputs
-
-HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 8, 16, 3
-NUM_BLOCKS = 400
-
-
-class SimulatedEngine:
-    """vLLM's side of the test: block rows that grow by position, one cache tensor per layer, and the
-    backend's per-layer calls. Queries/keys are random except for the (position, head, layer) marks."""
-
-    def __init__(self, config: EvictionConfig) -> None:
-        self.worker = EvictionWorker(
-            config.build_policy(), config.budget, LAYERS, HEADS, BS, config=config, max_num_seqs=8
-        )
-        self.caches = [torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
-        self.rows: dict[str, list[int]] = {}
-        self.next_block = 1
-        self.generator = torch.Generator().manual_seed(0)
-
-    def tokens(self, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """query [T, Hq, D], key/value [T, H, D] for tokens at ``positions`` [T]."""
-        count = positions.numel()
-        query = torch.randn(count, HEADS * GROUP, DIM, generator=self.generator)
-        key = torch.randn(count, HEADS, DIM, generator=self.generator)
-        key[:, :, 0] = positions[:, None].float()
-        key[:, :, 1] = torch.arange(HEADS).float()
-        key[:, :, 2] = layer
-        return query, key, -key
-
-    def step(self, requests: list[tuple[str, int, int, int, dict | None]]) -> None:
-        """One engine step over (req_id, prompt_len, computed, scheduled, extra_args) in batch order."""
-        ids = [r[0] for r in requests]
-        prompt_lens = np.array([r[1] for r in requests])
-        computed = np.array([r[2] for r in requests])
-        q_lens = np.array([r[3] for r in requests])
-        for req_id, _, done, scheduled, _ in requests:
-            if done == 0:
-                self.rows[req_id] = []
-            row = self.rows[req_id]
-            while len(row) < cdiv(done + scheduled, BS):
-                row.append(self.next_block)
-                self.next_block += 1
-        width = max(len(self.rows[i]) for i in ids)
-        table = torch.zeros(len(ids), width, dtype=torch.int32)
-        for i, req_id in enumerate(ids):
-            table[i, : len(self.rows[req_id])] = torch.tensor(self.rows[req_id])
-        positions = torch.cat([torch.arange(c, c + q) for c, q in zip(computed, q_lens, strict=True)])
-        block_of = torch.cat(
-            [
-                table[i, torch.arange(c, c + q) // BS]
-                for i, (c, q) in enumerate(zip(computed, q_lens, strict=True))
-            ]
-        )
-        slot_mapping = block_of.to(torch.int64) * BS + positions % BS
-        worker = self.worker
-        worker.begin_step(StepInputs(ids, prompt_lens, computed, q_lens, [r[4] for r in requests]))
-        seq_lens = torch.tensor(computed + q_lens)
-        step = worker.make_step(len(ids), int(q_lens.sum()), seq_lens, table, slot_mapping)
-        assert step is not None
-        for layer in range(LAYERS):
-            cache = self.caches[layer]
-            query, key, value = self.tokens(positions, layer)
-            if step.has_compacted:
-                slots = step.head_batch(layer).slot_mapping
-            else:  # vLLM's own write: head h of slot s at ((s // bs) * H + h) * bs + s % bs
-                heads = torch.arange(HEADS)
-                slots = ((slot_mapping // BS)[:, None] * HEADS + heads) * BS + (slot_mapping % BS)[:, None]
-                slots = slots.reshape(-1)
-            self.write(cache, slots, key.reshape(-1, DIM), value.reshape(-1, DIM))
-            step.record_queries(layer, query)
-            if step.compacting:
-                write = step.compact_layer(layer, query, key, value)
-                self.move(cache, write.src_slots, write.slots)
-            keys = part_view(cache, 0, "rows")
-            moves = step.rescore_layer(layer, lambda s, keys=keys: read_rows(keys, s, "rows"))
-            if moves is not None:
-                self.move(cache, moves.src_slots, moves.slots)
-        worker.end_step()
-
-    @staticmethod
-    def write(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        for part, rows in ((0, keys), (1, values)):
-            view = part_view(cache, part, "rows")
-            view[slots // BS, slots % BS] = rows
-
-    @staticmethod
-    def move(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for part in (0, 1):
-            dispatch.compact_subblocks(part_view(cache, part, "rows"), src, dst, backend="torch")
-
-    def held(self, req_id: str, layer: int) -> list[list[int]]:
-        """Positions each head of ``layer`` reads through its sub-block table, checked to be its own rows."""
-        table = self.worker.layer_table(req_id, layer)
-        keys = part_view(self.caches[layer], 0, "rows")
-        values = part_view(self.caches[layer], 1, "rows")
-        held = []
-        for head in range(HEADS):
-            slots = table.head_slots(head)
-            rows = read_rows(keys, slots, "rows")
-            assert rows[:, 1].eq(head).all() and rows[:, 2].eq(layer).all()
-            assert torch.equal(read_rows(values, slots, "rows"), -rows)
-            held.append(rows[:, 0].long().tolist())
-        return held
-
-    def blocks_read(self, req_id: str, layer: int) -> set[int]:
-        table = self.worker.layer_table(req_id, layer)
-        return {sub // HEADS for head in table.subblocks for sub in head}
 
 
 def decode_config(prefill: str, budget: int, decode: dict) -> EvictionConfig:

@@ -1,0 +1,290 @@
+"""Per-chunk eviction on the worker: a prompt computed in several steps is evicted while it arrives.
+
+With vLLM's chunked prefill (or a prompt whose first step does not start at token 0), the prompt's keys are
+spread over several steps. After the step that brings a request from n0 to n1 computed tokens, each layer
+re-scores what it holds — its entries kept so far plus the new chunk, read back from the cache — whenever the
+accounting rule moves the offset (``RequestPlan.chunk_rescores``): between chunks every head keeps
+``a(n1) = n1 - O(n1)`` entries (the same count in every head and layer, so the next chunk scores a dense
+``[H, L]`` sequence), and once the prompt is complete the method's own selection keeps its layer budgets
+(ragged across heads for Ada-KV). The observation window is the last ``window`` queries of the step's chunk:
+the prompt's real last window (the question) at the final chunk. The scheduler frees the blocks the rule
+frees; nothing crosses between the two sides.
+
+Scores see the held entries in position order; pooling and span completion then treat two kept neighbours as
+adjacent even where tokens between them were evicted, and the causal mask of the window takes the queries as
+the newest held entries (docs/design.md). A chunk shorter than the window (a last chunk of 16 tokens) takes
+the rest of its window from the previous chunks' queries, kept per request and layer (at most
+``MAX_SAVED_QUERIES``; methods that read more, such as H2O's every prompt query, see that many).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.subblock_store import TableRows, head_token_index
+from vllm_kvevict.policies.adakv import AdaKV
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
+from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.vllm_adapter import metrics
+from vllm_kvevict.vllm_adapter.policy_guard import PolicyFault, guarded_select
+
+logger = logging.getLogger("vllm.kvevict.chunk_eviction")
+
+#: one-head-view slots [N] -> (keys [N, D], values [N, D]) read from a layer's cache.
+RowReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: queries kept per request and layer between chunks, for the next chunk's observation window.
+MAX_SAVED_QUERIES = 64
+
+
+@dataclass
+class ChunkRescore:
+    """A request prefilling a chunk of a prompt that compacts. Its tokens are rows [q_start, q_start + q_len)
+    of the step's tensors; ``computed`` -> ``seq_len`` tokens are in the cache before -> after the step;
+    ``evicts``: the rule evicts after this chunk (else only its queries are kept for a later window)."""
+
+    slot: int
+    req_id: str
+    q_start: int
+    q_len: int
+    computed: int
+    seq_len: int
+    plan: RequestPlan
+    policy: EvictionPolicy
+    compacted: bool  # reads sub-block tables already (an earlier chunk was evicted)
+    evicts: bool = True
+
+    @property
+    def final(self) -> bool:
+        """The prompt completes in this step: the method's own selection, down to the layer budgets."""
+        return self.seq_len >= self.plan.prompt_len
+
+    @property
+    def trailing(self) -> int:
+        """Tokens after the prompt computed in this step (a request recomputed after preemption)."""
+        return max(0, self.seq_len - self.plan.prompt_len)
+
+
+@dataclass(frozen=True)
+class ChunkMoves:
+    """Rows to move inside one layer's cache (one-head-view slots [N] int64; gather all, then scatter)."""
+
+    src_slots: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass
+class LayerResult:
+    """What one layer of one request kept: positions [H, M] (-1 padded) and counts [H]."""
+
+    positions: torch.Tensor
+    counts: torch.Tensor
+
+
+def between_chunks(policy: EvictionPolicy) -> EvictionPolicy:
+    """The selection used between chunks: the method with its per-head allocation taken out (Ada-KV's
+    shared stage), so every head keeps the same count and the next chunk scores a dense sequence."""
+    if isinstance(policy, AdaKV):
+        return policy.inner
+    if isinstance(policy, CriticalKV) and isinstance(policy.inner, AdaKV):
+        return dataclasses.replace(policy, inner=policy.inner.inner)
+    return policy
+
+
+class ChunkEviction:
+    """Held positions of the requests evicted between chunks, and their per-layer re-score."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, tables: BatchSubBlocks) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.tables = tables
+        self.positions: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [H, a] held positions
+        self.queries: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [<= MAX, Hq, D]
+
+    def drop(self, req_id: str) -> None:
+        self.positions.pop(req_id, None)
+        self.queries.pop(req_id, None)
+
+    def observation(
+        self, layer_idx: int, r: ChunkRescore, query: torch.Tensor, end: int, window: int
+    ) -> torch.Tensor:
+        """[Hq, w, D] the last ``window`` queries up to step row ``end`` (earlier chunks' where needed)."""
+        current = query[r.q_start : end]
+        saved = self.queries.get(r.req_id, [None] * self.num_layers)[layer_idx]
+        if current.shape[0] < window and saved is not None:
+            current = torch.cat([saved.to(current.dtype), current])
+        return current[max(0, current.shape[0] - window) :].transpose(0, 1)
+
+    def save_queries(self, layer_idx: int, r: ChunkRescore, query: torch.Tensor) -> None:
+        """Keep the newest ``MAX_SAVED_QUERIES`` queries of this request's prompt so far for ``layer_idx``."""
+        per_layer = self.queries.setdefault(r.req_id, [None] * self.num_layers)
+        current = query[r.q_start : r.q_start + r.q_len]
+        saved = per_layer[layer_idx]
+        if saved is not None and current.shape[0] < MAX_SAVED_QUERIES:
+            current = torch.cat([saved, current])
+        per_layer[layer_idx] = current[max(0, current.shape[0] - MAX_SAVED_QUERIES) :].clone()
+
+    def held_entries(
+        self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([H, L] int64 one-head-view slots, [H, L] int64 positions) of what each head of ``layer_idx``
+        holds after this step's chunk was written (every head holds the same count L)."""
+        bs, heads = self.block_size, self.num_kv_heads
+        device = block_row.device
+        head = torch.arange(heads, device=device)[:, None]
+        if not r.compacted:
+            j = torch.arange(r.seq_len, device=device)
+            block = block_row.to(torch.int64)[j // bs][None, :]
+            return (block * heads + head) * bs + j % bs, j.expand(heads, r.seq_len).clone()
+        store = self.tables.store
+        held = self.positions[r.req_id][layer_idx] if r.req_id in self.positions else None
+        if store is None or held is None:
+            raise RuntimeError(
+                f"request {r.req_id} layer {layer_idx}: compacted between chunks, no positions"
+            )
+        group = self.tables.group_of(layer_idx)
+        width = held.shape[1] + r.q_len
+        j = torch.arange(width, device=device)
+        table = store.tables[group, r.slot].to(torch.int64)
+        slots = table[:, (j // bs).clamp(max=table.shape[1] - 1)] * bs + j % bs
+        new = torch.arange(r.computed, r.seq_len, device=device).expand(heads, r.q_len)
+        return slots, torch.cat([held, new], dim=1)
+
+    def rescore_layer(
+        self,
+        layer_idx: int,
+        rescores: list[ChunkRescore],
+        block_table: torch.Tensor,
+        query: torch.Tensor,
+        read_rows: RowReader,
+        o_proj: torch.Tensor | None,
+        check: bool,
+    ) -> tuple[ChunkMoves | None, list[LayerResult | None]]:
+        """Re-score ``layer_idx`` of every request in ``rescores`` and commit their new tables (at the last
+        layer of a table group); query [T, Hq, D] holds the step's queries. Returns the moves to make in the
+        layer's cache and what each request kept."""
+        sources, targets, results = [], [], []
+        for r in rescores:
+            result = None
+            if r.evicts:
+                src, dst, result = self._rescore(
+                    layer_idx, r, block_table[r.slot], query, read_rows, o_proj, check
+                )
+                sources.append(src)
+                targets.append(dst)
+            results.append(result)
+            if not r.final:
+                self.save_queries(layer_idx, r, query)
+        if not sources:
+            return None, results
+        return ChunkMoves(torch.cat(sources), torch.cat(targets)), results
+
+    def _rescore(
+        self,
+        layer_idx: int,
+        r: ChunkRescore,
+        block_row: torch.Tensor,
+        query: torch.Tensor,
+        read_rows: RowReader,
+        o_proj: torch.Tensor | None,
+        check: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, LayerResult]:
+        plan, heads, bs = r.plan, self.num_kv_heads, self.block_size
+        slots, positions = self.held_entries(layer_idx, r, block_row)
+        width = slots.shape[1]
+        scored = width - r.trailing  # the prompt's entries; trailing tokens are kept after them
+        keys, values = read_rows(slots[:, :scored].reshape(-1))
+        keys = keys.view(heads, scored, -1)
+        values = values.view(heads, scored, -1)
+        prompt_end = r.q_start + (plan.prompt_len - r.computed if r.final else r.q_len)
+        budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len)
+        policy = r.policy if r.final else between_chunks(r.policy)
+        window = policy.query_window(scored)
+        layer = LayerKV(
+            keys=keys,
+            values=values.to(keys.dtype),
+            queries=self.observation(layer_idx, r, query, prompt_end, window).to(keys.dtype),
+            layer_idx=layer_idx,
+            num_layers=self.num_layers,
+            o_proj=o_proj,
+        )
+        kept = self._select(policy, layer, min(budget, scored), r, uniform=not r.final)
+        counts = kept.counts.to(device=slots.device, dtype=torch.int64)
+        per_head = counts + r.trailing
+        total = int(per_head.sum())
+        first_block = plan.blocks_freed_at(r.seq_len)
+        store = self.tables.store
+        assert store is not None
+        table = store.assign(
+            counts,
+            block_row,
+            first_block,
+            r.trailing,
+            total - r.trailing * heads,
+            num_blocks=cdiv(r.seq_len, bs),
+            check=check,
+        )
+        head_of, index = head_token_index(per_head, total)
+        count_of = counts[head_of]
+        indices = kept.indices.to(device=slots.device, dtype=torch.int64)
+        kept_index = (
+            indices[head_of, index.clamp(max=max(1, indices.shape[1]) - 1)] if indices.numel() else index
+        )
+        chosen = torch.where(index < count_of, kept_index, scored + index - count_of)
+        src = slots[head_of, chosen]
+        dst = table.token_slots(bs, head_of, index)
+        kept_positions = torch.full((heads, int(per_head.max())), -1, dtype=torch.int64, device=slots.device)
+        kept_positions[head_of, index] = positions[head_of, chosen]
+        self._commit(layer_idx, r, table, first_block, kept_positions)
+        return src, dst, LayerResult(kept_positions, per_head)
+
+    def _select(
+        self, policy: EvictionPolicy, layer: LayerKV, budget: int, r: ChunkRescore, uniform: bool
+    ) -> KeptTokens:
+        """The policy's kept entries (exactly H x budget; the same count per head between chunks). A failing
+        policy keeps each head's newest ``budget`` entries (logged, counted): the scheduler frees anyway."""
+        heads, n = layer.num_kv_heads, layer.num_tokens
+        try:
+            kept = guarded_select(policy, layer, budget)
+            if kept.total != heads * budget:
+                problem = f"kept {kept.counts.tolist()} entries per head, the rule needs {budget} on average"
+            elif uniform and bool((kept.counts != budget).any()):
+                problem = f"kept {kept.counts.tolist()} entries per head between chunks, needs {budget} each"
+            else:
+                return kept
+            metrics.record_policy_fallback(policy.name or r.policy.name, "wrong_counts")
+        except PolicyFault as exc:
+            problem = str(exc)
+        logger.error(
+            "policy %r failed on request %s layer %d between chunks (%s); keeping its newest %d entries "
+            "per head",
+            r.policy.name,
+            r.req_id,
+            layer.layer_idx,
+            problem,
+            budget,
+        )
+        recent = torch.arange(n - budget, n, device=layer.keys.device)
+        return KeptTokens(
+            indices=recent.expand(heads, budget).contiguous(),
+            counts=torch.full((heads,), budget, dtype=torch.int64, device=layer.keys.device),
+        )
+
+    def _commit(
+        self, layer_idx: int, r: ChunkRescore, table: TableRows, first_block: int, kept: torch.Tensor
+    ) -> None:
+        """Record the layer's held positions (read only by this layer's next re-score); the table becomes the
+        request's rows once no later layer of its group reads the old ones."""
+        per_layer = self.positions.setdefault(r.req_id, [None] * self.num_layers)
+        per_layer[layer_idx] = kept
+        if self.tables.last_layer_of_group(layer_idx):
+            self.tables.commit(layer_idx, r.slot, table, first_block)
+        if layer_idx == self.num_layers - 1:
+            self.tables.mark_compacted(r.slot)
