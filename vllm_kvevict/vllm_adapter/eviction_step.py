@@ -142,7 +142,7 @@ class EvictionStep:
         self.worker = worker
         self.compacting = compacting
         self.chunks = chunks or []
-        self._chunk_kept: dict[str, list[LayerResult]] = {}  # req -> per layer, prompts completing now
+        self._chunk_kept: dict[str, list[LayerResult]] = {}  # req -> per layer (final; all when dumping)
         self.ring_writes = ring_writes
         self.rescores = rescores or []
         self.num_reqs = num_reqs
@@ -236,11 +236,11 @@ class EvictionStep:
             worker.check,
         )
         for r, result in zip(self.chunks, results, strict=True):
-            if not r.final or result is None:
+            if result is None or not (r.final or worker.dump_dir is not None):
                 continue
             self._chunk_kept.setdefault(r.req_id, []).append(result)
             record = worker.decode.records.get(r.req_id) if worker.decode is not None else None
-            if record is not None and not r.trailing:  # the decode cap starts from what the prompt kept
+            if r.final and record is not None and not r.trailing:  # the decode cap starts from the prompt's
                 record.positions[layer_idx] = result.positions
         if layer_idx == worker.num_layers - 1:
             for r in self.chunks:
@@ -444,6 +444,7 @@ class EvictionWorker:
         shared = shared and server.decode is None
         self.tables = BatchSubBlocks(num_layers, num_kv_heads, block_size, shared, max_num_seqs)
         self.chunks = ChunkEviction(num_layers, num_kv_heads, block_size, self.tables)
+        self._chunk_history: dict[str, list] = {}  # req -> held sets after each chunk (debug dump only)
         self.decode: DecodeEviction | None = None
         if server.decode is not None:
             self.decode = DecodeEviction(
@@ -495,6 +496,7 @@ class EvictionWorker:
             self.kept_tokens.pop(req_id, None)
             self.tables.forget(req_id)
             self.chunks.drop(req_id)
+            self._chunk_history.pop(req_id, None)
             self._metric_ids = None
             if self.decode is not None:
                 self.dump_decode(req_id)
@@ -536,6 +538,7 @@ class EvictionWorker:
             self.kept_tokens.pop(inputs.req_ids[slot], None)
             self._kept_by_slot[slot] = np.nan
             self.chunks.drop(inputs.req_ids[slot])
+            self._chunk_history.pop(inputs.req_ids[slot], None)
             if self.decode is not None:
                 self.decode.restart(inputs.req_ids[slot])
         compacted = self.tables.compacted(num_reqs).copy()
@@ -712,6 +715,9 @@ class EvictionWorker:
     def record_chunk(self, r: ChunkRescore, kept: list[LayerResult] | None) -> None:
         """Every layer of ``r`` was re-scored after its chunk: publish (metrics, debug dump)."""
         if not r.final:
+            if kept is not None:  # debug dump: what each head holds after this chunk
+                history = self._chunk_history.setdefault(r.req_id, [])
+                history.append((r.seq_len, [(k.positions.cpu(), k.counts.cpu()) for k in kept]))
             held = r.plan.kept_length_at(r.seq_len)
             # resident = kept + (seq_len - prompt_len) in _publish_step_metrics: the held entries here.
             self.kept_tokens[r.req_id] = float(held + r.plan.prompt_len - r.seq_len)
@@ -742,7 +748,10 @@ class EvictionWorker:
         metrics.record_kept_per_head(req.policy.name, req.prompt_len, kept_per_head, req.plan.blocks_to_free)
 
     def finish_compaction(self, req: StepRequest, kept: list[KeptTokens] | None) -> None:
-        """The last layer of ``req`` is compacted: record it (debug dump when enabled)."""
+        """The last layer of ``req`` is compacted: record it (debug dump when enabled). ``chunks``: for a
+        prompt evicted between chunks, (computed tokens, per layer (positions [H, M] -1 padded, counts [H]))
+        after each such chunk."""
+        history = self._chunk_history.pop(req.req_id, [])
         if self.dump_dir is None or kept is None:
             return
         self.dump_dir.mkdir(parents=True, exist_ok=True)
@@ -751,6 +760,7 @@ class EvictionWorker:
             "prompt_len": req.prompt_len,
             "indices": [k.indices.cpu() for k in kept],
             "counts": [k.counts.cpu() for k in kept],
+            "chunks": history,
         }
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in req.req_id)
         torch.save(record, self.dump_dir / f"{safe}.pt")

@@ -1,0 +1,153 @@
+"""Per-chunk eviction through a real server equals HF attention that hides what the server evicted, chunk by
+chunk.
+
+``vllm serve --kv-eviction ada-snapkv --kv-budget 64`` with vLLM's chunked prefill at 256 tokens per step:
+an 1100-token prompt arrives in five chunks and is evicted after four of them (down to the intermediate
+budget, then to Ada-KV's ragged final budgets), while a short uncompacted request and another chunked one
+share its steps. The worker's debug dump records what every (layer, KV head) held after each evicting chunk;
+HF transformers (float32, ``hf_reference.chunked``) prefills the same prompt segment by segment with exactly
+those entries hidden, then teacher-forces vLLM's tokens with the final kept sets. A full-cache HF run is the
+control: where the two differ, vLLM must side with the chunk-wise masked run.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+PROMPT_TOKENS = 1100
+NEW_TOKENS = 96
+FIRST_STEPS = 16
+SERVER_ARGS = (
+    "--kv-eviction", "ada-snapkv", "--kv-budget", "64", "--block-size", "32",
+    "--max-model-len", "2048", "--enable-chunked-prefill", "--max-num-batched-tokens", "256",
+    "--no-enable-prefix-caching",
+)
+USAGE = "vllm:kv_cache_usage_perc"
+
+
+@dataclass(frozen=True)
+class Run:
+    """tokens [T] / vllm_logprobs [T]: vLLM's greedy output; record: the worker's dump of the prompt;
+    masked / full: [T, vocab] HF log-probabilities chunk-wise masked / with the full cache."""
+
+    tokens: torch.Tensor
+    vllm_logprobs: torch.Tensor
+    record: dict
+    masked: torch.Tensor
+    full: torch.Tensor
+    usage_after: float
+
+    def gap(self, logprobs: torch.Tensor) -> torch.Tensor:
+        return (self.vllm_logprobs - logprobs[torch.arange(len(self.tokens)), self.tokens]).abs()
+
+
+def story_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    names = ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank"]
+    lines = ["Ledger of the harbour."]
+    tail = "\nNow retell every entry of the ledger in order.\n"
+    while len(tokenizer("\n".join(lines) + tail)["input_ids"]) < num_tokens:
+        lines.append(f"Entry {len(lines)}: {rng.choice(names)} shipped {rng.randint(10, 99)} crates to pier "
+                     f"{rng.randint(1, 9)}.")
+    return tokenizer("\n".join(lines) + tail)["input_ids"]
+
+
+def generate(server: VLLMServer, prompt_ids: list[int], others: list[tuple[list[int], dict]]):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
+
+    def complete(ids: list[int], max_tokens: int, extra: dict, delay_s: float = 0.0):
+        time.sleep(delay_s)
+        return client.completions.create(
+            model=server.served_model_name, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **extra},
+        )
+
+    with ThreadPoolExecutor(max_workers=1 + len(others)) as pool:
+        checked = pool.submit(complete, prompt_ids, NEW_TOKENS, {})
+        side = [pool.submit(complete, ids, 32, extra, 1.0 + i) for i, (ids, extra) in enumerate(others)]
+        result = checked.result()
+        assert all(s.result().usage.completion_tokens == 32 for s in side)
+    logprobs = result.choices[0].logprobs
+    tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+    return torch.tensor(tokens), torch.tensor(logprobs.token_logprobs, dtype=torch.float32)
+
+
+def wait_for_zero_usage(server: VLLMServer, timeout_s: float = 60.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    value = server.metric_value(USAGE)
+    while value > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = server.metric_value(USAGE)
+    return value
+
+
+@pytest.fixture(scope="module")
+def run(model_dir, tmp_path_factory) -> Run:
+    from vllm_kvevict.hf_reference.chunked import teacher_forced_after_chunks
+    from vllm_kvevict.hf_reference.model import load_reference_model
+    from vllm_kvevict.policies.base import KeptTokens
+
+    dump_dir: Path = tmp_path_factory.mktemp("kept")
+    model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
+    prompt_ids = story_prompt(tokenizer, PROMPT_TOKENS, seed=5)
+    others = [(story_prompt(tokenizer, 60, seed=6), {"vllm_xargs": {"kv_eviction": "none"}}),
+              (story_prompt(tokenizer, 700, seed=7), {})]
+    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
+        tokens, vllm_logprobs = generate(server, prompt_ids, others)
+        usage_after = wait_for_zero_usage(server)
+    records = [torch.load(path) for path in dump_dir.glob("*.pt")]
+    (record,) = [r for r in records if r["prompt_len"] == len(prompt_ids)]
+    chunks = [(end, [KeptTokens(p, c) for p, c in held]) for end, held in record["chunks"]]
+    final = [KeptTokens(i, c) for i, c in zip(record["indices"], record["counts"], strict=True)]
+    everything = [KeptTokens.everything(k.counts.shape[0], len(prompt_ids)) for k in final]
+    return Run(
+        tokens=tokens,
+        vllm_logprobs=vllm_logprobs,
+        record=record,
+        masked=teacher_forced_after_chunks(model, prompt_ids, chunks, final, tokens),
+        full=teacher_forced_after_chunks(model, prompt_ids, [], everything, tokens),
+        usage_after=usage_after,
+    )
+
+
+def test_the_prompt_was_evicted_after_at_least_three_chunks_then_to_ragged_budgets(run: Run):
+    ends = [end for end, _ in run.record["chunks"]]
+    assert len(ends) >= 3 and ends == sorted(ends) and ends[-1] < PROMPT_TOKENS, ends
+    for _end, held in run.record["chunks"]:
+        counts = torch.stack([c for _, c in held])
+        assert bool((counts == counts[0, 0]).all()), "between chunks every head holds the same count"
+    assert any(len(set(c.tolist())) > 1 for c in run.record["counts"]), "Ada-KV's final budgets are ragged"
+
+
+def test_decoding_matches_hf_hiding_what_each_chunk_evicted(run: Run):
+    assert len(run.tokens) == NEW_TOKENS
+    gap = run.gap(run.masked)
+    assert float(gap[:FIRST_STEPS].max()) < 0.15, f"first steps |delta logprob| {gap[:FIRST_STEPS].tolist()}"
+    assert float(gap.mean()) < 0.03 and float(gap.max()) < 0.6, f"mean {gap.mean():.4f} max {gap.max():.4f}"
+
+
+def test_vllm_follows_the_chunkwise_reference_where_eviction_changes_the_output(run: Run):
+    index = torch.arange(len(run.tokens))
+    moved = (run.masked[index, run.tokens] - run.full[index, run.tokens]).abs() > 0.1
+    assert int(moved.sum()) >= 5, "eviction barely changed this request: the comparison would prove nothing"
+    masked, full = run.gap(run.masked), run.gap(run.full)
+    assert float((masked[moved] < full[moved]).float().mean()) >= 0.9
+
+
+def test_every_block_is_back_after_the_traffic(run: Run):
+    assert run.usage_after == 0.0
