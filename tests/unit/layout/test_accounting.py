@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from vllm_kvevict.layout.accounting import align_budget, cdiv, plan_request, resolve_token_budget
+from vllm_kvevict.layout.accounting import (
+    align_budget,
+    cdiv,
+    plan_request,
+    resolve_token_budget,
+    with_chunk_budget,
+)
 from vllm_kvevict.policies.registry import build_policy
 
 NUM_LAYERS = 30
@@ -100,3 +106,38 @@ def test_blocks_held_follows_vllms_per_position_growth():
     plan = plan_request(4096, 512, 128, build_policy("snapkv"), NUM_LAYERS)
     for t in range(0, 600, 7):
         assert plan.blocks_held(t) == cdiv(plan.kept_bound + t, 128) + 1
+
+
+@pytest.mark.parametrize("method", ["snapkv", "ada-snapkv", "pyramidkv"])
+def test_per_chunk_rule_leaves_room_for_every_chunk_and_meets_the_prompt_plan(method):
+    """Any chunk sizes: the offset never decreases, stays below O0 = P - B' until the prompt completes and
+    equals it then; between chunks a(n) lies in [I, I + bs) once something is evicted; and the blocks held
+    while a chunk is computed (after the scheduler freed by the previous chunk) hold a(n0) + chunk entries
+    per head, as do those held after it for a(n1)."""
+    rng = random.Random(hash(method) & 0xFFFF)
+    policy = build_policy(method)
+    for _ in range(200):
+        bs = rng.choice([16, 32, 128])
+        prompt_len = rng.randint(300, 8000)
+        budget = rng.randint(40, max(41, prompt_len // 3))
+        chunk_budget = rng.choice([1.0, 1.5, 2.0, rng.randint(1, 3000)])
+        plan = with_chunk_budget(plan_request(prompt_len, budget, bs, policy, NUM_LAYERS), chunk_budget)
+        if not plan.compacts:
+            assert plan.chunk_budget == 0 and plan.offset_at(prompt_len - 1) == 0
+            continue
+        assert plan.chunk_budget >= plan.kept_bound
+        done, offset = 0, 0
+        while done < prompt_len:
+            step = min(rng.choice([1, bs, 256, 512, rng.randint(1, 2048)]), prompt_len - done)
+            held_blocks = cdiv(done + step, bs) - plan.blocks_freed_at(done)
+            assert cdiv(plan.kept_length_at(done) + step, bs) <= held_blocks
+            done += step
+            assert plan.offset_at(done) >= offset and plan.offset_at(done) % bs == 0
+            offset = plan.offset_at(done)
+            if done < prompt_len:
+                assert offset < plan.offset0
+                if offset:
+                    assert plan.chunk_budget <= plan.kept_length_at(done) < plan.chunk_budget + bs
+                assert cdiv(plan.kept_length_at(done), bs) <= cdiv(done, bs) - plan.blocks_freed_at(done)
+                assert plan.chunk_rescores(done - step, done) == (plan.offset_at(done - step) != offset)
+        assert offset == plan.offset0 and plan.blocks_freed_at(prompt_len) == plan.blocks_to_free
