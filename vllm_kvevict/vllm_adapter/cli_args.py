@@ -168,9 +168,9 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def eviction_config_from_args(args: argparse.Namespace, additional_config: dict[str, Any] | None) -> (
-    EvictionConfig | None
-):
+def eviction_config_from_args(
+    args: argparse.Namespace, additional_config: dict[str, Any] | None
+) -> EvictionConfig | None:
     """Merge the flags over ``additional_config["kv_eviction"]``; flags win. Raises EvictionConfigError."""
     method = getattr(args, "kv_eviction", None)
     budget = getattr(args, "kv_budget", None)
@@ -185,8 +185,13 @@ def eviction_config_from_args(args: argparse.Namespace, additional_config: dict[
         method, params = params.method, params.params
     decode_given = any(
         getattr(args, name, None) is not None
-        for name in ("kv_decode_eviction", "kv_decode_budget", "kv_decode_interval", "kv_decode_config",
-                     "kv_decode_allocation")
+        for name in (
+            "kv_decode_eviction",
+            "kv_decode_budget",
+            "kv_decode_interval",
+            "kv_decode_config",
+            "kv_decode_allocation",
+        )
     )
     if method is None and existing is None:
         if decode_given:
@@ -313,10 +318,12 @@ def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
     if engine_args.enable_prefix_caching is not False:
         logger.info("kv-eviction: prefix caching turned off (compressed blocks are not reusable prefixes)")
         engine_args.enable_prefix_caching = False
-    if engine_args.enable_chunked_prefill is not False:
+    if engine_args.enable_chunked_prefill is not False and not config.chunked:
+        why = "a decode-time cap needs whole prompts" if config.decode is not None else "prefill=whole"
         logger.info(
-            "kv-eviction: chunked prefill turned off (scoring needs the whole prompt in one step); "
-            "max_num_batched_tokens must be >= max_model_len"
+            "kv-eviction: chunked prefill turned off (%s: one eviction per prompt); "
+            "max_num_batched_tokens must be >= max_model_len",
+            why,
         )
         engine_args.enable_chunked_prefill = False
     if not engine_args.enforce_eager:

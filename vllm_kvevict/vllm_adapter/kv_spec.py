@@ -166,7 +166,8 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
     if config is None or type(spec) is not FullAttentionSpec:
         return spec
     # `vllm serve` turns these off with a log line; an engine built from Python must do it itself.
-    if vllm_config.cache_config.enable_prefix_caching or vllm_config.scheduler_config.enable_chunked_prefill:
+    chunked_refused = vllm_config.scheduler_config.enable_chunked_prefill and not config.chunked
+    if vllm_config.cache_config.enable_prefix_caching or chunked_refused:
         raise ValueError(
             "kv_eviction needs enable_prefix_caching=False and enable_chunked_prefill=False (got "
             f"{vllm_config.cache_config.enable_prefix_caching} and "
