@@ -1,17 +1,24 @@
 """The HF reference of per-chunk eviction: a prompt prefilled segment by segment, each segment's queries
-seeing only what the server's heads held after the previous evicting chunk (``evicting`` masks), then
-teacher-forced decoding with the prompt's final kept sets. Positions stay the true ones throughout."""
+seeing only what the heads held after the previous evicting chunk (``evicting`` masks). Two uses:
+``teacher_forced_after_chunks`` replays what a server held (its debug dump) and teacher-forces its tokens;
+``chunked_prefill`` selects the held sets itself with the server's rule and methods, for quality runs.
+Positions stay the true ones throughout."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from vllm_kvevict.hf_reference.capture import PrefilledPrompt, recording
 from vllm_kvevict.hf_reference.generation import evicting
-from vllm_kvevict.policies.base import KeptTokens
+from vllm_kvevict.hf_reference.model import o_proj_weights
+from vllm_kvevict.layout.accounting import RequestPlan
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
+from vllm_kvevict.policies.between_chunks import between_chunks
 
 #: (computed tokens after an evicting chunk, per layer what each head held then).
 ChunkHeld = tuple[int, Sequence[KeptTokens]]
@@ -44,3 +51,97 @@ def teacher_forced_after_chunks(
     with evicting(model, [list(final_kept)], len(ids)):
         out = model(input_ids=tokens[None, :-1].to(model.device), past_key_values=cache, use_cache=True)
     return torch.log_softmax(torch.cat([logits[None], out.logits[0].float()]), dim=-1)
+
+
+@dataclass
+class ChunkedPrefill:
+    """A prompt prefilled chunk by chunk under per-chunk eviction, as the server does it.
+
+    prompt: the resulting cache (keys/values [1, H, n, d]: entries computed under the chunks' masks) and the
+    last chunk's logits; kept: per layer the prompt's final kept positions; chunks: the held sets after each
+    evicting chunk (``teacher_forced_after_chunks``'s input)."""
+
+    prompt: PrefilledPrompt
+    kept: list[KeptTokens]
+    chunks: list[ChunkHeld]
+
+
+@torch.inference_mode()
+def chunked_prefill(
+    model: PreTrainedModel, input_ids: torch.Tensor, policy: EvictionPolicy, plan: RequestPlan, chunk: int
+) -> ChunkedPrefill:
+    """Prefill ``input_ids`` [n] in chunks of ``chunk`` tokens with ``plan``'s per-chunk rule (the server's
+    ``RequestPlan``): after a chunk that moves the offset every layer keeps ``a(n)`` entries per head with
+    ``between_chunks(policy)`` (scored from the held entries in position order and the chunk's last window
+    of queries), and the final chunk keeps the plan's layer budgets with ``policy`` itself — the selection
+    of ``vllm_adapter/chunk_eviction.py``, in float32 on HF's cache. The window must fit in one chunk."""
+    ids = input_ids.reshape(-1).to(model.device)
+    total = int(ids.shape[0])
+    if total != plan.prompt_len:
+        raise ValueError(f"plan is for {plan.prompt_len} tokens, the prompt has {total}")
+    cache = DynamicCache(config=model.config)
+    weights = o_proj_weights(model)
+    num_layers = len(weights)
+    held: list[torch.Tensor] | None = None  # per layer [H, a] positions held after the last eviction
+    held_end = 0  # tokens computed at the last eviction: every later one is held
+    history: list[ChunkHeld] = []
+    start, logits = 0, None
+    while start < total:
+        end = min(total, start + chunk)
+        final = end == total
+        window = max(policy.query_window(end), between_chunks(policy).query_window(end))
+        masks = evicting(model, [positions_as_kept(held)], held_end) if held is not None else nullcontext()
+        with masks, recording(model, window) as recorders:
+            out = model(
+                input_ids=ids[None, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
+        logits = out.logits[0, -1].float()
+        if final or plan.chunk_rescores(start, end):
+            kept = []
+            for layer_idx, recorder in enumerate(recorders):
+                positions = torch.arange(end, device=ids.device)
+                heads = recorder.keys.shape[0]
+                positions = positions.expand(heads, end)
+                if held is not None:
+                    new = torch.arange(held_end, end, device=ids.device).expand(heads, end - held_end)
+                    positions = torch.cat([held[layer_idx], new], dim=1)
+                keys = recorder.keys.gather(1, positions[..., None].expand(-1, -1, recorder.keys.shape[2]))
+                values = recorder.values.gather(
+                    1, positions[..., None].expand(-1, -1, recorder.values.shape[2])
+                )
+                layer = LayerKV(
+                    keys=keys,
+                    values=values,
+                    queries=recorder.queries,
+                    layer_idx=layer_idx,
+                    num_layers=num_layers,
+                    o_proj=weights[layer_idx],
+                )
+                selector = policy if final else between_chunks(policy)
+                budget = plan.layer_budgets[layer_idx] if final else plan.kept_length_at(end)
+                choice = selector.select(layer, min(budget, layer.num_tokens))
+                kept.append(KeptTokens(gather_kept(positions, choice), choice.counts))
+            if final:
+                prompt = PrefilledPrompt(
+                    input_ids=ids.cpu(),
+                    keys=[cache.layers[i].keys for i in range(num_layers)],
+                    values=[cache.layers[i].values for i in range(num_layers)],
+                    layers=[],
+                    last_logits=logits,
+                )
+                return ChunkedPrefill(prompt, kept, history)
+            history.append((end, kept))
+            held, held_end = [k.indices for k in kept], end
+        start = end
+    raise AssertionError("unreachable: the last chunk returns")
+
+
+def positions_as_kept(held: Sequence[torch.Tensor]) -> list[KeptTokens]:
+    """Per layer ``KeptTokens`` of held positions [H, a] (every head the same count)."""
+    return [KeptTokens(p, torch.full((p.shape[0],), p.shape[1], dtype=torch.int64)) for p in held]
+
+
+def gather_kept(positions: torch.Tensor, kept: KeptTokens) -> torch.Tensor:
+    """[H, M] positions of ``kept`` (indices into ``positions`` [H, L]), -1 padded, ascending per head."""
+    index = kept.indices.clamp(min=0)
+    return torch.where(kept.indices >= 0, positions.gather(1, index), -1)

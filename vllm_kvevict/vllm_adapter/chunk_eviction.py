@@ -19,7 +19,6 @@ the rest of its window from the previous chunks' queries, kept per request and l
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,9 +28,8 @@ import torch
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.subblock_store import TableRows, head_token_index
-from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
-from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.between_chunks import between_chunks
 from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.policy_guard import PolicyFault, guarded_select
 
@@ -87,16 +85,6 @@ class LayerResult:
     counts: torch.Tensor
 
 
-def between_chunks(policy: EvictionPolicy) -> EvictionPolicy:
-    """The selection used between chunks: the method with its per-head allocation taken out (Ada-KV's
-    shared stage), so every head keeps the same count and the next chunk scores a dense sequence."""
-    if isinstance(policy, AdaKV):
-        return policy.inner
-    if isinstance(policy, CriticalKV) and isinstance(policy.inner, AdaKV):
-        return dataclasses.replace(policy, inner=policy.inner.inner)
-    return policy
-
-
 class ChunkEviction:
     """Held positions of the requests evicted between chunks, and their per-layer re-score."""
 
@@ -107,10 +95,12 @@ class ChunkEviction:
         self.tables = tables
         self.positions: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [H, a] held positions
         self.queries: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [<= MAX, Hq, D]
+        self.held_end: dict[str, int] = {}  # req -> tokens computed at its last eviction (later: all held)
 
     def drop(self, req_id: str) -> None:
         self.positions.pop(req_id, None)
         self.queries.pop(req_id, None)
+        self.held_end.pop(req_id, None)
 
     def observation(
         self, layer_idx: int, r: ChunkRescore, query: torch.Tensor, end: int, window: int
@@ -132,7 +122,7 @@ class ChunkEviction:
         per_layer[layer_idx] = current[max(0, current.shape[0] - MAX_SAVED_QUERIES) :].clone()
 
     def held_entries(
-        self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor
+        self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, check: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """([H, L] int64 one-head-view slots, [H, L] int64 positions) of what each head of ``layer_idx``
         holds after this step's chunk was written (every head holds the same count L)."""
@@ -150,11 +140,17 @@ class ChunkEviction:
                 f"request {r.req_id} layer {layer_idx}: compacted between chunks, no positions"
             )
         group = self.tables.group_of(layer_idx)
-        width = held.shape[1] + r.q_len
+        since = self.held_end[r.req_id]
+        width = held.shape[1] + r.seq_len - since
         j = torch.arange(width, device=device)
         table = store.tables[group, r.slot].to(torch.int64)
         slots = table[:, (j // bs).clamp(max=table.shape[1] - 1)] * bs + j % bs
-        new = torch.arange(r.computed, r.seq_len, device=device).expand(heads, r.q_len)
+        new = torch.arange(since, r.seq_len, device=device).expand(heads, r.seq_len - since)
+        if check and bool((store.lengths[group, r.slot] != width).any()):  # a device read: CPU only
+            raise RuntimeError(
+                f"request {r.req_id} layer {layer_idx}: heads hold {store.lengths[group, r.slot].tolist()} "
+                f"entries, the chunk record {width}"
+            )
         return slots, torch.cat([held, new], dim=1)
 
     def rescore_layer(
@@ -197,7 +193,7 @@ class ChunkEviction:
         check: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, LayerResult]:
         plan, heads, bs = r.plan, self.num_kv_heads, self.block_size
-        slots, positions = self.held_entries(layer_idx, r, block_row)
+        slots, positions = self.held_entries(layer_idx, r, block_row, check)
         width = slots.shape[1]
         scored = width - r.trailing  # the prompt's entries; trailing tokens are kept after them
         keys, values = read_rows(slots[:, :scored].reshape(-1))
@@ -287,4 +283,5 @@ class ChunkEviction:
         if self.tables.last_layer_of_group(layer_idx):
             self.tables.commit(layer_idx, r.slot, table, first_block)
         if layer_idx == self.num_layers - 1:
+            self.held_end[r.req_id] = r.seq_len
             self.tables.mark_compacted(r.slot)

@@ -119,3 +119,22 @@ def test_finished_and_restarted_requests_leave_no_chunk_state():
     assert "r" not in engine.worker.chunks.positions
     engine.worker.drop(["r"])
     assert not engine.worker.chunks.positions
+
+
+def test_a_chunk_that_evicts_nothing_is_held_whole_until_the_next_eviction():
+    """192 tokens (evicts to a(192)), then 8 (the offset stays), then 88 (evicts again): the second eviction
+    scores the entries kept at 192 plus all 96 tokens since, and keeps a(288) of them per head."""
+    engine = SimulatedEngine(chunk_config("snapkv"))
+    plan = engine.worker.plan_for(PROMPT)
+    engine.step([("r", PROMPT, 0, 192, None)])
+    assert plan.chunk_rescores(0, 192) and not plan.chunk_rescores(192, 200) and plan.chunk_rescores(200, 288)
+    engine.step([("r", PROMPT, 192, 8, None)])
+    kept_at_192 = engine.held("r", 1)
+    assert all(h[-8:] == list(range(192, 200)) for h in kept_at_192)
+    engine.step([("r", PROMPT, 200, 88, None)])
+    for layer in range(LAYERS):
+        held = engine.held("r", layer)
+        assert [len(h) for h in held] == [plan.kept_length_at(288)] * HEADS
+        assert all(h == sorted(set(h)) and h[-1] == 287 for h in held)
+    later = set(range(200, 288))
+    assert all(set(h) <= set(old) | later for h, old in zip(engine.held("r", 1), kept_at_192, strict=True))
