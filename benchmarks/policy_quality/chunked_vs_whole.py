@@ -1,0 +1,147 @@
+"""Per-chunk eviction against whole-prompt eviction, on the eval suite's own prompts (HF masked runner).
+
+For each prompt of the chosen ``vllm-kvevict eval`` tasks (same generator and seeds as the server runs) and
+each (method, kept fraction), both with the server's plan (``layout.accounting``: block-aligned budgets,
+32-token blocks, the layer budgets of the method):
+
+- ``whole``: one full prefill, then every layer keeps its layer budget (what the server does with
+  ``prefill: whole``);
+- ``chunked@I``: the prompt is prefilled in ``--chunk`` token chunks with ``hf_reference.chunked_prefill`` —
+  after each chunk whose rule evicts, every layer keeps a(n) entries per head (``between_chunks``), the last
+  chunk keeps the layer budgets — with the intermediate budget ``chunk_budget = I`` (a multiple of B').
+
+Each kept set is decoded greedily (masks, true positions) and scored like ``eval``. Prints a markdown table:
+mean score over prompts per (variant, fraction, length).
+
+    .venv/bin/python benchmarks/policy_quality/chunked_vs_whole.py --lengths 1024 --samples 2 \
+        --out /tmp/chunked.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import answer_decided, decode_in_batches  # noqa: E402
+from sweep import NEEDLE_NEW_TOKENS, QUERY_WINDOW, summarise  # noqa: E402
+
+from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
+from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
+from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
+from vllm_kvevict.hf_reference import load_reference_model, prefill  # noqa: E402
+from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
+from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
+from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
+from vllm_kvevict.policies.registry import build_policy  # noqa: E402
+
+TASKS = (
+    "fwe,niah_multikey,niah_multikey_hard,niah_multiquery,niah_multivalue,niah_single_digits,"
+    "niah_single_essay,niah_single_noise,vt"
+)
+BLOCK_SIZE = 32
+
+
+def rows_for_prompt(model, tokenizer, sample, methods, fractions, chunk_budgets, chunk: int, batch_bytes):
+    """Every (variant, fraction) row of one prompt, decoded and scored."""
+    ids = torch.tensor(sample.token_ids)
+    n = len(sample.token_ids)
+    whole = prefill(model, ids, query_window=QUERY_WINDOW)
+    num_layers = len(whole.layers)
+    single_number = len(sample.answers) == 1 and sample.answers[0].isdigit()
+    finished = answer_decided(sample.answers[0], tokenizer) if single_number else None
+    new_tokens = NEEDLE_NEW_TOKENS if single_number else sample.max_new_tokens
+    stops = [tokenizer.eos_token_id]
+    runs = [
+        ("full-cache", 1.0, whole, [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers])
+    ]
+    for method in methods:
+        policy = build_policy(method)
+        for fraction in fractions:
+            plan = plan_request(n, fraction, BLOCK_SIZE, policy, num_layers)
+            kept = [
+                policy.select(layer, min(plan.layer_budgets[i], n)) for i, layer in enumerate(whole.layers)
+            ]
+            runs.append((f"{method} whole", fraction, whole, kept))
+            for factor in chunk_budgets:
+                chunked = chunked_prefill(model, ids, policy, with_chunk_budget(plan, factor), chunk)
+                runs.append((f"{method} chunked@{factor:g}", fraction, chunked.prompt, chunked.kept))
+    rows = []
+    for label, fraction, prompt, kept in runs:
+        (tokens,) = decode_in_batches(model, prompt, [kept], new_tokens, n, stops, finished, batch_bytes)
+        output = tokenizer.decode(tokens, skip_special_tokens=True)
+        rows.append(
+            {
+                "variant": label,
+                "fraction": fraction,
+                "output": output,
+                "score": score_output(output, sample.answers, sample.metric),
+                "task": sample.task,
+                "length": sample.target_tokens,
+                "sample": sample.id,
+                "answers": list(sample.answers),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Per-chunk vs whole-prompt eviction (HF masked runner)")
+    parser.add_argument("--methods", default="snapkv,ada-snapkv")
+    parser.add_argument("--tasks", default=TASKS)
+    parser.add_argument("--lengths", default="1024")
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--fractions", default="0.25,0.1")
+    parser.add_argument("--chunk-budgets", default="1.5", help="intermediate budgets I, multiples of B'")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size (max_num_batched_tokens)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out", type=Path, required=True, help="JSON lines; prompts already there are skipped"
+    )
+    parser.add_argument("--batch-bytes", type=float, default=2e9)
+    parser.add_argument("--summary-only", action="store_true")
+    args = parser.parse_args()
+    records = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
+    if not args.summary_only:
+        from vllm_kvevict.cli.prepare_model import prepared_model_dir
+
+        model, tokenizer = load_reference_model(prepared_model_dir())
+        samples = generate_samples(
+            args.tasks.split(","),
+            [int(x) for x in args.lengths.split(",")],
+            args.samples,
+            args.seed,
+            PromptFormat(tokenizer),
+        )
+        done = {r["sample"] for r in records}
+        for sample in samples:
+            if sample.id in done:
+                continue
+            started = time.time()
+            rows = rows_for_prompt(
+                model,
+                tokenizer,
+                sample,
+                args.methods.split(","),
+                [float(f) for f in args.fractions.split(",")],
+                [float(c) for c in args.chunk_budgets.split(",")],
+                args.chunk,
+                args.batch_bytes,
+            )
+            with args.out.open("a") as out:
+                for row in rows:
+                    out.write(json.dumps(row) + "\n")
+            records += rows
+            scores = " ".join(f"{r['variant']}@{r['fraction']}={r['score']:.2f}" for r in rows)
+            print(f"{sample.id}: {time.time() - started:.0f}s {scores}", flush=True)
+    print(summarise(records))
+
+
+if __name__ == "__main__":
+    main()
