@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass
 
@@ -12,12 +13,19 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions"  # a counter family: its sample is ..._total
+PROMPT_TOKENS = "vllm:prompt_tokens"  # counter
+GENERATION_TOKENS = "vllm:generation_tokens"  # counter
 
 
 @dataclass
 class Peaks:
     """Peaks of the polled gauges, plus the running-request sum for the time average (long outputs: the
-    pool limits how many requests keep running, not how many start) and the last preemption count."""
+    pool limits how many requests keep running, not how many start) and the last preemption count.
+
+    max_kv_usage_decoding: the peak KV usage over polls during which tokens were generated and no prompt
+    token was computed (decode only); prompt_tokens / prefill_s: prompt tokens computed between the poll
+    before the first and the poll of the last increase of the prompt counter (prompt tok/s while
+    prefilling)."""
 
     max_running: float = 0.0
     max_waiting: float = 0.0
@@ -25,6 +33,13 @@ class Peaks:
     samples: int = 0
     sum_running: float = 0.0
     preemptions: float = 0.0
+    max_kv_usage_decoding: float = 0.0
+    prompt_tokens: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def mean_running(self) -> float:
@@ -48,6 +63,8 @@ class MetricsPoller:
         self.metrics_url = metrics_url
         self.interval_s = interval_s
         self.peaks = Peaks()
+        self._last: tuple[float, float, float] | None = None  # (time, prompt tokens, generated tokens)
+        self._prefill_start: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
 
@@ -62,13 +79,30 @@ class MetricsPoller:
     def poll_once(self) -> None:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             text = response.read().decode()
-        values = gauge_values(text, (RUNNING, WAITING, KV_USAGE, PREEMPTIONS))
+        now = time.monotonic()
+        values = gauge_values(
+            text, (RUNNING, WAITING, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS)
+        )
+        self._count_tokens(now, values)
         self.peaks.max_running = max(self.peaks.max_running, values[RUNNING])
         self.peaks.sum_running += values[RUNNING]
         self.peaks.preemptions = max(self.peaks.preemptions, values[PREEMPTIONS])
         self.peaks.max_waiting = max(self.peaks.max_waiting, values[WAITING])
         self.peaks.max_kv_usage = max(self.peaks.max_kv_usage, values[KV_USAGE])
         self.peaks.samples += 1
+
+    def _count_tokens(self, now: float, values: dict[str, float]) -> None:
+        prompt, generated = values[PROMPT_TOKENS], values[GENERATION_TOKENS]
+        if self._last is not None:
+            then, last_prompt, last_generated = self._last
+            if prompt > last_prompt:
+                if self._prefill_start is None:
+                    self._prefill_start = then
+                self.peaks.prompt_tokens += prompt - last_prompt
+                self.peaks.prefill_s = now - self._prefill_start
+            elif generated > last_generated:
+                self.peaks.max_kv_usage_decoding = max(self.peaks.max_kv_usage_decoding, values[KV_USAGE])
+        self._last = (now, prompt, generated)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -31,6 +31,8 @@ class ServerResult:
     wall_s: float
     mean_running: float = 0.0  # running requests averaged over the run (long outputs)
     preemptions: float = 0.0  # vllm:num_preemptions_total at the end of the run
+    max_kv_usage_decoding: float = 0.0  # peak KV usage while only decoding (Peaks)
+    prompt_tok_s: float = 0.0  # prompt tokens per second while prefilling (Peaks)
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -54,6 +56,8 @@ def summarise(label: str, timing: RunTiming, peaks: Peaks) -> ServerResult:
         wall_s=timing.wall_s,
         mean_running=peaks.mean_running,
         preemptions=peaks.preemptions,
+        max_kv_usage_decoding=peaks.max_kv_usage_decoding,
+        prompt_tok_s=peaks.prompt_tok_s,
     )
 
 
@@ -62,8 +66,8 @@ def ratio_table(results: list[ServerResult]) -> str:
     base = results[0]
     lines = [
         "| server | max running | × | output tok/s | × | TTFT p50 s | × | TTFT p95 s | × "
-        "| peak KV usage | wall s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak KV usage | wall s | peak KV usage decoding | prompt tok/s | × |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
@@ -71,7 +75,8 @@ def ratio_table(results: list[ServerResult]) -> str:
             f"| {r.output_tok_s:.1f} | {r.output_tok_s / base.output_tok_s:.2f} "
             f"| {r.ttft_p50_s:.2f} | {r.ttft_p50_s / base.ttft_p50_s:.2f} "
             f"| {r.ttft_p95_s:.2f} | {r.ttft_p95_s / base.ttft_p95_s:.2f} "
-            f"| {r.max_kv_usage:.0%} | {r.wall_s:.0f} |"
+            f"| {r.max_kv_usage:.1%} | {r.wall_s:.0f} | {r.max_kv_usage_decoding:.1%} "
+            f"| {r.prompt_tok_s:.0f} | {r.prompt_tok_s / base.prompt_tok_s if base.prompt_tok_s else 0:.2f} |"
         )
     return "\n".join(lines)
 
