@@ -138,3 +138,19 @@ def test_a_chunk_that_evicts_nothing_is_held_whole_until_the_next_eviction():
         assert all(h == sorted(set(h)) and h[-1] == 287 for h in held)
     later = set(range(200, 288))
     assert all(set(h) <= set(old) | later for h, old in zip(engine.held("r", 1), kept_at_192, strict=True))
+
+
+def test_a_recomputed_request_whose_last_chunk_runs_past_the_prompt_keeps_its_output_tokens():
+    """After preemption vLLM recomputes prompt + output as one prefill; its chunk that crosses the prompt's
+    end compacts the prompt to the layer budgets and keeps the 20 recomputed output tokens after them."""
+    engine = SimulatedEngine(chunk_config("ada-snapkv"))
+    plan = engine.worker.plan_for(PROMPT)
+    for done in range(0, 384, CHUNK):
+        engine.step([("r", PROMPT, done, CHUNK, None)])
+    engine.step([("r", PROMPT, 384, 36, None)])
+    for layer in range(LAYERS):
+        held = engine.held("r", layer)
+        assert sum(map(len, held)) == HEADS * (plan.layer_budgets[layer] + 20)
+        assert all(h[-20:] == list(range(PROMPT, PROMPT + 20)) for h in held)
+    engine.step([("r", PROMPT, 420, 1, None)])
+    assert all(h[-1] == 420 for h in engine.held("r", 0))
