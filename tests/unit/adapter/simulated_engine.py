@@ -26,6 +26,8 @@ class SimulatedEngine:
         self.worker = EvictionWorker(
             config.build_policy(), config.budget, LAYERS, HEADS, BS, config=config, max_num_seqs=8
         )
+        hidden = HEADS * GROUP * DIM  # CriticalKV reads each layer's o_proj [hidden, q_heads * D]
+        self.worker.o_proj = {layer: torch.randn(hidden, hidden) for layer in range(LAYERS)}
         self.caches = [torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
         self.rows: dict[str, list[int]] = {}
         self.next_block = 1

@@ -31,7 +31,9 @@ def prefill_in_chunks(engine: SimulatedEngine, req_id: str) -> None:
 @pytest.mark.parametrize(
     "method", ["snapkv", "ada-snapkv", "pyramidkv", "critical-ada-snapkv", "streamingllm", "nacl", "h2o"]
 )
-def test_each_chunk_leaves_every_head_its_intermediate_budget_in_the_blocks_the_scheduler_keeps(method):
+def test_each_chunk_leaves_every_head_its_intermediate_budget_in_the_blocks_the_scheduler_keeps(
+    method, caplog
+):
     """Between chunks each head holds exactly a(n) = n - O(n) of its own entries (the newest window
     included, ascending), only in blocks [blocks_freed_at(n), ...); once the prompt is complete each layer
     holds H x its layer budget, and decoding then appends to every head."""
@@ -69,6 +71,9 @@ def test_each_chunk_leaves_every_head_its_intermediate_budget_in_the_blocks_the_
     after = engine.held("r", LAYERS - 1)
     assert [len(h) for h in after] == [n + 40 for n in before]
     assert all(h[-40:] == list(range(PROMPT, PROMPT + 40)) for h in after)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], (
+        "a policy fell back to its newest entries"
+    )
 
 
 def test_chunked_requests_share_steps_with_whole_and_decoding_requests():
