@@ -80,18 +80,17 @@ def test_workload_prompts_have_the_exact_length_and_no_shared_first_block(model_
     assert build_workload(model_dir, 4, 500, 8, seed=3).prompts == workload.prompts
 
 
-def test_poller_keeps_the_decode_only_peak_and_the_prefill_rate():
+def test_poller_keeps_the_peak_kv_usage_of_decode_only_polls():
     from vllm_kvevict.bench.metrics_poller import GENERATION_TOKENS, PROMPT_TOKENS, MetricsPoller
 
     poller = MetricsPoller("http://127.0.0.1:1/metrics")
-    polls = [  # (time, prompt tokens, generated tokens, usage)
-        (0.0, 0, 0, 0.0),
-        (1.0, 512, 0, 0.30),  # prefilling: not a decode poll
-        (2.0, 1024, 1, 0.35),
-        (3.0, 1024, 9, 0.10),  # decoding only
-        (4.0, 1024, 17, 0.12),
+    polls = [  # (prompt tokens, generated tokens, usage)
+        (0, 0, 0.0),
+        (512, 0, 0.30),  # a prompt admitted: not a decode poll
+        (1024, 1, 0.35),
+        (1024, 9, 0.10),  # decoding only
+        (1024, 17, 0.12),
     ]
-    for now, prompt, generated, usage in polls:
-        poller._count_tokens(now, {PROMPT_TOKENS: prompt, GENERATION_TOKENS: generated, KV_USAGE: usage})
+    for prompt, generated, usage in polls:
+        poller._count_tokens({PROMPT_TOKENS: prompt, GENERATION_TOKENS: generated, KV_USAGE: usage})
     assert poller.peaks.max_kv_usage_decoding == 0.12
-    assert poller.peaks.prompt_tok_s == 1024 / 2.0

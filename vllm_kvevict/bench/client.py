@@ -16,6 +16,7 @@ class RequestTiming:
     ttft_s: float
     latency_s: float
     output_tokens: int
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,12 @@ async def _one_request(client: AsyncOpenAI, model: str, prompt: list[int], max_t
         if chunk.usage is not None:
             output_tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
-    return RequestTiming(ttft_s=(first or end) - start, latency_s=end - start, output_tokens=output_tokens)
+    return RequestTiming(
+        ttft_s=(first or end) - start,
+        latency_s=end - start,
+        output_tokens=output_tokens,
+        prompt_tokens=len(prompt),
+    )
 
 
 async def _run(base_url: str, model: str, workload: Workload, concurrency: int) -> RunTiming:

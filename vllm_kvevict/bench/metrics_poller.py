@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass
 
@@ -23,9 +22,7 @@ class Peaks:
     pool limits how many requests keep running, not how many start) and the last preemption count.
 
     max_kv_usage_decoding: the peak KV usage over polls during which tokens were generated and no prompt
-    token was computed (decode only); prompt_tokens / prefill_s: prompt tokens computed between the poll
-    before the first and the poll of the last increase of the prompt counter (prompt tok/s while
-    prefilling)."""
+    was admitted (decode only)."""
 
     max_running: float = 0.0
     max_waiting: float = 0.0
@@ -34,12 +31,6 @@ class Peaks:
     sum_running: float = 0.0
     preemptions: float = 0.0
     max_kv_usage_decoding: float = 0.0
-    prompt_tokens: float = 0.0
-    prefill_s: float = 0.0
-
-    @property
-    def prompt_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def mean_running(self) -> float:
@@ -63,8 +54,7 @@ class MetricsPoller:
         self.metrics_url = metrics_url
         self.interval_s = interval_s
         self.peaks = Peaks()
-        self._last: tuple[float, float, float] | None = None  # (time, prompt tokens, generated tokens)
-        self._prefill_start: float | None = None
+        self._last: tuple[float, float] | None = None  # (prompt tokens, generated tokens) at the last poll
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics-poller", daemon=True)
 
@@ -79,11 +69,10 @@ class MetricsPoller:
     def poll_once(self) -> None:
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             text = response.read().decode()
-        now = time.monotonic()
         values = gauge_values(
             text, (RUNNING, WAITING, KV_USAGE, PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS)
         )
-        self._count_tokens(now, values)
+        self._count_tokens(values)
         self.peaks.max_running = max(self.peaks.max_running, values[RUNNING])
         self.peaks.sum_running += values[RUNNING]
         self.peaks.preemptions = max(self.peaks.preemptions, values[PREEMPTIONS])
@@ -91,18 +80,13 @@ class MetricsPoller:
         self.peaks.max_kv_usage = max(self.peaks.max_kv_usage, values[KV_USAGE])
         self.peaks.samples += 1
 
-    def _count_tokens(self, now: float, values: dict[str, float]) -> None:
+    def _count_tokens(self, values: dict[str, float]) -> None:
         prompt, generated = values[PROMPT_TOKENS], values[GENERATION_TOKENS]
         if self._last is not None:
-            then, last_prompt, last_generated = self._last
-            if prompt > last_prompt:
-                if self._prefill_start is None:
-                    self._prefill_start = then
-                self.peaks.prompt_tokens += prompt - last_prompt
-                self.peaks.prefill_s = now - self._prefill_start
-            elif generated > last_generated:
+            last_prompt, last_generated = self._last
+            if prompt == last_prompt and generated > last_generated:
                 self.peaks.max_kv_usage_decoding = max(self.peaks.max_kv_usage_decoding, values[KV_USAGE])
-        self._last = (now, prompt, generated)
+        self._last = (prompt, generated)
 
     def _run(self) -> None:
         while not self._stop.is_set():

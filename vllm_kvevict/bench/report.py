@@ -32,7 +32,7 @@ class ServerResult:
     mean_running: float = 0.0  # running requests averaged over the run (long outputs)
     preemptions: float = 0.0  # vllm:num_preemptions_total at the end of the run
     max_kv_usage_decoding: float = 0.0  # peak KV usage while only decoding (Peaks)
-    prompt_tok_s: float = 0.0  # prompt tokens per second while prefilling (Peaks)
+    prompt_tok_s: float = 0.0  # prompt tokens / the last request's TTFT (all requests sent at once)
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -57,7 +57,7 @@ def summarise(label: str, timing: RunTiming, peaks: Peaks) -> ServerResult:
         mean_running=peaks.mean_running,
         preemptions=peaks.preemptions,
         max_kv_usage_decoding=peaks.max_kv_usage_decoding,
-        prompt_tok_s=peaks.prompt_tok_s,
+        prompt_tok_s=sum(r.prompt_tokens for r in timing.requests) / max(ttfts) if max(ttfts) > 0 else 0.0,
     )
 
 
