@@ -72,7 +72,7 @@ def documented_server(model_dir):
 def test_start_up_states_every_guard_rail_and_the_capacity_gain(documented_server):
     log = documented_server.log_path.read_text()
     assert "kv-eviction: method=ada-snapkv budget=1024 tokens per KV head" in log
-    assert "prefix caching turned off" in log
+    assert "prefix caching stays on for requests kept whole" in log
     assert "prefill=chunked chunk_budget=1.5" in log  # vLLM's chunked prefill stays on: evicted per chunk
     assert "chunked prefill turned off" not in log
     assert "enforce_eager on" in log

@@ -316,8 +316,10 @@ def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
             "decoding); drop one of them"
         )
     if engine_args.enable_prefix_caching is not False:
-        logger.info("kv-eviction: prefix caching turned off (compressed blocks are not reusable prefixes)")
-        engine_args.enable_prefix_caching = False
+        logger.info(
+            "kv-eviction: prefix caching stays on for requests kept whole; requests that evict neither read "
+            "nor publish cached blocks"
+        )
     if engine_args.enable_chunked_prefill is not False and not config.chunked:
         why = "a decode-time cap needs whole prompts" if config.decode is not None else "prefill=whole"
         logger.info(

@@ -95,6 +95,20 @@ class EvictingAttentionManager(FullAttentionManager):
         """The plan of one request: its own setting when it has one, else the server's."""
         return self.request_planners.get(request_id, self.plan_for)(num_prompt_tokens)
 
+    def evicts(self, request: Any) -> bool:
+        """True when ``request``'s plan ever rewrites its blocks (it compacts, per chunk or after the prompt,
+        or it has a decode-time cap): such a request must neither read cached prefix blocks (other requests
+        share them) nor publish its own (they stop being the prefix they hash). Resolved from its sampling
+        parameters, so it holds before the request is admitted."""
+        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
+        plan = (setting.plan_for if setting else self.plan_for)(request.num_prompt_tokens)
+        return plan.compacts or bool(plan.decode_cap)
+
+    def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
+        if self.evicts(request):
+            return
+        super().cache_blocks(request, num_tokens, *args, **kwargs)
+
     def remove_skipped_blocks(
         self,
         request_id: str,
@@ -165,14 +179,12 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
     config = get_eviction_config(vllm_config)
     if config is None or type(spec) is not FullAttentionSpec:
         return spec
-    # `vllm serve` turns these off with a log line; an engine built from Python must do it itself.
-    chunked_refused = vllm_config.scheduler_config.enable_chunked_prefill and not config.chunked
-    if vllm_config.cache_config.enable_prefix_caching or chunked_refused:
+    # `vllm serve` turns chunked prefill off with a log line where it must be; an engine built from Python
+    # must do it itself. Prefix caching stays on: evicting requests neither read nor publish (evicts()).
+    if vllm_config.scheduler_config.enable_chunked_prefill and not config.chunked:
         raise ValueError(
-            "kv_eviction needs enable_prefix_caching=False and enable_chunked_prefill=False (got "
-            f"{vllm_config.cache_config.enable_prefix_caching} and "
-            f"{vllm_config.scheduler_config.enable_chunked_prefill}): compressed blocks are no reusable "
-            "prefixes, and scoring needs the whole prompt in one step"
+            f"kv_eviction with {config.describe()} needs enable_chunked_prefill=False: it evicts each prompt "
+            "once, whole (prefill=whole or a decode-time cap); or use prefill=chunked without a decode cap"
         )
     inherited = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)

@@ -5,8 +5,9 @@ vLLM's attention metadata builders see block tables and token counts but no requ
 and nothing tells them when a request ends. The eviction worker needs both, so two model-runner methods
 are wrapped. Each wrapper does nothing unless this process has an ``EvictionWorker`` (eviction on), and
 always calls the original. On the scheduler side, ``KVCacheManager.allocate_slots`` is wrapped so that the
-evicting manager sees each request's own setting (its sampling parameters); without an evicting manager it
-does nothing.
+evicting manager sees each request's own setting (its sampling parameters), and
+``KVCacheManager.get_computed_blocks`` so that requests it will evict skip the prefix cache; without an
+evicting manager they do nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def install() -> None:
     # managers the Request itself (single-type managers only see request ids). The evicting manager notes
     # the request's per-request setting (sampling_params.extra_args) before its blocks are counted.
     _wrap(KVCacheManager, "allocate_slots", _allocate_slots)
+    # Wraps KVCacheManager.get_computed_blocks (vLLM 0.32.0, scheduler side): a request whose plan rewrites
+    # its blocks (compaction, decode-time cap) must not start from cached prefix blocks other requests share;
+    # it is marked skip_reading_prefix_cache (vLLM's own per-request switch) before the lookup. Requests kept
+    # whole use the prefix cache as usual.
+    _wrap(KVCacheManager, "get_computed_blocks", _get_computed_blocks)
 
 
 def _wrap(cls: type, name: str, wrapper_body) -> None:
@@ -119,6 +125,14 @@ def _extra_args(runner, req_id: str) -> dict[str, Any] | None:
     state = runner.requests.get(req_id)
     params = getattr(state, "sampling_params", None)
     return getattr(params, "extra_args", None)
+
+
+def _get_computed_blocks(original, manager, request, *args: Any, **kwargs: Any):
+    for single_type in manager.coordinator.single_type_managers:
+        evicts = getattr(single_type, "evicts", None)
+        if evicts is not None and evicts(request):
+            request.skip_reading_prefix_cache = True
+    return original(manager, request, *args, **kwargs)
 
 
 def _allocate_slots(original, manager, request, *args: Any, **kwargs: Any):

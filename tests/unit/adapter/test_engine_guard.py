@@ -28,13 +28,18 @@ def engine_args(model_dir, **kwargs) -> EngineArgs:
 def test_create_engine_config_applies_the_rails(model_dir):
     args = engine_args(model_dir, additional_config={"kv_eviction": {"method": "snapkv", "budget": 256}})
     config = args.create_engine_config()
-    assert config.scheduler_config.enable_chunked_prefill is False
-    assert config.cache_config.enable_prefix_caching is False
+    assert config.scheduler_config.enable_chunked_prefill is True  # evicted chunk by chunk
+    assert config.cache_config.enable_prefix_caching is True  # evicting requests skip it themselves
     assert config.model_config.enforce_eager is True
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert config.additional_config["kv_eviction"]["method"] == "snapkv"
     assert VALIDATOR_FQCN in args.logits_processors
     assert '"method": "snapkv"' in os.environ[SERVER_CONFIG_ENV]
+
+
+def test_a_decode_cap_keeps_prompts_whole(model_dir):
+    args = engine_args(model_dir, additional_config={"kv_eviction": {"method": "roco", "budget": 256}})
+    assert args.create_engine_config().scheduler_config.enable_chunked_prefill is False
 
 
 def test_without_eviction_nothing_changes(model_dir):

@@ -24,9 +24,12 @@ NUM_BLOCKS = 400
 
 
 def make_manager(
-    method: str = "snapkv", budget: int | float = 256, prefill: str = "chunked"
+    method: str = "snapkv",
+    budget: int | float = 256,
+    prefill: str = "chunked",
+    config: EvictionConfig | None = None,
 ) -> tuple[EvictingAttentionManager, BlockPool]:
-    config = EvictionConfig(method=method, budget=budget, prefill=prefill)
+    config = config or EvictionConfig(method=method, budget=budget, prefill=prefill)
     spec = EvictingAttentionSpec(
         block_size=BLOCK_SIZE,
         num_kv_heads=3,
@@ -129,3 +132,38 @@ def test_short_prompt_keeps_all_blocks():
     assert pool.get_num_free_blocks() == free_at_start - cdiv(500, BLOCK_SIZE)
     manager.free("r")
     assert pool.get_num_free_blocks() == free_at_start
+
+
+def test_requests_that_evict_neither_read_nor_publish_prefix_cache_blocks(monkeypatch):
+    """A compacting request (server setting, or its own budget) and a decode-capped one skip the prefix
+    cache; a request within budget or with ``kv_eviction: none`` publishes its blocks as usual."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    published = []
+    monkeypatch.setattr(
+        FullAttentionManager, "cache_blocks", lambda self, request, *a, **k: published.append(request)
+    )
+    manager, _ = make_manager(budget=256)
+
+    def request(prompt_len: int, extra_args: dict | None = None):
+        return SimpleNamespace(
+            request_id=f"r{prompt_len}-{extra_args}",
+            num_prompt_tokens=prompt_len,
+            sampling_params=SimpleNamespace(extra_args=extra_args),
+        )
+
+    long_prompt = request(4000)
+    whole = request(4000, {"kv_eviction": "none"})
+    short = request(200)
+    own_budget = request(600, {"kv_budget": 64})
+    assert manager.evicts(long_prompt) and manager.evicts(own_budget)
+    assert not manager.evicts(whole) and not manager.evicts(short)
+    for r in (long_prompt, whole, short, own_budget):
+        manager.cache_blocks(r, r.num_prompt_tokens, replay_boundaries=[])
+    assert published == [whole, short]
+
+    roco = EvictionConfig.from_dict({"method": "roco", "budget": 256})  # implies a decode-time cap
+    capped, _ = make_manager(config=roco)
+    assert capped.evicts(request(200))  # kept whole at prefill, but rewritten while generating

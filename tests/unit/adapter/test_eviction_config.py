@@ -97,7 +97,7 @@ def test_config_round_trips_through_dict():
     assert EvictionConfig.from_dict(config.to_dict()) == config
 
 
-def test_guard_rails_turn_off_prefix_caching_and_chunked_prefill(monkeypatch):
+def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
@@ -113,9 +113,15 @@ def test_guard_rails_turn_off_prefix_caching_and_chunked_prefill(monkeypatch):
     engine_args = EngineArgs(model="unused", enable_prefix_caching=True, enable_chunked_prefill=True)
     args = parse(["--kv-eviction", "snapkv", "--kv-budget", "256"])
     apply_eviction_to_engine_args(args, engine_args)
-    assert engine_args.additional_config["kv_eviction"] == {"method": "snapkv", "budget": 256, "params": {}}
-    assert engine_args.enable_prefix_caching is False
-    assert engine_args.enable_chunked_prefill is False
+    assert engine_args.additional_config["kv_eviction"] == {
+        "method": "snapkv",
+        "budget": 256,
+        "params": {},
+        "prefill": "chunked",
+        "chunk_budget": 1.5,
+    }
+    assert engine_args.enable_prefix_caching is True  # evicting requests skip it themselves
+    assert engine_args.enable_chunked_prefill is True  # prompts are evicted chunk by chunk
     assert engine_args.enforce_eager is True
 
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
