@@ -329,16 +329,48 @@ def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
         )
         engine_args.enable_chunked_prefill = False
     if not engine_args.enforce_eager:
-        logger.info(
-            "kv-eviction: enforce_eager on (eviction runs per-step Python in the attention backend, which "
-            "captured graphs and compiled regions must not freeze)"
-        )
-        engine_args.enforce_eager = True
+        keep_attention_out_of_graphs(engine_args)
     select_cuda_backend(engine_args)
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
         logger.info("kv-eviction: VLLM_USE_V2_MODEL_RUNNER=0 (eviction hooks the V1 model runner)")
         # Set before the EngineCore and workers are spawned, so every child process inherits it.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def keep_attention_out_of_graphs(engine_args: Any, is_cuda: bool | None = None) -> None:
+    """The model stays compiled: attention is a splitting op of vLLM's compilation, so the evicting backend
+    (per-step metadata, scoring, compaction in Python) runs eagerly between the compiled pieces. What would
+    freeze it is refused or downgraded here, with one log line: no splitting ops (attention inside the
+    compiled graph) stops start-up; on CUDA a graph mode that captures attention (FULL, FULL_DECODE_ONLY,
+    FULL_AND_PIECEWISE, or vLLM's default, which is one of them) becomes PIECEWISE."""
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+
+    config = engine_args.compilation_config
+    if isinstance(config, dict):
+        config = engine_args.compilation_config = CompilationConfig(**config)
+    if config.splitting_ops is not None and not any("attention" in op for op in config.splitting_ops):
+        raise SystemExit(
+            f"vllm serve: error: --compilation-config splitting_ops={config.splitting_ops} compiles "
+            "attention into the graph, where eviction cannot run; leave splitting_ops unset or use "
+            "--enforce-eager"
+        )
+    if is_cuda is None:
+        from vllm.platforms import current_platform
+
+        is_cuda = current_platform.is_cuda()
+    if not is_cuda:
+        logger.info(
+            "kv-eviction: the model runs compiled; attention (a splitting op) evicts between the pieces"
+        )
+        return
+    mode = config.cudagraph_mode
+    if mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        logger.info(
+            "kv-eviction: cudagraph_mode %s -> PIECEWISE (full CUDA graphs capture attention, whose eviction "
+            "metadata is built per step in Python); the model keeps piecewise CUDA graphs",
+            "default" if mode is None else mode.name,
+        )
+        config.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 def select_cuda_backend(engine_args: Any, is_cuda: bool | None = None) -> None:

@@ -122,7 +122,7 @@ def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
     }
     assert engine_args.enable_prefix_caching is True  # evicting requests skip it themselves
     assert engine_args.enable_chunked_prefill is True  # prompts are evicted chunk by chunk
-    assert engine_args.enforce_eager is True
+    assert engine_args.enforce_eager is False  # compiled: attention is a splitting op
 
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert multiprocess_calls == [True]
@@ -231,3 +231,26 @@ def test_pipeline_parallelism_is_refused_with_one_line(monkeypatch):
     engine_args = EngineArgs(model="unused", pipeline_parallel_size=2)
     with pytest.raises(SystemExit, match=r"^vllm serve: error: --pipeline-parallel-size 2 is not supported"):
         apply_eviction_to_engine_args(parse(["--kv-eviction", "snapkv", "--kv-budget", "256"]), engine_args)
+
+
+def test_compiled_model_keeps_attention_out_of_cuda_graphs():
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.vllm_adapter.cli_args import keep_attention_out_of_graphs
+
+    for given in (
+        None,
+        CUDAGraphMode.FULL_AND_PIECEWISE,
+        CUDAGraphMode.FULL_DECODE_ONLY,
+        CUDAGraphMode.PIECEWISE,
+    ):
+        engine_args = EngineArgs(model="unused", compilation_config=CompilationConfig(cudagraph_mode=given))
+        keep_attention_out_of_graphs(engine_args, is_cuda=True)
+        assert engine_args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    cpu = EngineArgs(model="unused")
+    keep_attention_out_of_graphs(cpu, is_cuda=False)
+    assert cpu.compilation_config.cudagraph_mode is None and not cpu.enforce_eager
+    no_split = EngineArgs(model="unused", compilation_config={"splitting_ops": []})
+    with pytest.raises(SystemExit, match=r"splitting_ops=\[\] compiles attention"):
+        keep_attention_out_of_graphs(no_split, is_cuda=False)
