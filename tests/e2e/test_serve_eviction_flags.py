@@ -65,7 +65,10 @@ def documented_server(model_dir):
     # plugin's guard rails say what they keep (compiled model, prefix caching, chunked prefill), and the
     # needle below is found by the compiled server.
     with VLLMServer(
-        model_dir, extra_args=("--kv-eviction", "ada-snapkv", "--kv-budget", "1024"), enforce_eager=False
+        model_dir,
+        extra_args=("--kv-eviction", "ada-snapkv", "--kv-budget", "1024"),
+        enforce_eager=False,
+        startup_timeout_s=1500,  # torch.compile's warm-up on two busy cores
     ) as server:
         yield server
 
