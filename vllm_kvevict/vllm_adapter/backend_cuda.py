@@ -182,33 +182,24 @@ def backend_classes() -> dict[str, type]:
             output_block_scale=None,
         ):
             step = getattr(attn_metadata, "eviction", None)
+            args = (
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                output_scale,
+                output_block_scale,
+            )
             if step is None or self.attn_type != AttentionType.DECODER:
-                return super().forward(
-                    layer,
-                    query,
-                    key,
-                    value,
-                    kv_cache,
-                    attn_metadata,
-                    output,
-                    output_scale,
-                    output_block_scale,
-                )
+                return super().forward(*args)
             layer_idx = self._layer_index(layer)
             if step.has_compacted:
                 self._head_sequence_attention(layer, step, layer_idx, query, kv_cache, output)
             else:
-                super().forward(
-                    layer,
-                    query,
-                    key,
-                    value,
-                    kv_cache,
-                    attn_metadata,
-                    output,
-                    output_scale,
-                    output_block_scale,
-                )
+                super().forward(*args)
             if step.compacting:
                 tokens = step.num_tokens
                 # Scoring, selection and the plan stay on the GPU (policies are device-agnostic torch).
