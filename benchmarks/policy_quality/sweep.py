@@ -8,6 +8,9 @@ runner decodes them greedily. A variant is ``label=method`` or ``label=method:pa
 (values parsed as JSON, else kept as strings), so every parameter the registry knows can be swept.
 ``--kvpress`` adds kvpress 0.5.5's presses at their own defaults (window 64, average pooling 5), chosen on
 the same captured tensors in ``.venv-ref`` as ``run.py`` does, as variants ``kvpress:<press>``.
+Prompts run sample index first (every task and length gets sample 0 before any gets sample 1), so a run cut
+short still covers every task. ``--by-task`` prints the mean over tasks (each task's mean over its samples,
+tasks weighed equally, as ``eval`` reports it) instead of the mean over prompts.
 
     .venv/bin/python benchmarks/policy_quality/sweep.py --lengths 4096 --samples 4 \
         --variants 'snapkv=snapkv;snap-span=snapkv:span_after=8' --out /tmp/sweep.jsonl
@@ -34,10 +37,13 @@ from run import (  # noqa: E402
     start_kvpress,
     write_kvpress_case,
 )
+from score_cache import reused_scores  # noqa: E402
 
-from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
+from vllm_kvevict.evaluation.generate import generate_sample  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
+from vllm_kvevict.evaluation.sample import Sample  # noqa: E402
 from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
+from vllm_kvevict.evaluation.tasks import get_task  # noqa: E402
 from vllm_kvevict.hf_reference import (  # noqa: E402
     kept_per_layer,
     kvpress_kept_count,
@@ -74,6 +80,13 @@ def parse_variants(text: str) -> dict[str, EvictionPolicy]:
     return variants
 
 
+def kept_key(kept: list[KeptTokens]) -> bytes:
+    """Identity of a kept set over all layers: every head's sorted kept indices."""
+    heads = [layer.head(h) for layer in kept for h in range(layer.counts.numel())]
+    counts = torch.tensor([head.numel() for head in heads], dtype=torch.int64)
+    return counts.numpy().tobytes() + torch.cat(heads).to(torch.int64).numpy().tobytes()
+
+
 def sweep_prompt(
     model,
     tokenizer,
@@ -86,8 +99,10 @@ def sweep_prompt(
 ) -> list[dict]:
     """Every (variant, fraction) row of one prompt, decoded; plus the full-cache row, and kvpress's presses
     (variants ``kvpress:<press>``) when ``kvpress_python`` is given."""
-    prompt = prefill(model, torch.tensor(sample.token_ids), query_window=QUERY_WINDOW)
-    n = prompt.num_tokens
+    n = len(sample.token_ids)
+    # H2O and RoCo score with every prompt query; the others need their window only.
+    needed = max([QUERY_WINDOW, *(policy.query_window(n) for policy in variants.values())])
+    prompt = prefill(model, torch.tensor(sample.token_ids), query_window=None if needed >= n else needed)
     kvpress = None
     if kvpress_python is not None:
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -101,14 +116,15 @@ def sweep_prompt(
             "kept": [KeptTokens.everything(layer.num_kv_heads, n) for layer in prompt.layers],
         }
     ]
-    for label, policy in variants.items():
-        for fraction in fractions:
-            row = {"variant": label, "fraction": fraction}
-            try:
-                row["kept"] = kept_per_layer(policy, prompt.layers, kvpress_kept_count(n, fraction))
-            except ValueError as error:
-                row["error"] = str(error)
-            rows.append(row)
+    with reused_scores():
+        for label, policy in variants.items():
+            for fraction in fractions:
+                row = {"variant": label, "fraction": fraction}
+                try:
+                    row["kept"] = kept_per_layer(policy, prompt.layers, kvpress_kept_count(n, fraction))
+                except ValueError as error:
+                    row["error"] = str(error)
+                rows.append(row)
     if kvpress is not None:
         if kvpress.wait() != 0:
             raise RuntimeError(f"kvpress reference script failed with exit code {kvpress.returncode}")
@@ -127,11 +143,15 @@ def sweep_prompt(
     single_number = len(sample.answers) == 1 and sample.answers[0].isdigit()
     finished = answer_decided(sample.answers[0], tokenizer) if single_number else None
     new_tokens = NEEDLE_NEW_TOKENS if single_number else sample.max_new_tokens
-    kept_rows = [row["kept"] for row in runnable]
+    # Variants that keep the same tokens (PyramidKV below its pyramid's reach, for one) decode the same text.
+    distinct: dict[bytes, int] = {}
+    slot = [distinct.setdefault(kept_key(row["kept"]), len(distinct)) for row in runnable]
+    kept_rows = [runnable[slot.index(i)]["kept"] for i in range(len(distinct))]
     outputs = decode_in_batches(
         model, prompt, kept_rows, new_tokens, n, [tokenizer.eos_token_id], finished, batch_bytes
     )
-    for row, tokens in zip(runnable, outputs, strict=True):
+    for row, i in zip(runnable, slot, strict=True):
+        tokens = outputs[i]
         row["output"] = tokenizer.decode(tokens, skip_special_tokens=True)
         row["score"] = score_output(row["output"], sample.answers, sample.metric)
     for row in rows:
@@ -142,12 +162,37 @@ def sweep_prompt(
     return rows
 
 
-def summarise(records: list[dict]) -> str:
-    """Markdown table: variant x (fraction @ length), cells = mean score in percent (samples)."""
-    cells: dict[tuple[str, float, int], list[float]] = defaultdict(list)
+def sample_order(
+    tasks: list[str], lengths: list[int], samples: int, seed: int, fmt: PromptFormat
+) -> list[Sample]:
+    """The eval suite's samples (same seeds as ``generate_samples``), sample index outermost."""
+    return [
+        generate_sample(get_task(task), fmt, length, seed, index)
+        for index in range(samples)
+        for length in lengths
+        for task in tasks
+    ]
+
+
+def cell_scores(records: list[dict], by_task: bool) -> dict[tuple[str, float, int], list[float]]:
+    """(variant, fraction, length) -> the scores a cell averages: one per prompt, or with ``by_task`` one
+    per task (that task's mean over its samples)."""
+    per_task: dict[tuple[str, float, int, str], list[float]] = defaultdict(list)
     for r in records:
         if "score" in r:
-            cells[(r["variant"], r["fraction"], r["length"])].append(r["score"])
+            per_task[
+                (r["variant"], r["fraction"], r["length"], r["task"] if by_task else r["sample"])
+            ].append(r["score"])
+    cells: dict[tuple[str, float, int], list[float]] = defaultdict(list)
+    for (variant, fraction, length, _), scores in per_task.items():
+        cells[(variant, fraction, length)].append(sum(scores) / len(scores))
+    return cells
+
+
+def summarise(records: list[dict], by_task: bool = False) -> str:
+    """Markdown table: variant x (fraction @ length), cells = mean score in percent (prompts, or with
+    ``by_task`` tasks, averaged)."""
+    cells = cell_scores(records, by_task)
     columns = sorted({(f, length) for _, f, length in cells}, key=lambda c: (-c[0], c[1]))
     variants = list(dict.fromkeys(v for v, _, _ in cells))
     lines = [
@@ -176,6 +221,7 @@ def main() -> None:
     )
     parser.add_argument("--batch-bytes", type=float, default=2e9)
     parser.add_argument("--summary-only", action="store_true")
+    parser.add_argument("--by-task", action="store_true", help="summary cells: mean over tasks (n tasks)")
     parser.add_argument(
         "--kvpress",
         action="store_true",
@@ -193,7 +239,7 @@ def main() -> None:
         model, tokenizer = load_reference_model(model_dir)
         fmt = PromptFormat(tokenizer)
         lengths = [int(x) for x in args.lengths.split(",")]
-        samples = generate_samples(args.tasks.split(","), lengths, args.samples, args.seed, fmt)
+        samples = sample_order(args.tasks.split(","), lengths, args.samples, args.seed, fmt)
         done = {(r["sample"], r["variant"], r["fraction"]) for r in records}
         for sample in samples:
             todo = {
@@ -219,7 +265,7 @@ def main() -> None:
                 + " ".join(f"{r['variant']}@{r['fraction']}={r.get('score', 'err')}" for r in rows),
                 flush=True,
             )
-    print(summarise(records))
+    print(summarise(records, args.by_task))
 
 
 if __name__ == "__main__":
