@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,10 @@ SERVER_ARGS = (
 )
 USAGE = "vllm:kv_cache_usage_perc"
 SAVED = "vllm_kvevict_kv_cache_saved_perc"
+GENERATED = "vllm:generation_tokens_total"
+RUNNING = "vllm:num_requests_running"
+START_OTHERS_AT = 400  # the capped request's output tokens when the other two are sent
+LATE_AFTER = 1800
 DECODE_BLOCKS_FREED = "vllm_kvevict_decode_blocks_freed_total"
 
 
@@ -101,6 +106,57 @@ def long_prompt(num_chars: int) -> str:
     return log[:num_chars] + "\nQuestion: where was the caravan on day 7? Answer:"
 
 
+class MetricsSampler(threading.Thread):
+    """Scrapes ``/metrics`` every ``interval_s`` on its own thread, so what it records follows the server's
+    progress (its generation counter), not how fast the test reads its stream."""
+
+    def __init__(self, server: VLLMServer, others: dict[str, int], interval_s: float = 0.2):
+        super().__init__(daemon=True)
+        self.server, self.others, self.interval_s = server, others, interval_s
+        self.generated_before = gauge(server, GENERATED)
+        self.samples: list[Sample] = []
+        self.reached_start_of_others = threading.Event()
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            others_done = len(self.others) == 2  # read before the scrape: done then means done at the scrape
+            values = {name: 0.0 for name in (GENERATED, RUNNING, USAGE, SAVED)}
+            for name, value in self._scrape():
+                values[name] += value
+            sample = Sample(
+                generated=values[GENERATED] - self.generated_before,
+                running=values[RUNNING],
+                usage=values[USAGE],
+                saved=values[SAVED],
+                others_done=others_done,
+            )
+            self.samples.append(sample)
+            if sample.generated >= START_OTHERS_AT:
+                self.reached_start_of_others.set()
+            time.sleep(self.interval_s)
+
+    def _scrape(self) -> list[tuple[str, float]]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        wanted = {GENERATED, RUNNING, USAGE, SAVED}
+        return [
+            (sample.name, float(sample.value))
+            for family in text_string_to_metric_families(self.server.metrics_text())
+            for sample in family.samples
+            if sample.name in wanted
+        ]
+
+
+@dataclass(frozen=True)
+class Sample:
+    generated: float  # output tokens of every request since the test began (the server's counter)
+    running: float
+    usage: float
+    saved: float
+    others_done: bool
+
+
 def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_and_prefilling_ones(
     server, dump_dir
 ):
@@ -110,6 +166,23 @@ def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_a
     it runs, and every block comes back after."""
     freed_before = counter(server, DECODE_BLOCKS_FREED)
     before = set(dump_dir.glob("*.decode.pt"))
+    others: dict[str, int] = {}
+    threads = [
+        threading.Thread(
+            target=complete, args=(server, "Count slowly:", 300, {"kv_eviction": "none"}, others, "uncapped")
+        ),
+        threading.Thread(target=complete, args=(server, long_prompt(5000), 8, None, others, "prefill")),
+    ]
+    sampler = MetricsSampler(server, others)
+    sampler.start()
+
+    def start_others_mid_decode() -> None:
+        sampler.reached_start_of_others.wait()
+        for thread in threads:
+            thread.start()
+
+    starter = threading.Thread(target=start_others_mid_decode, daemon=True)
+    starter.start()
     stream = client_of(server).completions.create(
         model=server.served_model_name,
         prompt="Write a very long story about a lighthouse keeper.",
@@ -118,29 +191,21 @@ def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_a
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    others: dict[str, int] = {}
-    threads = [
-        threading.Thread(
-            target=complete, args=(server, "Count slowly:", 300, {"kv_eviction": "none"}, others, "uncapped")
-        ),
-        threading.Thread(target=complete, args=(server, long_prompt(5000), 8, None, others, "prefill")),
-    ]
-    samples: list[tuple[int, float, float]] = []  # (chunk, usage, saved)
-    chunks = 0
-    for _chunk in stream:
-        chunks += 1
-        if chunks == 400:
-            for thread in threads:
-                thread.start()
-        if chunks % 100 == 0:
-            samples.append((chunks, gauge(server, USAGE), gauge(server, SAVED)))
+    chunks = sum(1 for _chunk in stream)
+    starter.join(timeout=60)
     for thread in threads:
         thread.join()
+    sampler.stopped.set()
+    sampler.join()
+    assert chunks >= OUTPUT_TOKENS - 5  # a streamed chunk may carry more than one token
     assert others == {"uncapped": 300, "prefill": 8}
 
-    # While it ran: the late usage is a fraction of what the request would hold uncapped (usage + saved).
-    late = [(usage, saved) for chunk, usage, saved in samples if chunk >= 1800]
-    assert late and all(usage <= 0.25 * (usage + saved) for usage, saved in late), samples
+    # Late in its decode (>= 1800 of its tokens: every token of the others counted too) and alone on the
+    # server, the capped request's usage is a fraction of what it would hold uncapped (usage + saved).
+    late = [
+        s for s in sampler.samples if s.others_done and s.running == 1 and s.generated >= LATE_AFTER + 300 + 8
+    ]
+    assert late and all(s.usage <= 0.25 * (s.usage + s.saved) for s in late), sampler.samples[-40:]
     assert counter(server, DECODE_BLOCKS_FREED) - freed_before >= (OUTPUT_TOKENS - CAP) // BLOCK_SIZE - 2
 
     # Every head of every layer, right before each re-score (its largest size), within CAP + SLACK.
