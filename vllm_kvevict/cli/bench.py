@@ -3,6 +3,8 @@
 Both servers run in the same invocation, one after the other, with the same KV pool
 (``VLLM_CPU_KVCACHE_SPACE`` and optionally ``--num-kv-blocks``), the same model and the same prompts. The
 whole workload is sent at once so that the KV pool, not the client, limits how many requests run together.
+Both run at vLLM's defaults (compiled model, chunked prefill, prefix caching on), the baseline users compare
+against, unless ``--eager`` puts ``--enforce-eager`` on both.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
+
+from vllm_kvevict.cli.server_process import add_eager_flag, server_mode_text, startup_timeout_for
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,10 +33,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add("--output-tokens", type=int, default=128, help="generated tokens per request (default: 128)")
     add("--concurrency", type=int, default=None, help="client-side cap (default: all requests at once)")
     add("--kv-cache-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of both (default: 1)")
-    add("--num-kv-blocks", type=int, default=None,
-        help="--num-gpu-blocks-override of both: a pool small enough to be the bottleneck on a small CPU")
+    add(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="--num-gpu-blocks-override of both: a pool small enough to be the bottleneck on a small CPU",
+    )
     add("--server-arg", action="append", default=[], help="extra `vllm serve` argument for both (repeatable)")
     add("--seed", type=int, default=0, help="workload seed (default: 0)")
+    add_eager_flag(add)
     add("--append", type=Path, default=None, help="append the table to this markdown file")
     add("--machine", default=None, help="machine description for the markdown (default: probed)")
     parser.set_defaults(handler=run)
@@ -57,7 +66,8 @@ def server_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 def settings_text(args: argparse.Namespace) -> str:
     text = (
         f"{args.num_prompts} prompts × {args.prompt_tokens} tokens, {args.output_tokens} output tokens "
-        f"(ignore_eos), all sent at once; VLLM_CPU_KVCACHE_SPACE={args.kv_cache_space_gib} GiB"
+        f"(ignore_eos), all sent at once; VLLM_CPU_KVCACHE_SPACE={args.kv_cache_space_gib} GiB; "
+        f"both servers: {server_mode_text(args.eager)}"
     )
     if args.num_kv_blocks is not None:
         text += f", --num-gpu-blocks-override {args.num_kv_blocks}"
@@ -75,13 +85,12 @@ def run(args: argparse.Namespace) -> int:
     from vllm_kvevict.cli.prepare_model import prepared_model_dir
 
     model_dir = args.model_dir or prepared_model_dir()
+    print(f"[bench] both servers: {server_mode_text(args.eager)}", file=sys.stderr, flush=True)
     workload = build_workload(model_dir, args.num_prompts, args.prompt_tokens, args.output_tokens, args.seed)
-    results = [
-        bench_server(model_dir, label, extra, workload, args) for label, extra in server_runs(args)
-    ]
+    results = [bench_server(model_dir, label, extra, workload, args) for label, extra in server_runs(args)]
     print(ratio_table(results))
     if args.append is not None:
-        command = "vllm-kvevict bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1:])
+        command = "vllm-kvevict bench " + shlex.join(sys.argv[sys.argv.index("bench") + 1 :])
         machine = args.machine or machine_description()
         append_to_benchmarks(args.append, markdown_section(results, settings_text(args), command, machine))
         print(f"[bench] appended to {args.append}", file=sys.stderr)
@@ -97,7 +106,13 @@ def bench_server(model_dir: Path, label: str, extra: list[str], workload, args: 
     from vllm_kvevict.cli.server_process import VLLMServer
 
     print(f"[bench] {label}: vllm serve {model_dir} {shlex.join(extra)}", file=sys.stderr, flush=True)
-    with VLLMServer(model_dir, extra_args=tuple(extra), kv_cache_space_gib=args.kv_cache_space_gib) as server:
+    with VLLMServer(
+        model_dir,
+        extra_args=tuple(extra),
+        kv_cache_space_gib=args.kv_cache_space_gib,
+        enforce_eager=args.eager,
+        startup_timeout_s=startup_timeout_for(args.eager),
+    ) as server:
         model = server.served_model_name
         run_workload(server.base_url, model, Workload(prompts=[workload.prompts[0][:32]], output_tokens=4), 1)
         with MetricsPoller(server.root_url + "/metrics") as poller:

@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from vllm_kvevict.cli.server_process import add_eager_flag
+
 DEFAULT_LENGTHS = "1k,2k,4k,7k"
 
 
@@ -131,6 +133,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--block-size of every server: eviction frees whole blocks, so a kept fraction is rounded up "
         "to them; 32 (the CPU backend's smallest) keeps 5%% and 10%% of a 1k prompt apart",
     )
+    add_eager_flag(compare.add_argument)
     compare.add_argument("--report-only", action="store_true", help="rebuild the report from --results-dir")
     parser.set_defaults(handler=run)
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 
@@ -27,6 +27,7 @@ HOST = "127.0.0.1"
 # Between free_port() and vLLM binding it (tens of seconds of imports) another process may take the port.
 PORT_ATTEMPTS = 3
 ADDRESS_IN_USE = "Address already in use"
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 
 class ServerStartError(RuntimeError):
@@ -61,6 +62,34 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+#: What a server launched with ``enforce_eager=False`` runs, as the bench and eval reports state it.
+VLLM_DEFAULTS_TEXT = "vLLM's defaults (compiled model, chunked prefill, prefix caching on)"
+EAGER_TEXT = "--enforce-eager on every server (vLLM's default is the compiled model)"
+#: torch.compile's warm-up on two busy CPU cores has taken more than 600 s.
+COMPILED_STARTUP_TIMEOUT_S = 1800.0
+
+
+def add_eager_flag(add: Callable[..., object]) -> None:
+    """``--eager`` for commands that compare servers (bench, eval --compare): off, every server runs at
+    vLLM's defaults, the baseline users compare against."""
+    add(
+        "--eager",
+        action="store_true",
+        help="run every server (vanilla too) with --enforce-eager: faster start-up on small CPUs, "
+        "not vLLM's default (compiled)",
+    )
+
+
+def server_mode_text(eager: bool) -> str:
+    """One line naming how the compared servers run."""
+    return EAGER_TEXT if eager else VLLM_DEFAULTS_TEXT
+
+
+def startup_timeout_for(eager: bool) -> float:
+    """Start-up allowance: the default for eager servers, more for torch.compile's warm-up."""
+    return DEFAULT_STARTUP_TIMEOUT_S if eager else COMPILED_STARTUP_TIMEOUT_S
+
+
 class VLLMServer:
     """``vllm serve MODEL --host 127.0.0.1 --port <free> --served-model-name NAME *extra_args`` as a
     context manager.
@@ -84,7 +113,7 @@ class VLLMServer:
         env: Mapping[str, str] | None = None,
         kv_cache_space_gib: float = 1,
         served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
-        startup_timeout_s: float = 600.0,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         port: int | None = None,
         log_path: Path | str | None = None,
         enforce_eager: bool = True,
@@ -137,8 +166,18 @@ class VLLMServer:
 
     @property
     def command(self) -> list[str]:
-        return [str(vllm_executable()), "serve", str(self.model_dir), "--host", HOST, "--port",
-                str(self.port), "--served-model-name", self.served_model_name, *self.extra_args]
+        return [
+            str(vllm_executable()),
+            "serve",
+            str(self.model_dir),
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.served_model_name,
+            *self.extra_args,
+        ]
 
     @property
     def pid(self) -> int | None:
@@ -185,8 +224,12 @@ class VLLMServer:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self._process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env}, start_new_session=True,
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,
             )
         atexit.register(self.stop)
 

@@ -15,6 +15,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from vllm_kvevict.cli.server_process import server_mode_text
 from vllm_kvevict.evaluation.configs import EvalConfig
 from vllm_kvevict.evaluation.kvpress_bridge import kvpress_configs, run_kvpress, score_raw
 from vllm_kvevict.evaluation.plots import plot_accuracy_vs_kept, plot_task_heatmap
@@ -88,12 +89,14 @@ def run_server_config(
     config: EvalConfig, samples: list[Sample], model_dir: Path, args: argparse.Namespace, log_dir: Path
 ) -> tuple[list[Result], dict[str, float]]:
     """Start the server of ``config``, answer every sample, read its eviction counters, stop it."""
-    from vllm_kvevict.cli.server_process import VLLMServer
+    from vllm_kvevict.cli.server_process import VLLMServer, startup_timeout_for
 
     with VLLMServer(
         model_dir,
         extra_args=server_args(config, args.block_size),
         kv_cache_space_gib=args.kv_cache_space_gib,
+        enforce_eager=args.eager,
+        startup_timeout_s=startup_timeout_for(args.eager),
         log_path=log_dir / f"{config.name}.log",
     ) as server:
         client = make_client(server.base_url)
@@ -134,7 +137,7 @@ def score_kvpress_outputs(results_dir: Path, samples: list[Sample]) -> None:
         write_results(results_dir / f"{name}.jsonl", score_raw(raw, samples))
 
 
-def write_report(results_dir: Path, report: Path, plots_dir: Path, command: str) -> None:
+def write_report(results_dir: Path, report: Path, plots_dir: Path, command: str, servers: str) -> None:
     """Tables into ``report`` and PNG plots into ``plots_dir`` from the results in ``results_dir``
     (kvpress outputs are scored first)."""
     score_kvpress_outputs(results_dir, read_samples(results_dir / "samples.jsonl"))
@@ -152,7 +155,9 @@ def write_report(results_dir: Path, report: Path, plots_dir: Path, command: str)
     plot_accuracy_vs_kept(overall, curve)
     plot_task_heatmap({c: per_task_scores(r) for c, r in results.items()}, heatmap)
     relative = [os.path.relpath(p.resolve(), report.resolve().parent) for p in (curve, heatmap)]
-    section = results_section(results, command, _sample_summary(samples), failures, relative, evidence)
+    section = results_section(
+        results, command, _sample_summary(samples), failures, relative, evidence, servers=servers
+    )
     write_section(report, section, SKELETON)
 
 
@@ -161,8 +166,10 @@ def run_compare(args: argparse.Namespace, samples: list[Sample], model_dir: Path
     results_dir: Path = args.results_dir
     results_dir.mkdir(parents=True, exist_ok=True)
     command = "vllm-kvevict " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    servers = server_mode_text(args.eager)
+    print(f"servers: {servers}", file=sys.stderr)
     if args.report_only:
-        write_report(results_dir, args.report, args.plots_dir, command)
+        write_report(results_dir, args.report, args.plots_dir, command, servers)
         return 0
     samples_path = results_dir / "samples.jsonl"
     _same_samples(samples_path, samples)
@@ -194,6 +201,6 @@ def run_compare(args: argparse.Namespace, samples: list[Sample], model_dir: Path
         except Exception as exc:  # noqa: BLE001 - keep whatever the script finished
             failures["kvpress"] = f"{type(exc).__name__}: {exc}"
     failures_path.write_text(json.dumps(failures, indent=1))
-    write_report(results_dir, args.report, args.plots_dir, command)
+    write_report(results_dir, args.report, args.plots_dir, command, servers)
     print(f"report written to {args.report}", file=sys.stderr)
     return 1 if failures else 0

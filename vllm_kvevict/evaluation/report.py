@@ -96,8 +96,10 @@ def results_section(
     failures: Mapping[str, str],
     plot_paths: Sequence[str],
     evidence: Mapping[str, Mapping[str, float]] | None = None,
+    servers: str | None = None,
 ) -> str:
-    """The measured section: setting, overall table, per-task table, plots, failures, token agreement."""
+    """The measured section: setting (``servers``: how every server ran, compiled or eager), overall table,
+    per-task table, plots, failures, token agreement."""
     mismatched = sum(
         1
         for rs in results.values()
@@ -112,6 +114,7 @@ def results_section(
         "",
         f"Samples: {sample_summary}.",
         "",
+        *([f"Servers: {servers}.", ""] if servers else []),
         "Command:",
         "",
         "```bash",
