@@ -1,0 +1,152 @@
+"""Preemption and aborts of requests evicted chunk by chunk (issue 11 item 1, issue 13's suite).
+
+A server of its own: vLLM's chunked prefill at 128 tokens per step, so a 600-token prompt arrives in five
+chunks and, alone, is evicted after three of them (at 256, 384 and 512 computed tokens, down to the
+intermediate budget, 1.5 x the final bound per KV head) before its last chunk compacts it to Ada-KV's
+ragged budgets. The pool of ``reliability_traffic`` (40 blocks of 32) cannot hold eight of them decoding
+192 tokens each, so vLLM preempts running requests, mid-prefill or mid-decode, and recomputes them from
+token 0: the worker must drop what it held for them between chunks and start the chunk rule again.
+
+Per-chunk eviction makes a request's kept set depend on where its chunks ended, which depends on what else
+shared its steps; so the contended answers are not compared with uncontended ones token by token. What is
+required: every request completes with all its tokens, every one was evicted between chunks, a probe sent
+alone before and after the storm answers identically (nothing left behind changes a later request), and
+every block and every piece of worker state comes back, also after a client gives up mid-prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from reliability_traffic import (
+    BLOCK_SIZE,
+    BUDGET,
+    MAX_MODEL_LEN,
+    NUM_BLOCKS,
+    PREEMPTIONS,
+    client_of,
+    long_ids,
+    wait_for_usage_zero,
+    wait_for_worker_state_empty,
+)
+
+from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.layout.accounting import request_planner
+from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.vllm_adapter.config import DEFAULT_CHUNK_BUDGET
+from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+CHUNK_TOKENS = 128
+NUM_REQUESTS = 8
+PROMPT_TOKENS = 600
+OUTPUT_TOKENS = 192
+PROBE_TOKENS = 48
+#: The server's plan of a 600-token prompt: B' = 88 (600 - B' whole blocks), I = 1.5 B' = 132 between chunks.
+PLAN = request_planner(
+    BUDGET, BLOCK_SIZE, build_policy("ada-snapkv"), num_layers=30, chunk_budget=DEFAULT_CHUNK_BUDGET
+)(PROMPT_TOKENS)
+SERVER_ARGS = (
+    "--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET),
+    "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+    "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(NUM_REQUESTS),
+    "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK_TOKENS),
+)
+
+
+@pytest.fixture(scope="module")
+def dump_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("chunked-preemption")
+
+
+@pytest.fixture(scope="module")
+def chunked_server(model_dir: Path, dump_dir: Path) -> Iterator[VLLMServer]:
+    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as launched:
+        yield launched
+
+
+def greedy_ids(server: VLLMServer, prompt: list[int], max_tokens: int) -> list[int]:
+    result = client_of(server, timeout_s=900).completions.create(
+        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    return list(result.choices[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def storm(chunked_server: VLLMServer, tokenizer, dump_dir: Path) -> dict:
+    """A probe alone, all requests at once, the probe alone again; preemptions and dumps of the storm."""
+    probe = long_ids(tokenizer, PROMPT_TOKENS, seed=300)
+    prompts = [long_ids(tokenizer, PROMPT_TOKENS, seed=310 + index) for index in range(NUM_REQUESTS)]
+    probe_before = greedy_ids(chunked_server, probe, PROBE_TOKENS)
+    before = chunked_server.metric_value(PREEMPTIONS)
+    dumped_before = set(dump_dir.glob("*.pt"))
+    with ThreadPoolExecutor(NUM_REQUESTS) as pool:
+        answers = list(pool.map(lambda ids: greedy_ids(chunked_server, ids, OUTPUT_TOKENS), prompts))
+    preemptions = chunked_server.metric_value(PREEMPTIONS) - before
+    dumps = [torch.load(path) for path in set(dump_dir.glob("*.pt")) - dumped_before]
+    return {
+        "probe_before": probe_before,
+        "answers": answers,
+        "preemptions": preemptions,
+        "dumps": dumps,
+        "probe_after": greedy_ids(chunked_server, probe, PROBE_TOKENS),
+    }
+
+
+def test_the_pool_preempts_chunk_evicted_requests(storm):
+    assert storm["preemptions"] > 0
+
+
+def test_every_request_completes_with_all_its_tokens(storm):
+    assert [len(ids) for ids in storm["answers"]] == [OUTPUT_TOKENS] * NUM_REQUESTS
+
+
+def test_every_request_was_evicted_between_chunks_down_to_the_intermediate_budget(storm):
+    """Each dump is the last prefill of its request (a recompute replaces the first one's). Where a chunk
+    ended depends on what shared its step, so the evicting chunks differ between requests; after each, every
+    head of every layer held exactly what the scheduler's rule left blocks for, all of it already computed."""
+    dumps = [d for d in storm["dumps"] if d["prompt_len"] == PROMPT_TOKENS]
+    assert len(dumps) == NUM_REQUESTS, [d["prompt_len"] for d in storm["dumps"]]
+    for record in dumps:
+        computed = [n for n, _ in record["chunks"]]
+        assert computed and computed == sorted(set(computed)) and computed[-1] < PROMPT_TOKENS, computed
+        for n, layers in record["chunks"]:
+            held = PLAN.kept_length_at(n)  # what the scheduler left blocks for: I <= held < I + bs
+            assert PLAN.chunk_budget <= held < PLAN.chunk_budget + BLOCK_SIZE
+            for positions, counts in layers:  # [H, M] held positions (-1 padded), [H]
+                assert counts.tolist() == [held] * len(counts), (record["req_id"], n)
+                assert int(positions.max()) < n, (record["req_id"], n)
+
+
+def test_a_request_alone_answers_the_same_before_and_after_the_storm(storm):
+    assert storm["probe_after"] == storm["probe_before"]
+
+
+def test_a_client_giving_up_mid_prefill_leaves_no_block_and_no_worker_state(chunked_server, storm, tokenizer):
+    """A 1000-token prompt takes eight 128-token steps. Timed alone first, then sent again (another prompt of
+    the same length) by a client that hangs up after half that time, after its first chunk evictions: vLLM
+    aborts it between chunks."""
+    timed = time.monotonic()
+    greedy_ids(chunked_server, long_ids(tokenizer, 1000, seed=401), 1)
+    prefill_s = time.monotonic() - timed
+    client = client_of(chunked_server, timeout_s=prefill_s / 2)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(
+            model=chunked_server.served_model_name, prompt=long_ids(tokenizer, 1000, seed=400), max_tokens=1,
+            temperature=0,
+        )
+    assert wait_for_usage_zero(chunked_server) == 0
+    assert wait_for_worker_state_empty(chunked_server) == 0
+
+
+def test_after_the_storm_no_block_and_no_worker_state_is_left_behind(chunked_server, storm):
+    assert wait_for_usage_zero(chunked_server) == 0
+    assert wait_for_worker_state_empty(chunked_server) == 0
