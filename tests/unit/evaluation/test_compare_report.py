@@ -171,7 +171,8 @@ def test_report_has_tables_plots_and_keeps_hand_written_text(tmp_path: Path):
     report.write_text(
         f"# Quality\n\nHand-written intro.\n\n{BEGIN}\nold numbers\n{END}\n\n## Analysis\nkept.\n"
     )
-    write_report(results_dir, report, tmp_path / "docs" / "img", "vllm-kvevict eval --compare", "eager servers")
+    img = tmp_path / "docs" / "img"
+    write_report(results_dir, report, img, "vllm-kvevict eval --compare", "eager servers")
     text = report.read_text()
     assert "Hand-written intro." in text and "## Analysis\nkept." in text and "old numbers" not in text
     assert "Servers: eager servers." in text
