@@ -32,6 +32,9 @@ SERVER_ARGS = (
     "--kv-eviction", "ada-snapkv", "--kv-budget", "64", "--block-size", "32",
     "--max-model-len", "2048", "--enable-chunked-prefill", "--max-num-batched-tokens", "256",
     "--no-enable-prefix-caching",
+    # I = 128 tokens per head, given as tokens: the default (1.5 B', at least 512 tokens) would evict this
+    # prompt after two chunks only
+    "--kv-eviction-config", '{"chunk_budget": 128}',
 )
 USAGE = "vllm:kv_cache_usage_perc"
 

@@ -2,7 +2,7 @@
 
 A server of its own: vLLM's chunked prefill at 128 tokens per step, so a 600-token prompt arrives in five
 chunks and, alone, is evicted after three of them (at 256, 384 and 512 computed tokens, down to the
-intermediate budget, 1.5 x the final bound per KV head) before its last chunk compacts it to Ada-KV's
+intermediate budget of 132 tokens per KV head) before its last chunk compacts it to Ada-KV's
 ragged budgets. The pool of ``reliability_traffic`` (40 blocks of 32) cannot hold eight of them decoding
 192 tokens each, so vLLM preempts running requests, mid-prefill or mid-decode, and recomputes them from
 token 0: the worker must drop what it held for them between chunks and start the chunk rule again.
@@ -16,6 +16,7 @@ every block and every piece of worker state comes back, also after a client give
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,6 @@ from reliability_traffic import (
 from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.layout.accounting import request_planner
 from vllm_kvevict.policies.registry import build_policy
-from vllm_kvevict.vllm_adapter.config import DEFAULT_CHUNK_BUDGET
 from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -49,15 +49,18 @@ NUM_REQUESTS = 8
 PROMPT_TOKENS = 600
 OUTPUT_TOKENS = 192
 PROBE_TOKENS = 48
-#: The server's plan of a 600-token prompt: B' = 88 (600 - B' whole blocks), I = 1.5 B' = 132 between chunks.
+#: I in tokens (the default, 1.5 B' but at least 512 tokens, would leave a 600-token prompt whole until its
+#: last chunk); the server's plan of a 600-token prompt: B' = 88 (600 - B' whole blocks), I = 132.
+CHUNK_BUDGET = 132
 PLAN = request_planner(
-    BUDGET, BLOCK_SIZE, build_policy("ada-snapkv"), num_layers=30, chunk_budget=DEFAULT_CHUNK_BUDGET
+    BUDGET, BLOCK_SIZE, build_policy("ada-snapkv"), num_layers=30, chunk_budget=CHUNK_BUDGET
 )(PROMPT_TOKENS)
 SERVER_ARGS = (
     "--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET),
     "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(NUM_REQUESTS),
     "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK_TOKENS),
+    "--kv-eviction-config", json.dumps({"chunk_budget": CHUNK_BUDGET}),
 )
 
 

@@ -201,14 +201,21 @@ def with_decode_cap(
     return dataclasses.replace(plan, decode_cap=cap, decode_interval=k)
 
 
+#: I given as a multiple of B' is at least this many tokens per KV head. Before the last chunk the question
+#: has not been seen, so what is kept is chosen question-agnostic: at 10 % of a 1k prompt 1.5 B' is ~165
+#: tokens, and evicting the first 512-token chunk down to that lost 31 (SnapKV) and 10 (Ada-SnapKV) points
+#: against whole-prompt eviction (docs/quality.md). An int chunk_budget is taken as given.
+CHUNK_BUDGET_FLOOR = 512
+
+
 def with_chunk_budget(plan: RequestPlan, chunk_budget: int | float | None) -> RequestPlan:
     """``plan`` evicting between chunks down to I: ``chunk_budget`` an int (tokens per KV head) or a float
-    >= 1 (a multiple of the plan's B'), never below B'. None, or a prompt kept whole: nothing between
-    chunks."""
+    >= 1 (a multiple of the plan's B', at least ``CHUNK_BUDGET_FLOOR`` tokens), never below B'. None, or a
+    prompt kept whole: nothing between chunks."""
     if chunk_budget is None or not plan.compacts:
         return plan
     if isinstance(chunk_budget, float):
-        tokens = int(chunk_budget * plan.kept_bound)
+        tokens = max(int(chunk_budget * plan.kept_bound), CHUNK_BUDGET_FLOOR)
     else:
         tokens = int(chunk_budget)
     return dataclasses.replace(plan, chunk_budget=max(tokens, plan.kept_bound))

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from vllm_kvevict.layout.accounting import CHUNK_BUDGET_FLOOR
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
 from vllm_kvevict.policies.decode.registry import (
@@ -205,7 +206,7 @@ class EvictionConfig:
     prefill: "chunked" (vLLM's chunked prefill stays on; a prompt computed in several steps is evicted
         after each chunk down to ``chunk_budget``) or "whole" (chunked prefill off; one eviction per prompt).
     chunk_budget: kept tokens per KV head between chunks: an int >= 1 (tokens, at least the final budget)
-        or a float >= 1.0 (a multiple of the final budget).
+        or a float >= 1.0 (a multiple of the final budget, at least ``CHUNK_BUDGET_FLOOR`` = 512 tokens).
     """
 
     method: str
@@ -297,7 +298,8 @@ class EvictionConfig:
         extra = f" {json.dumps(self.params, sort_keys=True)}" if self.params else ""
         decode = f"; {self.decode.describe()}" if self.decode is not None else ""
         if self.chunked:
-            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}"
+            floor = f" (x B', >= {CHUNK_BUDGET_FLOOR} tokens)" if isinstance(self.chunk_budget, float) else ""
+            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}{floor}"
         elif self.prefill == "chunked":
             prefill = "prefill=whole (a decode-time cap needs whole prompts)"
         else:

@@ -11,7 +11,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.layout.accounting import CHUNK_BUDGET_FLOOR, cdiv
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
 from vllm_kvevict.vllm_adapter.kv_spec import (
     EvictingAttentionManager,
@@ -105,7 +105,7 @@ def test_chunked_prompt_frees_blocks_after_each_chunk():
     per head in [I, I + bs), and the pool gets back exactly the blocks the rule frees."""
     manager, pool = make_manager(budget=256)
     plan = manager.plan_for(4000)
-    assert plan.chunk_budget == int(1.5 * plan.kept_bound)
+    assert plan.chunk_budget == max(int(1.5 * plan.kept_bound), CHUNK_BUDGET_FLOOR)
     free_at_start = pool.get_num_free_blocks()
     peak = 0
     for end in [*range(512, 4000, 512), 4000]:

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from vllm_kvevict.layout.accounting import (
+    CHUNK_BUDGET_FLOOR,
     align_budget,
     cdiv,
     plan_request,
@@ -141,3 +142,18 @@ def test_per_chunk_rule_leaves_room_for_every_chunk_and_meets_the_prompt_plan(me
                 assert cdiv(plan.kept_length_at(done), bs) <= cdiv(done, bs) - plan.blocks_freed_at(done)
                 assert plan.chunk_rescores(done - step, done) == (plan.offset_at(done - step) != offset)
         assert offset == plan.offset0 and plan.blocks_freed_at(prompt_len) == plan.blocks_to_free
+
+
+def test_a_multiple_of_b_prime_keeps_at_least_the_floor_between_chunks_and_an_int_is_exact():
+    """1k prompt, 10 %: B' = 128 (1024 - 128 is 28 blocks of 32); 1.5 B' = 192 is raised to the floor, so a
+    512-token first chunk is not evicted (O(512) = 0) and at 768 computed tokens O = 32 * (256 // 32) = 256.
+    An int I = 192 is taken as given: O(512) = 32 * ((512 - 192) // 32) = 320."""
+    plan = plan_request(1024, 0.1, 32, build_policy("snapkv"), NUM_LAYERS)
+    assert plan.kept_bound == 128
+    floored = with_chunk_budget(plan, 1.5)
+    assert floored.chunk_budget == CHUNK_BUDGET_FLOOR == 512
+    assert floored.offset_at(512) == 0 and floored.offset_at(768) == 256
+    exact = with_chunk_budget(plan, 192)
+    assert exact.chunk_budget == 192 and exact.offset_at(512) == 320
+    large = with_chunk_budget(plan_request(4000, 512, 32, build_policy("snapkv"), NUM_LAYERS), 1.5)
+    assert large.chunk_budget == int(1.5 * large.kept_bound) > CHUNK_BUDGET_FLOOR  # the floor does not bind
