@@ -3,33 +3,19 @@ rule, so a request holds ceil(a(t)/bs) + 1 blocks at every step, with vLLM's rea
 
 from __future__ import annotations
 
-import json
-
-import torch
+from evicting_manager import evicting_manager
 from vllm.v1.core.block_pool import BlockPool
 
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
-from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager, EvictingAttentionSpec
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 600
 
 
 def make_manager(config: EvictionConfig) -> tuple[EvictingAttentionManager, BlockPool]:
-    spec = EvictingAttentionSpec(
-        block_size=BLOCK_SIZE,
-        num_kv_heads=3,
-        head_size=64,
-        dtype=torch.bfloat16,
-        eviction=json.dumps(config.to_dict()),
-        num_model_layers=30,
-    )
-    pool = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=False, hash_block_size=BLOCK_SIZE)
-    manager = EvictingAttentionManager(
-        spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=BLOCK_SIZE
-    )
-    return manager, pool
+    return evicting_manager(config, BLOCK_SIZE, NUM_BLOCKS)
 
 
 def decode(manager: EvictingAttentionManager, prompt_len: int, steps: int) -> list[int]:

@@ -3,10 +3,9 @@ vLLM's real BlockPool, and a finished request returns everything."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from evicting_manager import evicting_manager
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -30,19 +29,7 @@ def make_manager(
     config: EvictionConfig | None = None,
 ) -> tuple[EvictingAttentionManager, BlockPool]:
     config = config or EvictionConfig(method=method, budget=budget, prefill=prefill)
-    spec = EvictingAttentionSpec(
-        block_size=BLOCK_SIZE,
-        num_kv_heads=3,
-        head_size=64,
-        dtype=torch.bfloat16,
-        eviction=json.dumps(config.to_dict()),
-        num_model_layers=30,
-    )
-    pool = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=False, hash_block_size=BLOCK_SIZE)
-    manager = EvictingAttentionManager(
-        spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=BLOCK_SIZE
-    )
-    return manager, pool
+    return evicting_manager(config, BLOCK_SIZE, NUM_BLOCKS)
 
 
 def test_registered_with_its_manager_next_to_the_built_ins():

@@ -1,0 +1,31 @@
+"""The scheduler side under test: an ``EvictingAttentionManager`` over vLLM's real ``BlockPool`` (shared by
+the manager tests of prefill, per-chunk and decode-time eviction)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from vllm.v1.core.block_pool import BlockPool
+
+from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager, EvictingAttentionSpec
+
+
+def evicting_manager(
+    config: EvictionConfig, block_size: int, num_blocks: int
+) -> tuple[EvictingAttentionManager, BlockPool]:
+    """A manager for the bundled model's shapes (30 layers, 3 KV heads of 64) over ``num_blocks`` blocks."""
+    spec = EvictingAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=3,
+        head_size=64,
+        dtype=torch.bfloat16,
+        eviction=json.dumps(config.to_dict()),
+        num_model_layers=30,
+    )
+    pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=block_size)
+    manager = EvictingAttentionManager(
+        spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=block_size
+    )
+    return manager, pool
