@@ -14,7 +14,19 @@ from collections.abc import Iterator
 import torch
 from torch.nn import functional as F
 
+from vllm_kvevict.policies.base import check_choice, check_int
+
 POOLING_KINDS: tuple[str, ...] = ("max", "avg")
+
+
+def check_window_pooling(owner: str, window: object, kernel: object, pooling: object) -> None:
+    """Raise ValueError naming ``owner``'s field unless ``window`` is an int >= 1, ``kernel`` an odd int >= 1
+    and ``pooling`` one of ``POOLING_KINDS`` (the observation-window parameters of SnapKV-style scoring)."""
+    check_int(owner, "window", window, 1)
+    check_int(owner, "kernel", kernel, 1)
+    if kernel % 2 == 0:
+        raise ValueError(f"{owner}: kernel={kernel} is not valid; it must be an odd int >= 1")
+    check_choice(owner, "pooling", pooling, POOLING_KINDS)
 
 
 def _default_positions(num_queries: int, n: int, device: torch.device) -> torch.Tensor:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_choice, check_int
+from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
 from vllm_kvevict.policies.scoring import (
-    POOLING_KINDS,
+    check_window_pooling,
     extend_forward,
     group_mean,
     pool_scores,
@@ -40,11 +40,7 @@ class SnapKV(ScoredPolicy):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        check_int(owner, "window", self.window, 1)
-        check_int(owner, "kernel", self.kernel, 1)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"{owner}: kernel={self.kernel} is not valid; it must be an odd int >= 1")
-        check_choice(owner, "pooling", self.pooling, POOLING_KINDS)
+        check_window_pooling(owner, self.window, self.kernel, self.pooling)
         check_int(owner, "span_after", self.span_after, 0)
 
     @property

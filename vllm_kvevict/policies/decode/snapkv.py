@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.policies.base import check_choice, check_int
 from vllm_kvevict.policies.decode.base import (
     DecodeEvictionPolicy,
     DecodeState,
@@ -16,7 +15,7 @@ from vllm_kvevict.policies.decode.base import (
     recent_entries,
 )
 from vllm_kvevict.policies.decode.statistics import WindowScores
-from vllm_kvevict.policies.scoring import POOLING_KINDS, pool_scores
+from vllm_kvevict.policies.scoring import check_window_pooling, pool_scores
 
 
 @dataclass
@@ -32,11 +31,7 @@ class DecodeSnapKV(DecodeEvictionPolicy):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        check_int(owner, "window", self.window, 1)
-        check_int(owner, "kernel", self.kernel, 1)
-        if self.kernel % 2 == 0:
-            raise ValueError(f"{owner}: kernel={self.kernel} is not valid; it must be an odd int >= 1")
-        check_choice(owner, "pooling", self.pooling, POOLING_KINDS)
+        check_window_pooling(owner, self.window, self.kernel, self.pooling)
 
     @property
     def query_window(self) -> int:
