@@ -7,7 +7,9 @@ budget, then to Ada-KV's ragged final budgets), while a short uncompacted reques
 share its steps. The worker's debug dump records what every (layer, KV head) held after each evicting chunk;
 HF transformers (float32, ``hf_reference.chunked``) prefills the same prompt segment by segment with exactly
 those entries hidden, then teacher-forces vLLM's tokens with the final kept sets. A full-cache HF run is the
-control: where the two differ, vLLM must side with the chunk-wise masked run.
+control: where the two differ, vLLM must side with the chunk-wise masked run. The same checks run with
+``prefill: whole``: the prompt still arrives in five chunks (chunked prefill stays on), nothing is evicted
+before the last, which then reads the whole prompt back from the cache and keeps the method's budgets.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ SERVER_ARGS = (
     "--kv-eviction", "ada-snapkv", "--kv-budget", "64", "--block-size", "32",
     "--max-model-len", "2048", "--enable-chunked-prefill", "--max-num-batched-tokens", "256",
     "--no-enable-prefix-caching",
-    # I = 128 tokens per head, given as tokens: the default (1.5 B', at least 512 tokens) would evict this
-    # prompt after two chunks only
-    "--kv-eviction-config", '{"chunk_budget": 128}',
 )
+#: per-chunk eviction with I = 128 tokens per head, given as tokens (1.5 B' but at least 512 tokens would
+#: evict this prompt after two chunks only); and one eviction after the last chunk, chunked prefill still on
+PREFILL_CONFIGS = {"chunked": '{"chunk_budget": 128}', "whole": '{"prefill": "whole"}'}
 USAGE = "vllm:kv_cache_usage_perc"
 
 
@@ -44,6 +46,7 @@ class Run:
     """tokens [T] / vllm_logprobs [T]: vLLM's greedy output; record: the worker's dump of the prompt;
     masked / full: [T, vocab] HF log-probabilities chunk-wise masked / with the full cache."""
 
+    prefill: str
     tokens: torch.Tensor
     vllm_logprobs: torch.Tensor
     record: dict
@@ -99,8 +102,8 @@ def wait_for_zero_usage(server: VLLMServer, timeout_s: float = 60.0) -> float:
     return value
 
 
-@pytest.fixture(scope="module")
-def run(model_dir, tmp_path_factory) -> Run:
+@pytest.fixture(scope="module", params=sorted(PREFILL_CONFIGS))
+def run(request, model_dir, tmp_path_factory) -> Run:
     from vllm_kvevict.hf_reference.chunked import teacher_forced_after_chunks
     from vllm_kvevict.hf_reference.model import load_reference_model
     from vllm_kvevict.policies.base import KeptTokens
@@ -110,7 +113,8 @@ def run(model_dir, tmp_path_factory) -> Run:
     prompt_ids = story_prompt(tokenizer, PROMPT_TOKENS, seed=5)
     others = [(story_prompt(tokenizer, 60, seed=6), {"vllm_xargs": {"kv_eviction": "none"}}),
               (story_prompt(tokenizer, 700, seed=7), {})]
-    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
+    args = (*SERVER_ARGS, "--kv-eviction-config", PREFILL_CONFIGS[request.param])
+    with VLLMServer(model_dir, extra_args=args, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
         tokens, vllm_logprobs = generate(server, prompt_ids, others)
         usage_after = wait_for_zero_usage(server)
     records = [torch.load(path) for path in dump_dir.glob("*.pt")]
@@ -119,6 +123,7 @@ def run(model_dir, tmp_path_factory) -> Run:
     final = [KeptTokens(i, c) for i, c in zip(record["indices"], record["counts"], strict=True)]
     everything = [KeptTokens.everything(k.counts.shape[0], len(prompt_ids)) for k in final]
     return Run(
+        prefill=request.param,
         tokens=tokens,
         vllm_logprobs=vllm_logprobs,
         record=record,
@@ -128,9 +133,12 @@ def run(model_dir, tmp_path_factory) -> Run:
     )
 
 
-def test_the_prompt_was_evicted_after_at_least_three_chunks_then_to_ragged_budgets(run: Run):
+def test_the_prompt_was_evicted_after_three_chunks_or_once_after_the_last_then_to_ragged_budgets(run: Run):
     ends = [end for end, _ in run.record["chunks"]]
-    assert len(ends) >= 3 and ends == sorted(ends) and ends[-1] < PROMPT_TOKENS, ends
+    if run.prefill == "whole":
+        assert ends == []  # five chunks computed, nothing evicted before the last one
+    else:
+        assert len(ends) >= 3 and ends == sorted(ends) and ends[-1] < PROMPT_TOKENS, ends
     for _end, held in run.record["chunks"]:
         counts = torch.stack([c for _, c in held])
         assert bool((counts == counts[0, 0]).all()), "between chunks every head holds the same count"

@@ -244,8 +244,8 @@ def cache_row_layouts(kv_cache: torch.Tensor, isa: str) -> tuple[str, str]:
     if layouts is None:
         raise RuntimeError(
             f"eviction cannot read or move rows of this CPU cache (ISA {isa}, {kv_cache.dtype}) for a "
-            "decode-time cap or per-chunk eviction; start without --kv-decode-eviction and with "
-            '--kv-eviction-config \'{"prefill": "whole"}\''
+            "decode-time cap or a prompt computed in several steps; start without --kv-decode-eviction and "
+            "with --no-enable-chunked-prefill (every prompt is then evicted in the step that computes it)"
         )
     return layouts
 

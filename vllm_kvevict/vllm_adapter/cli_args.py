@@ -320,12 +320,10 @@ def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
             "kv-eviction: prefix caching stays on for requests kept whole; requests that evict neither read "
             "nor publish cached blocks"
         )
-    if engine_args.enable_chunked_prefill is not False and not config.chunked:
-        why = "a decode-time cap needs whole prompts" if config.decode is not None else "prefill=whole"
+    if engine_args.enable_chunked_prefill is not False and not config.keeps_chunked_prefill:
         logger.info(
-            "kv-eviction: chunked prefill turned off (%s: one eviction per prompt); "
-            "max_num_batched_tokens must be >= max_model_len",
-            why,
+            "kv-eviction: chunked prefill turned off (a decode-time cap needs whole prompts: one eviction "
+            "per prompt); max_num_batched_tokens must be >= max_model_len"
         )
         engine_args.enable_chunked_prefill = False
     if not engine_args.enforce_eager:

@@ -30,7 +30,7 @@ from vllm_kvevict.policies.registry import available_methods, build_policy
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
 _KNOWN_KEYS = ("method", "budget", "params", "decode", "prefill", "chunk_budget")
 #: how a prompt is evicted: chunk by chunk as vLLM's chunked prefill computes it, or once when it is whole
-#: (chunked prefill then off).
+#: (after its last chunk; vLLM's chunked prefill stays on either way unless a decode-time cap is set).
 PREFILL_MODES = ("chunked", "whole")
 #: settings of the prefill schedule that ``--kv-eviction-config`` may carry beside the method parameters.
 PREFILL_KEYS = ("prefill", "chunk_budget")
@@ -203,8 +203,9 @@ class EvictionConfig:
     params: method parameters (window, kernel, alpha, sinks, seed, ...), validated by the policy registry.
     decode: the decode-time cap (None: every generated token is kept). ``from_dict`` fills it for the
         paper methods that imply one (``DECODE_TIME_METHODS``) unless ``decode.method`` is "none".
-    prefill: "chunked" (vLLM's chunked prefill stays on; a prompt computed in several steps is evicted
-        after each chunk down to ``chunk_budget``) or "whole" (chunked prefill off; one eviction per prompt).
+    prefill: "chunked" (a prompt computed in several steps is evicted after each chunk down to
+        ``chunk_budget``) or "whole" (one eviction per prompt, after its last chunk). vLLM's chunked prefill
+        stays on in both, unless a decode-time cap is set.
     chunk_budget: kept tokens per KV head between chunks: an int >= 1 (tokens, at least the final budget)
         or a float >= 1.0 (a multiple of the final budget, at least ``CHUNK_BUDGET_FLOOR`` = 512 tokens).
     """
@@ -241,10 +242,15 @@ class EvictionConfig:
         return build_policy(self.method, **self.params)
 
     @property
+    def keeps_chunked_prefill(self) -> bool:
+        """True when vLLM's chunked prefill stays on. A decode-time cap needs it off: a request recomputed
+        after preemption must reach its cap in one step."""
+        return self.decode is None
+
+    @property
     def chunked(self) -> bool:
-        """True when vLLM's chunked prefill stays on and prompts are evicted chunk by chunk. A decode-time cap
-        keeps prompts whole: a request recomputed after preemption must reach its cap in one step."""
-        return self.prefill == "chunked" and self.decode is None
+        """True when prompts are evicted chunk by chunk (down to ``chunk_budget`` between chunks)."""
+        return self.prefill == "chunked" and self.keeps_chunked_prefill
 
     def to_dict(self) -> dict[str, Any]:
         raw: dict[str, Any] = {
@@ -300,10 +306,10 @@ class EvictionConfig:
         if self.chunked:
             floor = f" (x B', >= {CHUNK_BUDGET_FLOOR} tokens)" if isinstance(self.chunk_budget, float) else ""
             prefill = f"prefill=chunked chunk_budget={self.chunk_budget}{floor}"
-        elif self.prefill == "chunked":
+        elif not self.keeps_chunked_prefill:
             prefill = "prefill=whole (a decode-time cap needs whole prompts)"
         else:
-            prefill = "prefill=whole"
+            prefill = "prefill=whole (one eviction after the prompt's last chunk)"
         return f"method={self.method} budget={budget}{extra} {prefill}{decode}"
 
 

@@ -181,10 +181,10 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
         return spec
     # `vllm serve` turns chunked prefill off with a log line where it must be; an engine built from Python
     # must do it itself. Prefix caching stays on: evicting requests neither read nor publish (evicts()).
-    if vllm_config.scheduler_config.enable_chunked_prefill and not config.chunked:
+    if vllm_config.scheduler_config.enable_chunked_prefill and not config.keeps_chunked_prefill:
         raise ValueError(
-            f"kv_eviction with {config.describe()} needs enable_chunked_prefill=False: it evicts each prompt "
-            "once, whole (prefill=whole or a decode-time cap); or use prefill=chunked without a decode cap"
+            f"kv_eviction with {config.describe()} needs enable_chunked_prefill=False: a decode-time cap "
+            "evicts each prompt once, whole; or drop the decode cap"
         )
     inherited = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
