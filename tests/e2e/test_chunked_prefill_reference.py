@@ -37,7 +37,7 @@ SERVER_ARGS = (
 )
 #: per-chunk eviction with I = 128 tokens per head, given as tokens (1.5 B' but at least 512 tokens would
 #: evict this prompt after two chunks only); and one eviction after the last chunk, chunked prefill still on
-PREFILL_CONFIGS = {"chunked": '{"chunk_budget": 128}', "whole": '{"prefill": "whole"}'}
+PREFILL_CONFIGS = {"chunked": '{"prefill": "chunked", "chunk_budget": 128}', "whole": '{"prefill": "whole"}'}
 USAGE = "vllm:kv_cache_usage_perc"
 
 

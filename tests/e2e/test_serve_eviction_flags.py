@@ -77,7 +77,8 @@ def test_start_up_states_every_guard_rail_and_the_capacity_gain(documented_serve
     log = documented_server.log_path.read_text()
     assert "kv-eviction: method=ada-snapkv budget=1024 tokens per KV head" in log
     assert "prefix caching stays on for requests kept whole" in log
-    assert "prefill=chunked chunk_budget=1.5" in log  # vLLM's chunked prefill stays on: evicted per chunk
+    # vLLM's chunked prefill stays on; the default evicts a prompt once, after its last chunk
+    assert "prefill=whole (one eviction after the prompt's last chunk)" in log
     assert "chunked prefill turned off" not in log
     assert "the model runs compiled; attention (a splitting op) evicts between the pieces" in log
     assert "enforce_eager on" not in log

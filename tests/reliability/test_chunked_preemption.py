@@ -60,7 +60,7 @@ SERVER_ARGS = (
     "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(NUM_REQUESTS),
     "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK_TOKENS),
-    "--kv-eviction-config", json.dumps({"chunk_budget": CHUNK_BUDGET}),
+    "--kv-eviction-config", json.dumps({"prefill": "chunked", "chunk_budget": CHUNK_BUDGET}),
 )
 
 

@@ -73,3 +73,12 @@ def test_the_launcher_alone_stays_eager_by_default(tmp_path):
     assert "--enforce-eager" in launcher.command
     compiled = server_process.VLLMServer(tmp_path, cpu_setup=False, port=1, enforce_eager=False)
     assert "--enforce-eager" not in compiled.command
+
+
+def test_bench_passes_its_eviction_config_to_the_eviction_server_only():
+    from vllm_kvevict.cli.bench import server_runs
+
+    args = bench_args("--kv-eviction-config", '{"prefill": "chunked"}')
+    (vanilla_label, vanilla), (_, evicting) = server_runs(args)
+    assert vanilla_label == "vanilla" and "--kv-eviction-config" not in vanilla
+    assert evicting[-2:] == ["--kv-eviction-config", '{"prefill": "chunked"}']

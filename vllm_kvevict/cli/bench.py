@@ -40,6 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--num-gpu-blocks-override of both: a pool small enough to be the bottleneck on a small CPU",
     )
     add("--server-arg", action="append", default=[], help="extra `vllm serve` argument for both (repeatable)")
+    add(
+        "--kv-eviction-config",
+        default=None,
+        help="--kv-eviction-config of the eviction server only, e.g. '{\"prefill\": \"chunked\"}'",
+    )
     add("--seed", type=int, default=0, help="workload seed (default: 0)")
     add_eager_flag(add)
     add("--append", type=Path, default=None, help="append the table to this markdown file")
@@ -57,6 +62,8 @@ def common_server_args(args: argparse.Namespace) -> list[str]:
 def server_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, extra `vllm serve` args): vanilla first, it is the baseline of every ratio."""
     eviction = ["--kv-eviction", args.method, "--kv-budget", str(args.budget)]
+    if args.kv_eviction_config is not None:
+        eviction += ["--kv-eviction-config", args.kv_eviction_config]
     return [
         ("vanilla", common_server_args(args)),
         (f"{args.method} @ {args.budget}", common_server_args(args) + eviction),

@@ -214,7 +214,7 @@ class EvictionConfig:
     budget: int | float
     params: dict[str, Any] = field(default_factory=dict)
     decode: DecodeConfig | None = None
-    prefill: str = "chunked"
+    prefill: str = "whole"
     chunk_budget: int | float = DEFAULT_CHUNK_BUDGET
 
     def __post_init__(self) -> None:

@@ -15,7 +15,13 @@ CHUNK = 96  # chunks end at 96, 192, 288, 384, then 400
 def chunk_config(method: str, budget: int = 64, chunk_budget: int | float = 96) -> EvictionConfig:
     """Prefill eviction only (StreamingLLM and H2O imply a decode-time cap, which keeps prompts whole)."""
     return EvictionConfig.from_dict(
-        {"method": method, "budget": budget, "chunk_budget": chunk_budget, "decode": {"method": "none"}}
+        {
+            "method": method,
+            "budget": budget,
+            "prefill": "chunked",
+            "chunk_budget": chunk_budget,
+            "decode": {"method": "none"},
+        }
     )
 
 

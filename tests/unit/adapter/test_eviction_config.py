@@ -117,11 +117,11 @@ def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
         "method": "snapkv",
         "budget": 256,
         "params": {},
-        "prefill": "chunked",
+        "prefill": "whole",
         "chunk_budget": 1.5,
     }
     assert engine_args.enable_prefix_caching is True  # evicting requests skip it themselves
-    assert engine_args.enable_chunked_prefill is True  # prompts are evicted chunk by chunk
+    assert engine_args.enable_chunked_prefill is True  # prompts are evicted once, after their last chunk
     assert engine_args.enforce_eager is False  # compiled: attention is a splitting op
 
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
