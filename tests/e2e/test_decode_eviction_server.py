@@ -28,6 +28,7 @@ INTERVAL = BLOCK_SIZE  # the default: one block
 # included): CAP + interval in steady state, CAP + 2 blocks when a prompt kept whole is first cut.
 SLACK = max(INTERVAL, 2 * BLOCK_SIZE)
 OUTPUT_TOKENS = 2100
+CAPPED_PROMPT = "Write a very long story about a lighthouse keeper."
 SERVER_ARGS = (
     "--max-model-len",
     "4096",
@@ -51,7 +52,8 @@ SAVED = "vllm_kvevict_kv_cache_saved_perc"
 GENERATED = "vllm:generation_tokens_total"
 RUNNING = "vllm:num_requests_running"
 START_OTHERS_AT = 400  # the capped request's output tokens when the other two are sent
-LATE_AFTER = 1800
+ALONE_AFTER = 800  # the capped request's output tokens from which its usage is checked alone on the server
+OTHERS_TOKENS = 300 + 8  # what the uncapped and the prefilled request generate
 DECODE_BLOCKS_FREED = "vllm_kvevict_decode_blocks_freed_total"
 
 
@@ -92,11 +94,12 @@ def wait_for_zero(server: VLLMServer, name: str, timeout_s: float = 60.0) -> flo
 
 
 def complete(server: VLLMServer, prompt: str, max_tokens: int, xargs: dict | None, out: dict, key: str):
+    """Send one completion and put its usage in ``out[key]``."""
     extra = {"ignore_eos": True, **({"vllm_xargs": xargs} if xargs else {})}
     result = client_of(server).completions.create(
         model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra
     )
-    out[key] = result.usage.completion_tokens
+    out[key] = result.usage
 
 
 def long_prompt(num_chars: int) -> str:
@@ -104,48 +107,6 @@ def long_prompt(num_chars: int) -> str:
     places = ["dunes", "river", "pass"]
     log = " ".join(f"On day {d}, the caravan crossed the {places[d % 3]} at dawn." for d in range(600))
     return log[:num_chars] + "\nQuestion: where was the caravan on day 7? Answer:"
-
-
-class MetricsSampler(threading.Thread):
-    """Scrapes ``/metrics`` every ``interval_s`` on its own thread, so what it records follows the server's
-    progress (its generation counter), not how fast the test reads its stream."""
-
-    def __init__(self, server: VLLMServer, others: dict[str, int], interval_s: float = 0.2):
-        super().__init__(daemon=True)
-        self.server, self.others, self.interval_s = server, others, interval_s
-        self.generated_before = gauge(server, GENERATED)
-        self.samples: list[Sample] = []
-        self.reached_start_of_others = threading.Event()
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            others_done = len(self.others) == 2  # read before the scrape: done then means done at the scrape
-            values = {name: 0.0 for name in (GENERATED, RUNNING, USAGE, SAVED)}
-            for name, value in self._scrape():
-                values[name] += value
-            sample = Sample(
-                generated=values[GENERATED] - self.generated_before,
-                running=values[RUNNING],
-                usage=values[USAGE],
-                saved=values[SAVED],
-                others_done=others_done,
-            )
-            self.samples.append(sample)
-            if sample.generated >= START_OTHERS_AT:
-                self.reached_start_of_others.set()
-            time.sleep(self.interval_s)
-
-    def _scrape(self) -> list[tuple[str, float]]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        wanted = {GENERATED, RUNNING, USAGE, SAVED}
-        return [
-            (sample.name, float(sample.value))
-            for family in text_string_to_metric_families(self.server.metrics_text())
-            for sample in family.samples
-            if sample.name in wanted
-        ]
 
 
 @dataclass(frozen=True)
@@ -157,57 +118,79 @@ class Sample:
     others_done: bool
 
 
+def scrape(server: VLLMServer, generated_before: float, others_done: bool) -> Sample:
+    """One ``/metrics`` read; ``others_done`` is read by the caller before it, so done means done then."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {name: 0.0 for name in (GENERATED, RUNNING, USAGE, SAVED)}
+    for family in text_string_to_metric_families(server.metrics_text()):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name] += float(sample.value)
+    return Sample(
+        generated=values[GENERATED] - generated_before,
+        running=values[RUNNING],
+        usage=values[USAGE],
+        saved=values[SAVED],
+        others_done=others_done,
+    )
+
+
+def capped_held_fraction_bound(prompt_tokens: int, capped_generated: float) -> float:
+    """The largest usage / (usage + saved) of the capped request alone: the blocks the start-up line promises
+    (``holds <= ...``) over the blocks its prompt and outputs would take uncapped."""
+    held = cdiv(CAP + SLACK, BLOCK_SIZE) + 1
+    return held / cdiv(prompt_tokens + int(capped_generated), BLOCK_SIZE)
+
+
 def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_and_prefilling_ones(
     server, dump_dir
 ):
     """A short prompt generates 2100 tokens (ignore_eos). While it decodes, an uncapped request
     (``vllm_xargs kv_eviction=none``) decodes and a long prompt is prefilled and compacted in the same
     steps. Every head of every layer stays within CAP + SLACK; the freed blocks show on the gauges while
-    it runs, and every block comes back after."""
+    it runs, and every block comes back after.
+
+    The test's main thread only scrapes ``/metrics`` (every request waits on its own thread, none streams),
+    so what it records follows the server's progress, however fast the server decodes."""
     freed_before = counter(server, DECODE_BLOCKS_FREED)
+    generated_before = gauge(server, GENERATED)
     before = set(dump_dir.glob("*.decode.pt"))
-    others: dict[str, int] = {}
-    threads = [
+    results: dict[str, object] = {}
+    others = [
         threading.Thread(
-            target=complete, args=(server, "Count slowly:", 300, {"kv_eviction": "none"}, others, "uncapped")
+            target=complete, args=(server, "Count slowly:", 300, {"kv_eviction": "none"}, results, "uncapped")
         ),
-        threading.Thread(target=complete, args=(server, long_prompt(5000), 8, None, others, "prefill")),
+        threading.Thread(target=complete, args=(server, long_prompt(5000), 8, None, results, "prefill")),
     ]
-    sampler = MetricsSampler(server, others)
-    sampler.start()
-
-    def start_others_mid_decode() -> None:
-        sampler.reached_start_of_others.wait()
-        for thread in threads:
-            thread.start()
-
-    starter = threading.Thread(target=start_others_mid_decode, daemon=True)
-    starter.start()
-    stream = client_of(server).completions.create(
-        model=server.served_model_name,
-        prompt="Write a very long story about a lighthouse keeper.",
-        max_tokens=OUTPUT_TOKENS,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+    capped = threading.Thread(
+        target=complete,
+        args=(server, CAPPED_PROMPT, OUTPUT_TOKENS, None, results, "capped"),
     )
-    # A streamed chunk may carry several tokens when the API server falls behind; the last one has the usage.
-    generated = [chunk.usage.completion_tokens for chunk in stream if chunk.usage is not None]
-    starter.join(timeout=60)
-    for thread in threads:
+    capped.start()
+    samples: list[Sample] = []
+    while capped.is_alive():
+        others_done = others[0].ident is not None and not any(thread.is_alive() for thread in others)
+        samples.append(scrape(server, generated_before, others_done))
+        if samples[-1].generated >= START_OTHERS_AT and others[0].ident is None:
+            for thread in others:
+                thread.start()
+        time.sleep(0.1)
+    for thread in others:
         thread.join()
-    sampler.stopped.set()
-    sampler.join()
-    assert generated == [OUTPUT_TOKENS]
-    assert others == {"uncapped": 300, "prefill": 8}
+    assert results["capped"].completion_tokens == OUTPUT_TOKENS
+    assert (results["uncapped"].completion_tokens, results["prefill"].completion_tokens) == (300, 8)
 
-    # Late in its decode (>= 1800 of its tokens: every token of the others counted too) and alone on the
-    # server, the capped request's usage is a fraction of what it would hold uncapped (usage + saved).
-    late = [
-        s for s in sampler.samples if s.others_done and s.running == 1 and s.generated >= LATE_AFTER + 300 + 8
+    # Alone on the server once the others are done (every token of theirs counted), from ALONE_AFTER of its
+    # own tokens on, the capped request's usage is within what its cap allows of what it would hold uncapped.
+    prompt_tokens = results["capped"].prompt_tokens
+    alone = [
+        s for s in samples if s.others_done and s.running == 1 and s.generated >= ALONE_AFTER + OTHERS_TOKENS
     ]
-    assert late and all(s.usage <= 0.25 * (s.usage + s.saved) for s in late), sampler.samples[-40:]
+    assert len(alone) >= 3, samples[-40:]
+    for s in alone:
+        bound = capped_held_fraction_bound(prompt_tokens, s.generated - OTHERS_TOKENS)
+        assert s.usage <= bound * (s.usage + s.saved), (s, bound)
     assert counter(server, DECODE_BLOCKS_FREED) - freed_before >= (OUTPUT_TOKENS - CAP) // BLOCK_SIZE - 2
 
     # Every head of every layer, right before each re-score (its largest size), within CAP + SLACK.
