@@ -120,15 +120,16 @@ class CappedDecoder:
     def __init__(self, model: PreTrainedModel, configs: Sequence[DecodeCap], interval: int) -> None:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval={interval!r} must be an int >= 1")
-        # Per row, the recent queries its method gets at a re-score: the ones since the last re-score on the
-        # fixed schedule; a custom schedule may leave longer gaps, so its method's whole query_window.
+        # Per row, the recent queries its method gets at a re-score, as on the server (its query ring holds
+        # min(query_window, queries_needed(interval)) per request): the ones since the last re-score for
+        # H2O/RoCo, the window for SnapKV. At a first re-score soon after the prompt they include the
+        # prompt's last queries.
         self.needed = [0] * len(configs)
         for index, config in enumerate(configs):
             if config.policy is not None:
                 config.policy.check_interval(interval)
-                fixed = config.schedule is None
                 policy = config.policy
-                self.needed[index] = policy.queries_needed(interval) if fixed else policy.query_window
+                self.needed[index] = min(policy.query_window, policy.queries_needed(interval))
         self.model = model
         self.configs = list(configs)
         self.interval = interval
