@@ -45,7 +45,8 @@ TOPICS = [
 
 def prompt_ids(tokenizer, topic: str) -> list[int]:
     messages = [{"role": "user", "content": f"Write a very long story, chapter by chapter, about {topic}."}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def generate(server: VLLMServer, ids: list[int], tokens: int, xargs: dict) -> list[int]:
@@ -122,6 +123,8 @@ def main() -> None:
     model_dir = prepared_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [prompt_ids(tokenizer, topic) for topic in TOPICS[: args.prompts]]
+    if min(len(p) for p in prompts) < 16:
+        raise SystemExit(f"prompts of {[len(p) for p in prompts]} tokens: the chat template was not applied")
     result: dict = {
         "machine": platform.processor() or platform.machine(),
         "prompts": len(prompts),
