@@ -1,0 +1,36 @@
+"""Checks shared by the e2e tests that compare vLLM's greedy tokens with an HF reference.
+
+Every input is per step along vLLM's tokens: ``vllm_logprobs`` [T] vLLM's log-probability of its token;
+``tokens`` [T]; ``evicted`` / ``full`` [T, vocab] HF log-probabilities with the server's eviction reproduced
+and with the full cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def logprob_gap(vllm_logprobs: torch.Tensor, tokens: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """[T] |log p_vllm(token) - log p_ref(token)| per step."""
+    return (vllm_logprobs - reference[torch.arange(len(tokens)), tokens]).abs()
+
+
+def assert_vllm_sides_with_the_eviction(
+    vllm_logprobs: torch.Tensor,
+    tokens: torch.Tensor,
+    evicted: torch.Tensor,
+    full: torch.Tensor,
+    min_moved: int,
+) -> torch.Tensor:
+    """The control that lets a reference check fail: where the eviction moves HF's log-probability of vLLM's
+    token by more than 0.1 (at least ``min_moved`` steps), vLLM is closer to the evicting run than to the
+    full cache at >= 90 % of them. Returns the [T] bool mask of those steps."""
+    index = torch.arange(len(tokens))
+    moved = (evicted[index, tokens] - full[index, tokens]).abs() > 0.1
+    assert int(moved.sum()) >= min_moved, (
+        "eviction barely changed this request: the comparison would prove nothing"
+    )
+    to_evicted = logprob_gap(vllm_logprobs, tokens, evicted)
+    to_full = logprob_gap(vllm_logprobs, tokens, full)
+    assert float((to_evicted[moved] < to_full[moved]).float().mean()) >= 0.9
+    return moved
