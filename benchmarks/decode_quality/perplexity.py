@@ -29,6 +29,7 @@ from vllm_kvevict.evaluation.haystacks import haystack_sentences
 from vllm_kvevict.hf_reference import load_reference_model
 from vllm_kvevict.hf_reference.decode_eviction import DecodeCap, capped_decode
 from vllm_kvevict.policies.decode import build_decode_policy, decode_method_names
+from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
 
 
 def essay_tokens(tokenizer: PreTrainedTokenizerBase, num_tokens: int, seed: int) -> torch.Tensor:
@@ -55,6 +56,18 @@ def full_cache_nll(model: PreTrainedModel, ids: torch.Tensor, chunk: int = 1024)
     return torch.cat(nll)
 
 
+def decode_policy_from_spec(spec: str) -> DecodeEvictionPolicy:
+    """``name`` or ``name:param=value,...`` (e.g. ``roco:sinks=4``) -> the decode-time policy; the label is
+    the spec. Raises ValueError naming a bad name, parameter or value."""
+    name, _, params = spec.partition(":")
+    if name not in decode_method_names():
+        raise ValueError(f"{name!r} is not one of {', '.join(decode_method_names())}")
+    values = dict(item.split("=", 1) for item in params.split(",") if item)
+    policy = build_decode_policy(name, **{key: json.loads(value) for key, value in values.items()})
+    policy.name = spec
+    return policy
+
+
 def summary(nll: torch.Tensor) -> dict[str, float]:
     mean = float(nll.mean())
     return {"log_ppl": mean, "ppl": math.exp(mean), "tokens_scored": int(nll.shape[0])}
@@ -70,13 +83,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=6144)
     parser.add_argument("--seed", type=int, default=0, help="essay haystack seed")
     parser.add_argument("--caps", type=int, nargs="+", default=[256, 512, 1024])
-    parser.add_argument("--methods", nargs="+", default=["streamingllm", "h2o", "roco", "snapkv"])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["streamingllm", "h2o", "roco", "snapkv"],
+        help="decode methods, each NAME or NAME:param=value,... (e.g. roco:sinks=4)",
+    )
     parser.add_argument("--interval", type=int, default=16, help="generated tokens between re-scores")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    for name in args.methods:
-        if name not in decode_method_names():
-            parser.error(f"--methods: {name!r} is not one of {', '.join(decode_method_names())}")
+    try:
+        policies = {spec: decode_policy_from_spec(spec) for spec in args.methods}
+    except ValueError as error:
+        parser.error(f"--methods: {error}")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_reference_model(prepared_model_dir())
     ids = essay_tokens(tokenizer, args.tokens, args.seed)
@@ -95,7 +114,7 @@ def main() -> None:
     print(f"full: {results['rows'][-1]} ({time.time() - started:.0f} s)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for cap in args.caps:
-        configs = [DecodeCap(build_decode_policy(name), cap) for name in args.methods]
+        configs = [DecodeCap(policies[spec], cap) for spec in args.methods]
         t0 = time.time()
 
         def progress(done: int, t0: float = t0, cap: int = cap) -> None:

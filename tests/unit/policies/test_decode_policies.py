@@ -207,6 +207,20 @@ def test_roco_std_scope_keeps_the_most_volatile_entry() -> None:
     assert kept.tolist() == [[0, 2, 3]]  # ties in mean go to the lower slot
 
 
+def test_roco_sinks_keep_the_first_positions_whatever_their_mean() -> None:
+    # Means 0.05, 0.1, 0.3, 0.2: without sinks entries 2 and 3 win the two free slots; one sink keeps entry
+    # 0 and leaves one slot, to the best mean (2). The window (1 position) is entry 4.
+    state = statistics_state([[0.2, 0.4, 1.2, 0.8, 0.0]], [[4, 4, 4, 4, 1]])
+    key_positions = positions([0, 1, 2, 3, 4])
+    keys = torch.zeros(1, 5, 2)
+    paper, _ = DecodeRoCo(window=1, std_ratio=0.0).select(state, keys, key_positions, 3)
+    sunk, _ = DecodeRoCo(window=1, std_ratio=0.0, sinks=1).select(state, keys, key_positions, 3)
+    assert paper.tolist() == [[2, 3, 4]] and sunk.tolist() == [[0, 2, 4]]
+    assert DecodeRoCo(window=1, sinks=4).min_cap == 5
+    with pytest.raises(ValueError, match="sinks"):
+        DecodeRoCo(sinks=-1)
+
+
 def test_snapkv_keeps_what_the_window_attends_to() -> None:
     # One query looking straight at entry 1's key; the window (1 position) is the newest entry.
     keys = torch.zeros(1, 5, 4)
