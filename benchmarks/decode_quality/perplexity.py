@@ -91,6 +91,12 @@ def main() -> None:
     )
     parser.add_argument("--interval", type=int, default=16, help="generated tokens between re-scores")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--ada-alpha",
+        type=float,
+        default=None,
+        help="Ada-style ragged caps across the heads of a layer (summing to heads x cap) with this safeguard",
+    )
     args = parser.parse_args()
     try:
         policies = {spec: decode_policy_from_spec(spec) for spec in args.methods}
@@ -114,7 +120,7 @@ def main() -> None:
     print(f"full: {results['rows'][-1]} ({time.time() - started:.0f} s)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for cap in args.caps:
-        configs = [DecodeCap(policies[spec], cap) for spec in args.methods]
+        configs = [DecodeCap(policies[spec], cap, ada_alpha=args.ada_alpha) for spec in args.methods]
         t0 = time.time()
 
         def progress(done: int, t0: float = t0, cap: int = cap) -> None:
