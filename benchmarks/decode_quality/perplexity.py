@@ -30,6 +30,7 @@ from vllm_kvevict.hf_reference import load_reference_model
 from vllm_kvevict.hf_reference.decode_eviction import DecodeCap, capped_decode
 from vllm_kvevict.policies.decode import build_decode_policy, decode_method_names
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
+from vllm_kvevict.policies.method_spec import parse_method_spec
 
 
 def essay_tokens(tokenizer: PreTrainedTokenizerBase, num_tokens: int, seed: int) -> torch.Tensor:
@@ -59,11 +60,10 @@ def full_cache_nll(model: PreTrainedModel, ids: torch.Tensor, chunk: int = 1024)
 def decode_policy_from_spec(spec: str) -> DecodeEvictionPolicy:
     """``name`` or ``name:param=value,...`` (e.g. ``roco:sinks=4``) -> the decode-time policy; the label is
     the spec. Raises ValueError naming a bad name, parameter or value."""
-    name, _, params = spec.partition(":")
+    name, params = parse_method_spec(spec)
     if name not in decode_method_names():
         raise ValueError(f"{name!r} is not one of {', '.join(decode_method_names())}")
-    values = dict(item.split("=", 1) for item in params.split(",") if item)
-    policy = build_decode_policy(name, **{key: json.loads(value) for key, value in values.items()})
+    policy = build_decode_policy(name, **params)
     policy.name = spec
     return policy
 

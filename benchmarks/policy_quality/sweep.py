@@ -51,6 +51,7 @@ from vllm_kvevict.hf_reference import (  # noqa: E402
     prefill,
 )
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens  # noqa: E402
+from vllm_kvevict.policies.method_spec import parse_method_spec  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,16 +67,9 @@ def parse_variants(text: str) -> dict[str, EvictionPolicy]:
     variants: dict[str, EvictionPolicy] = {}
     for entry in filter(None, (part.strip() for part in text.split(";"))):
         label, _, spec = entry.partition("=")
-        method, _, raw_params = spec.partition(":")
-        params = {}
-        for item in filter(None, raw_params.split(",")):
-            key, _, value = item.partition("=")
-            try:
-                params[key] = json.loads(value)
-            except json.JSONDecodeError:
-                params[key] = value
-        if not label or not method:
+        if not label or not spec.partition(":")[0]:
             raise ValueError(f"variant {entry!r} must read label=method[:param=value,...]")
+        method, params = parse_method_spec(spec)
         variants[label] = build_policy(method, **params)
     return variants
 
