@@ -7,7 +7,22 @@ and with the full cache.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def tokens_and_logprobs(logprobs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's tokens [T] and their log-probabilities [T] from a completion choice's ``logprobs``, requested
+    with ``return_tokens_as_token_ids`` (each token reads ``token_id:<id>``)."""
+    tokens = [int(token.removeprefix("token_id:")) for token in logprobs.tokens]
+    return torch.tensor(tokens), torch.tensor(logprobs.token_logprobs, dtype=torch.float32)
+
+
+def near_tie_margin(tokens: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """[T] how far vLLM's token is below the reference's best log-probability at each step (0 where they
+    agree)."""
+    return reference.max(dim=-1).values - reference[torch.arange(len(tokens)), tokens]
 
 
 def logprob_gap(vllm_logprobs: torch.Tensor, tokens: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_checks import assert_vllm_sides_with_the_eviction, logprob_gap
+from reference_checks import assert_vllm_sides_with_the_eviction, logprob_gap, tokens_and_logprobs
 
 from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
@@ -89,9 +89,7 @@ def generate(server: VLLMServer, prompt_ids: list[int], others: list[tuple[list[
         side = [pool.submit(complete, ids, 32, extra, 1.0 + i) for i, (ids, extra) in enumerate(others)]
         result = checked.result()
         assert all(s.result().usage.completion_tokens == 32 for s in side)
-    logprobs = result.choices[0].logprobs
-    tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
-    return torch.tensor(tokens), torch.tensor(logprobs.token_logprobs, dtype=torch.float32)
+    return tokens_and_logprobs(result.choices[0].logprobs)
 
 
 def wait_for_zero_usage(server: VLLMServer, timeout_s: float = 60.0) -> float:

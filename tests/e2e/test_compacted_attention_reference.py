@@ -20,7 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_checks import assert_vllm_sides_with_the_eviction, logprob_gap
+from reference_checks import (
+    assert_vllm_sides_with_the_eviction,
+    logprob_gap,
+    near_tie_margin,
+    tokens_and_logprobs,
+)
 
 from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
@@ -96,9 +101,7 @@ def generate_in_vllm(
         others = [pool.submit(complete, ids, 48, 3.0 * i) for i, ids in enumerate(neighbours)]
         result = checked.result()
         assert all(o.result().usage.completion_tokens == 48 for o in others)
-    logprobs = result.choices[0].logprobs
-    tokens = [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
-    return torch.tensor(tokens), torch.tensor(logprobs.token_logprobs, dtype=torch.float32)
+    return tokens_and_logprobs(result.choices[0].logprobs)
 
 
 def kept_argument(evicting, kept: list) -> list:
@@ -169,7 +172,7 @@ def test_first_decode_steps_match_hf_keeping_the_same_entries(run: Run):
     gap = run.gap(run.masked)[:FIRST_STEPS]
     assert float(gap.max()) < 0.15, f"per-step |delta logprob| {gap.tolist()}"
     # vLLM's greedy token is HF's best, or within a near-tie of it (bf16 vs float32).
-    assert float(near_tie_margin(run)[:FIRST_STEPS].max()) < 0.1
+    assert float(near_tie_margin(run.tokens, run.masked)[:FIRST_STEPS].max()) < 0.1
 
 
 def test_512_tokens_after_compaction_match_hf_keeping_the_same_entries(run: Run):
@@ -177,13 +180,7 @@ def test_512_tokens_after_compaction_match_hf_keeping_the_same_entries(run: Run)
     assert float(gap.mean()) < 0.03 and float(gap.quantile(0.99)) < 0.25 and float(gap.max()) < 0.6, (
         f"mean {gap.mean():.4f} p99 {gap.quantile(0.99):.4f} max {gap.max():.4f} at step {int(gap.argmax())}"
     )
-    assert float(near_tie_margin(run).max()) < 0.25
-
-
-def near_tie_margin(run: Run) -> torch.Tensor:
-    """[T] how far vLLM's token is below HF's best log-probability at each step (0 where they agree)."""
-    chosen = run.masked[torch.arange(len(run.tokens)), run.tokens]
-    return run.masked.max(dim=-1).values - chosen
+    assert float(near_tie_margin(run.tokens, run.masked).max()) < 0.25
 
 
 def test_vllm_follows_the_masked_reference_where_eviction_changes_the_output(run: Run):

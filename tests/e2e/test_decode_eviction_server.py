@@ -53,7 +53,10 @@ GENERATED = "vllm:generation_tokens_total"
 RUNNING = "vllm:num_requests_running"
 START_OTHERS_AT = 400  # the capped request's output tokens when the other two are sent
 ALONE_AFTER = 800  # the capped request's output tokens from which its usage is checked alone on the server
-OTHERS_TOKENS = 300 + 8  # what the uncapped and the prefilled request generate
+UNCAPPED_TOKENS, PREFILL_TOKENS = 300, 8  # what the uncapped and the prefilled request generate
+OTHERS_TOKENS = UNCAPPED_TOKENS + PREFILL_TOKENS
+# The most blocks a capped request holds (the start-up line's "holds <= ..."), whatever its length.
+HELD_BLOCKS_BOUND = cdiv(CAP + SLACK, BLOCK_SIZE) + 1
 DECODE_BLOCKS_FREED = "vllm_kvevict_decode_blocks_freed_total"
 
 
@@ -139,8 +142,7 @@ def scrape(server: VLLMServer, generated_before: float, others_done: bool) -> Sa
 def capped_held_fraction_bound(prompt_tokens: int, capped_generated: float) -> float:
     """The largest usage / (usage + saved) of the capped request alone: the blocks the start-up line promises
     (``holds <= ...``) over the blocks its prompt and outputs would take uncapped."""
-    held = cdiv(CAP + SLACK, BLOCK_SIZE) + 1
-    return held / cdiv(prompt_tokens + int(capped_generated), BLOCK_SIZE)
+    return HELD_BLOCKS_BOUND / cdiv(prompt_tokens + int(capped_generated), BLOCK_SIZE)
 
 
 def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_and_prefilling_ones(
@@ -159,9 +161,12 @@ def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_a
     results: dict[str, object] = {}
     others = [
         threading.Thread(
-            target=complete, args=(server, "Count slowly:", 300, {"kv_eviction": "none"}, results, "uncapped")
+            target=complete,
+            args=(server, "Count slowly:", UNCAPPED_TOKENS, {"kv_eviction": "none"}, results, "uncapped"),
         ),
-        threading.Thread(target=complete, args=(server, long_prompt(5000), 8, None, results, "prefill")),
+        threading.Thread(
+            target=complete, args=(server, long_prompt(5000), PREFILL_TOKENS, None, results, "prefill")
+        ),
     ]
     capped = threading.Thread(
         target=complete,
@@ -179,7 +184,8 @@ def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_a
     for thread in others:
         thread.join()
     assert results["capped"].completion_tokens == OUTPUT_TOKENS
-    assert (results["uncapped"].completion_tokens, results["prefill"].completion_tokens) == (300, 8)
+    assert results["uncapped"].completion_tokens == UNCAPPED_TOKENS
+    assert results["prefill"].completion_tokens == PREFILL_TOKENS
 
     # Alone on the server once the others are done (every token of theirs counted), from ALONE_AFTER of its
     # own tokens on, the capped request's usage is within what its cap allows of what it would hold uncapped.
@@ -228,6 +234,5 @@ def test_aborting_a_capped_request_mid_decode_returns_its_blocks(server):
 
 def test_the_start_up_line_states_the_decode_cap(server):
     log = Path(server.log_path).read_text()
-    bound = cdiv(CAP + SLACK, BLOCK_SIZE) + 1
     assert f"re-scored every {INTERVAL} tokens down to {CAP} (at most {CAP + SLACK} entries per head)" in log
-    assert f"holds <= {bound} blocks" in log
+    assert f"holds <= {HELD_BLOCKS_BOUND} blocks" in log
