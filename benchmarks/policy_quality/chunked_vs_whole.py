@@ -48,7 +48,9 @@ TASKS = (
 BLOCK_SIZE = 32
 
 
-def rows_for_prompt(model, tokenizer, sample, methods, fractions, chunk_budgets, chunk: int, batch_bytes):
+def rows_for_prompt(
+    model, tokenizer, sample, methods, fractions, chunk_budgets, chunk: int, batch_bytes, betweens=("window",)
+):
     """Every (variant, fraction) row of one prompt, decoded and scored."""
     ids = torch.tensor(sample.token_ids)
     n = len(sample.token_ids)
@@ -70,8 +72,11 @@ def rows_for_prompt(model, tokenizer, sample, methods, fractions, chunk_budgets,
             ]
             runs.append((f"{method} whole", fraction, whole, kept))
             for factor in chunk_budgets:
-                chunked = chunked_prefill(model, ids, policy, with_chunk_budget(plan, factor), chunk)
-                runs.append((f"{method} chunked@{factor:g}", fraction, chunked.prompt, chunked.kept))
+                for between in betweens:
+                    chunk_plan = with_chunk_budget(plan, factor)
+                    chunked = chunked_prefill(model, ids, policy, chunk_plan, chunk, between)
+                    label = f"{method} chunked@{factor:g}" + ("" if between == "window" else f" {between}")
+                    runs.append((label, fraction, chunked.prompt, chunked.kept))
     rows = []
     for label, fraction, prompt, kept in runs:
         (tokens,) = decode_in_batches(model, prompt, [kept], new_tokens, n, stops, finished, batch_bytes)
@@ -99,6 +104,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--fractions", default="0.25,0.1")
     parser.add_argument("--chunk-budgets", default="1.5", help="intermediate budgets I, multiples of B'")
+    parser.add_argument(
+        "--between", default="window", help="how held entries are judged between chunks (BETWEEN_KINDS)"
+    )
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size (max_num_batched_tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -133,6 +141,7 @@ def main() -> None:
                 [float(c) for c in args.chunk_budgets.split(",")],
                 args.chunk,
                 args.batch_bytes,
+                args.between.split(","),
             )
             with args.out.open("a") as out:
                 for row in rows:

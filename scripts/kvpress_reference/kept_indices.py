@@ -32,13 +32,22 @@ from kvpress import (
     AdaKVPress,
     CriticalAdaKVPress,
     CriticalKVPress,
+    KeyDiffPress,
     PyramidKVPress,
     SnapKVPress,
     StreamingLLMPress,
 )
 from torch import nn
 
-PRESSES = ("snapkv", "pyramidkv", "ada-snapkv", "critical-snapkv", "critical-ada-snapkv", "streamingllm")
+PRESSES = (
+    "snapkv",
+    "pyramidkv",
+    "ada-snapkv",
+    "critical-snapkv",
+    "critical-ada-snapkv",
+    "streamingllm",
+    "keydiff",
+)
 
 
 def build_press(name: str, compression_ratio: float, params: dict):
@@ -61,6 +70,8 @@ def build_press(name: str, compression_ratio: float, params: dict):
     if name == "streamingllm":
         sinks = {"n_sink": params["n_sink"]} if "n_sink" in params else {}
         return StreamingLLMPress(compression_ratio=compression_ratio, **sinks)
+    if name == "keydiff":
+        return KeyDiffPress(compression_ratio=compression_ratio)
     raise ValueError(f"unknown press {name!r}; choose one of {', '.join(PRESSES)}")
 
 

@@ -27,6 +27,7 @@ SHARED_METHODS = (
     "critical-snapkv",
     "critical-ada-snapkv",
     "streamingllm",
+    "keydiff",
 )
 
 
@@ -89,6 +90,8 @@ def our_kept(method: str, layers: list[LayerKV], compression_ratio: float, **par
 
 def method_params(method: str, extra: dict | None = None) -> dict:
     """Our parameters matching kvpress's defaults for ``method`` (+ ``extra``)."""
-    params = {} if method == "streamingllm" else dict(KVPRESS_ALIKE)
+    # KeyDiffPress keeps no sinks and no window: ours without them is the same score.
+    params = {"streamingllm": {}, "keydiff": {"window": 0, "sinks": 0}}.get(method, KVPRESS_ALIKE)
+    params = dict(params)
     params.update(extra or {})
     return params

@@ -68,15 +68,22 @@ class ChunkedPrefill:
 
 @torch.inference_mode()
 def chunked_prefill(
-    model: PreTrainedModel, input_ids: torch.Tensor, policy: EvictionPolicy, plan: RequestPlan, chunk: int
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    policy: EvictionPolicy,
+    plan: RequestPlan,
+    chunk: int,
+    between: str = "window",
 ) -> ChunkedPrefill:
     """Prefill ``input_ids`` [n] in chunks of ``chunk`` tokens with ``plan``'s per-chunk rule (the server's
     ``RequestPlan``): after a chunk that moves the offset every layer keeps ``a(n)`` entries per head with
     ``between_chunks(policy)`` (scored from the held entries in position order and the chunk's last window
     of queries), and the final chunk keeps the plan's layer budgets with ``policy`` itself — the selection
-    of ``vllm_adapter/chunk_eviction.py``, in float32 on HF's cache. The window must fit in one chunk."""
+    of ``vllm_adapter/chunk_eviction.py``, in float32 on HF's cache. The window must fit in one chunk.
+    ``between``: how the held entries are judged between chunks (``between_chunks.BETWEEN_KINDS``)."""
     ids = input_ids.reshape(-1).to(model.device)
     total = int(ids.shape[0])
+    intermediate = between_chunks(policy, between)
     if total != plan.prompt_len:
         raise ValueError(f"plan is for {plan.prompt_len} tokens, the prompt has {total}")
     cache = DynamicCache(config=model.config)
@@ -89,7 +96,7 @@ def chunked_prefill(
     while start < total:
         end = min(total, start + chunk)
         final = end == total
-        window = max(policy.query_window(end), between_chunks(policy).query_window(end))
+        window = max(policy.query_window(end), intermediate.query_window(end))
         masks = evicting(model, [positions_as_kept(held)], held_end) if held is not None else nullcontext()
         with masks, recording(model, window) as recorders:
             out = model(
@@ -117,7 +124,7 @@ def chunked_prefill(
                     num_layers=num_layers,
                     o_proj=weights[layer_idx],
                 )
-                selector = policy if final else between_chunks(policy)
+                selector = policy if final else intermediate
                 budget = plan.layer_budgets[layer_idx] if final else plan.kept_length_at(end)
                 choice = selector.select(layer, min(budget, layer.num_tokens))
                 kept.append(KeptTokens(gather_kept(positions, choice), choice.counts))

@@ -4,6 +4,7 @@ from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, resolve_budget
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.h2o import H2O
+from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.nacl import NaCl
 from vllm_kvevict.policies.pyramidkv import PyramidKV
 from vllm_kvevict.policies.registry import MethodInfo, available_methods, build_policy, method_names
@@ -17,6 +18,7 @@ __all__ = [
     "EvictionPolicy",
     "H2O",
     "KeptTokens",
+    "KeyDiff",
     "LayerKV",
     "MethodInfo",
     "NaCl",

@@ -3,15 +3,69 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from vllm_kvevict.policies.adakv import AdaKV
-from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, check_fraction
 from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.keydiff import KeyDiff
+from vllm_kvevict.policies.selection import always_kept_mask, top_k_mask
+
+#: How a prompt is judged between chunks: by the method's own scores from the chunk's last queries
+#: ("window"), by key distinctiveness alone ("keydiff"), or half each ("blend").
+BETWEEN_KINDS: tuple[str, ...] = ("window", "keydiff", "blend")
+DEFAULT_BETWEEN = "window"
 
 
-def between_chunks(policy: EvictionPolicy) -> EvictionPolicy:
-    """``policy`` with its per-head allocation taken out (Ada-KV's shared stage), so every head keeps the same
-    count and the next chunk scores a dense ``[H, L]`` sequence; other methods unchanged."""
+@dataclass
+class Blend(EvictionPolicy):
+    """``first_share`` of each head's budget by ``first``'s scores, the rest by ``second``'s among the
+    tokens the first stage left (both uniform scorers; every head keeps ``budget``)."""
+
+    first: ScoredPolicy
+    second: ScoredPolicy
+    first_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_fraction(type(self).__name__, "first_share", self.first_share, 0.0, 1.0)
+
+    @property
+    def min_budget(self) -> int:
+        return max(self.first.min_budget, self.second.min_budget)
+
+    def query_window(self, num_tokens: int) -> int:
+        return max(self.first.query_window(num_tokens), self.second.query_window(num_tokens))
+
+    def select(self, layer: LayerKV, budget: int) -> KeptTokens:
+        if (everything := self.keep_all_or_check(layer, budget)) is not None:
+            return everything
+        first = self.first.score(layer, budget)
+        forced = always_kept_mask(first)
+        share = int(budget * self.first_share)
+        extra = (share - forced.sum(dim=1)).clamp(min=0)
+        stage1 = forced | top_k_mask(first, extra, eligible=~forced)
+        rest = (budget - stage1.sum(dim=1)).clamp(min=0)
+        second = self.second.score(layer, budget)
+        return KeptTokens.from_mask(stage1 | top_k_mask(second, rest, eligible=~stage1))
+
+
+def between_chunks(policy: EvictionPolicy, kind: str = DEFAULT_BETWEEN) -> EvictionPolicy:
+    """The policy that keeps a prompt's intermediate budget between chunks: ``policy`` with its per-head
+    allocation taken out (Ada-KV's shared stage), so every head keeps the same count and the next chunk
+    scores a dense ``[H, L]`` sequence, judged as ``kind`` (``BETWEEN_KINDS``) says."""
+    if kind not in BETWEEN_KINDS:
+        raise ValueError(f"between={kind!r} is not valid; choose one of {', '.join(BETWEEN_KINDS)}")
+    uniform = _uniform(policy)
+    if kind == "window":
+        return uniform
+    # KeyDiff keeps the same recent window as the method, so the next chunk sees its own context.
+    keydiff = KeyDiff(window=int(getattr(uniform, "window", KeyDiff.window)))
+    if kind == "blend" and isinstance(uniform, ScoredPolicy):
+        return Blend(uniform, keydiff)
+    return keydiff  # "keydiff", and "blend" for a method whose own scores are not one ScoredPolicy
+
+
+def _uniform(policy: EvictionPolicy) -> EvictionPolicy:
     if isinstance(policy, AdaKV):
         return policy.inner
     if isinstance(policy, CriticalKV) and isinstance(policy.inner, AdaKV):

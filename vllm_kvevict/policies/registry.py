@@ -11,6 +11,7 @@ from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.h2o import H2O
+from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.nacl import NaCl
 from vllm_kvevict.policies.pyramidkv import PyramidKV
 from vllm_kvevict.policies.roco import RoCo
@@ -106,6 +107,7 @@ _register(
 _register(
     "nacl", "proxy-token (window) attention top-k plus seeded per-head random sampling by score", NaCl, NaCl
 )
+_register("keydiff", "keys least like their head's mean key (no queries), sinks and recent", KeyDiff, KeyDiff)
 _register("roco", "mean attention received, most volatile (high std) tokens kept, plus recent", RoCo, RoCo)
 
 

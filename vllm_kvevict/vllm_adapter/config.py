@@ -17,6 +17,7 @@ import yaml
 
 from vllm_kvevict.layout.accounting import CHUNK_BUDGET_FLOOR
 from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, DEFAULT_BETWEEN
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
 from vllm_kvevict.policies.decode.registry import (
     build_decode_policy,
@@ -28,12 +29,12 @@ from vllm_kvevict.policies.registry import available_methods, build_policy
 
 #: key of the eviction settings inside vLLM's ``additional_config``.
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
-_KNOWN_KEYS = ("method", "budget", "params", "decode", "prefill", "chunk_budget")
+_KNOWN_KEYS = ("method", "budget", "params", "decode", "prefill", "chunk_budget", "between")
 #: how a prompt is evicted: chunk by chunk as vLLM's chunked prefill computes it, or once when it is whole
 #: (after its last chunk; vLLM's chunked prefill stays on either way unless a decode-time cap is set).
 PREFILL_MODES = ("chunked", "whole")
 #: settings of the prefill schedule that ``--kv-eviction-config`` may carry beside the method parameters.
-PREFILL_KEYS = ("prefill", "chunk_budget")
+PREFILL_KEYS = ("prefill", "chunk_budget", "between")
 #: I between chunks, as a multiple of the final budget (docs/benchmarks.md: the memory it allows).
 DEFAULT_CHUNK_BUDGET = 1.5
 _DECODE_KEYS = ("method", "budget", "interval", "params", "allocation")
@@ -208,6 +209,9 @@ class EvictionConfig:
         stays on in both, unless a decode-time cap is set.
     chunk_budget: kept tokens per KV head between chunks: an int >= 1 (tokens, at least the final budget)
         or a float >= 1.0 (a multiple of the final budget, at least ``CHUNK_BUDGET_FLOOR`` = 512 tokens).
+    between: how a prompt's held entries are judged between chunks (``BETWEEN_KINDS``): "window" (the
+        method's scores from the chunk's last queries), "keydiff" (key distinctiveness, no queries) or
+        "blend" (half each).
     """
 
     method: str
@@ -216,6 +220,7 @@ class EvictionConfig:
     decode: DecodeConfig | None = None
     prefill: str = "whole"
     chunk_budget: int | float = DEFAULT_CHUNK_BUDGET
+    between: str = DEFAULT_BETWEEN
 
     def __post_init__(self) -> None:
         names = method_names()
@@ -237,6 +242,10 @@ class EvictionConfig:
                 f"kv_eviction.prefill={self.prefill!r} is not valid; valid: {', '.join(PREFILL_MODES)}"
             )
         object.__setattr__(self, "chunk_budget", parse_chunk_budget(self.chunk_budget))
+        if self.between not in BETWEEN_KINDS:
+            raise EvictionConfigError(
+                f"kv_eviction.between={self.between!r} is not valid; valid: {', '.join(BETWEEN_KINDS)}"
+            )
 
     def build_policy(self) -> EvictionPolicy:
         return build_policy(self.method, **self.params)
@@ -259,6 +268,7 @@ class EvictionConfig:
             "params": dict(self.params),
             "prefill": self.prefill,
             "chunk_budget": self.chunk_budget,
+            "between": self.between,
         }
         if self.decode is not None:
             raw["decode"] = self.decode.to_dict()
@@ -305,7 +315,7 @@ class EvictionConfig:
         decode = f"; {self.decode.describe()}" if self.decode is not None else ""
         if self.chunked:
             floor = f" (x B', >= {CHUNK_BUDGET_FLOOR} tokens)" if isinstance(self.chunk_budget, float) else ""
-            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}{floor}"
+            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}{floor} between={self.between}"
         elif not self.keeps_chunked_prefill:
             prefill = "prefill=whole (a decode-time cap needs whole prompts)"
         else:

@@ -12,6 +12,7 @@ from vllm_kvevict.policies import (
     H2O,
     AdaKV,
     CriticalKV,
+    KeyDiff,
     NaCl,
     PyramidKV,
     RoCo,
@@ -23,7 +24,7 @@ from vllm_kvevict.policies import (
     resolve_budget,
 )
 
-TEN_METHODS = [
+REGISTERED_METHODS = [
     "snapkv",
     "pyramidkv",
     "ada-snapkv",
@@ -33,13 +34,14 @@ TEN_METHODS = [
     "streamingllm",
     "h2o",
     "nacl",
+    "keydiff",
     "roco",
 ]
 
 
-def test_registry_holds_the_ten_methods() -> None:
-    assert method_names() == TEN_METHODS
-    assert [m.name for m in available_methods()] == TEN_METHODS
+def test_registry_holds_the_eleven_methods() -> None:
+    assert method_names() == REGISTERED_METHODS
+    assert [m.name for m in available_methods()] == REGISTERED_METHODS
 
 
 def test_names_map_to_composed_policies_with_paper_defaults() -> None:
@@ -54,6 +56,7 @@ def test_names_map_to_composed_policies_with_paper_defaults() -> None:
     assert isinstance(build_policy("h2o"), H2O)
     assert isinstance(build_policy("nacl"), NaCl)
     assert isinstance(build_policy("roco"), RoCo)
+    assert build_policy("keydiff") == KeyDiff(window=32, sinks=4)
 
 
 def test_parameters_reach_every_part_of_a_composed_policy() -> None:
@@ -127,7 +130,7 @@ def test_resolve_budget_rejects_other_values_naming_them(bad: object) -> None:
 def test_methods_subcommand_prints_one_line_per_method(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["methods"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == TEN_METHODS
+    assert [line.split()[0] for line in lines] == REGISTERED_METHODS
     ada = next(line for line in lines if line.startswith("ada-snapkv "))
     assert "window=32" in ada and "kernel=7" in ada and "pooling='max'" in ada and "alpha=0.2" in ada
     assert "sinks=4" in next(line for line in lines if line.startswith("streamingllm"))
@@ -137,4 +140,4 @@ def test_methods_console_script_runs() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "vllm_kvevict.cli.main", "methods"], capture_output=True, text=True, check=True
     ).stdout
-    assert len(out.splitlines()) == 10 and out.startswith("snapkv")
+    assert len(out.splitlines()) == len(REGISTERED_METHODS) and out.startswith("snapkv")
