@@ -12,7 +12,9 @@ PROMPT = 400
 CHUNK = 96  # chunks end at 96, 192, 288, 384, then 400
 
 
-def chunk_config(method: str, budget: int = 64, chunk_budget: int | float = 96) -> EvictionConfig:
+def chunk_config(
+    method: str, budget: int = 64, chunk_budget: int | float = 96, between: str = "window"
+) -> EvictionConfig:
     """Prefill eviction only (StreamingLLM and H2O imply a decode-time cap, which keeps prompts whole)."""
     return EvictionConfig.from_dict(
         {
@@ -20,6 +22,7 @@ def chunk_config(method: str, budget: int = 64, chunk_budget: int | float = 96) 
             "budget": budget,
             "prefill": "chunked",
             "chunk_budget": chunk_budget,
+            "between": between,
             "decode": {"method": "none"},
         }
     )
@@ -35,15 +38,23 @@ def prefill_in_chunks(engine: SimulatedEngine, req_id: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "method", ["snapkv", "ada-snapkv", "pyramidkv", "critical-ada-snapkv", "streamingllm", "nacl", "h2o"]
+    ("method", "between"),
+    [
+        *[(m, "window") for m in ("snapkv", "ada-snapkv", "pyramidkv", "critical-ada-snapkv")],
+        *[(m, "window") for m in ("streamingllm", "nacl", "h2o", "keydiff")],
+        ("ada-snapkv", "keydiff"),
+        ("ada-snapkv", "blend"),
+        ("critical-ada-snapkv", "blend"),
+    ],
 )
 def test_each_chunk_leaves_every_head_its_intermediate_budget_in_the_blocks_the_scheduler_keeps(
-    method, caplog
+    method, between, caplog
 ):
     """Between chunks each head holds exactly a(n) = n - O(n) of its own entries (the newest window
     included, ascending), only in blocks [blocks_freed_at(n), ...); once the prompt is complete each layer
     holds H x its layer budget, and decoding then appends to every head."""
-    engine = SimulatedEngine(chunk_config(method))
+    engine = SimulatedEngine(chunk_config(method, between=between))
+    assert engine.worker.chunks.between == between
     plan = engine.worker.plan_for(PROMPT)
     assert plan.compacts and plan.chunk_budget == 96
     done = 0

@@ -1,0 +1,83 @@
+"""KeyDiff and the selections a prompt is judged by between chunks (``policies/between_chunks.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from policy_layers import random_layer
+
+from vllm_kvevict.policies import AdaKV, KeyDiff, LayerKV, SnapKV, build_policy
+from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, Blend, between_chunks
+
+
+def clustered_layer(n: int = 40, odd: tuple[int, ...] = (9, 23)) -> LayerKV:
+    """One KV head whose keys all point along e0 with small noise, except tokens ``odd`` along e1."""
+    g = torch.Generator().manual_seed(1)
+    keys = torch.zeros(1, n, 8)
+    keys[0, :, 0] = 1.0
+    keys[0, :, 2:] = 0.05 * torch.randn(n, 6, generator=g)
+    for token in odd:
+        keys[0, token] = torch.zeros(8)
+        keys[0, token, 1] = 1.0
+    return LayerKV(keys=keys, values=torch.randn(1, n, 8, generator=g), queries=torch.zeros(1, 0, 8))
+
+
+def test_keydiff_keeps_the_keys_unlike_the_rest_then_sinks_and_window() -> None:
+    layer = clustered_layer()
+    kept = KeyDiff(window=4, sinks=2).select(layer, 8)
+    assert kept.head(0).tolist() == [0, 1, 9, 23, 36, 37, 38, 39]
+
+
+def test_keydiff_without_sinks_or_window_ranks_by_minus_the_cosine_to_the_mean_key() -> None:
+    layer = random_layer(kv_heads=2, n=30, w=0)
+    scores = KeyDiff(window=0, sinks=0).score(layer, 10)
+    keys = torch.nn.functional.normalize(layer.keys, dim=-1)
+    anchor = keys.mean(dim=1, keepdim=True)
+    expected = -torch.nn.functional.cosine_similarity(layer.keys, anchor, dim=-1)
+    torch.testing.assert_close(scores, expected)
+
+
+def test_keydiff_needs_no_queries_and_refuses_a_budget_below_what_it_always_keeps() -> None:
+    policy = KeyDiff(window=8, sinks=4)
+    assert policy.query_window(100) == 0
+    with pytest.raises(ValueError, match="below the 12 tokens it always keeps"):
+        policy.select(clustered_layer(), 11)
+    with pytest.raises(ValueError, match="window=-1"):
+        KeyDiff(window=-1)
+
+
+def test_blend_keeps_its_first_share_by_the_first_scores_and_the_rest_by_the_second() -> None:
+    layer = random_layer(kv_heads=2, n=60, w=32)
+    first, second = SnapKV(window=8, kernel=1, span_after=0), KeyDiff(window=0, sinks=0)
+    kept = Blend(first, second, first_share=0.5).select(layer, 20)
+    assert kept.counts.tolist() == [20, 20]
+    first_scores, second_scores = first.score(layer, 20), second.score(layer, 20)
+    for head in range(2):
+        chosen = set(kept.head(head).tolist())
+        by_first = set(first_scores[head].topk(10).indices.tolist())
+        assert by_first <= chosen
+        rest = torch.tensor(sorted(set(range(60)) - by_first))
+        by_second = rest[second_scores[head, rest].topk(10).indices]
+        assert chosen == by_first | set(by_second.tolist())
+
+
+def test_between_chunks_takes_out_ada_allocation_and_judges_as_told() -> None:
+    ada = build_policy("ada-snapkv", window=16)
+    assert isinstance(ada, AdaKV)
+    assert between_chunks(ada) == ada.inner
+    assert between_chunks(ada, "window") == ada.inner
+    assert between_chunks(ada, "keydiff") == KeyDiff(window=16)
+    blend = between_chunks(ada, "blend")
+    assert isinstance(blend, Blend) and blend.first == ada.inner and blend.second == KeyDiff(window=16)
+    streaming = between_chunks(build_policy("streamingllm"), "blend")
+    assert isinstance(streaming, Blend) and streaming.second == KeyDiff(window=32)  # KeyDiff's own window
+    with pytest.raises(ValueError, match="between='question' is not valid; choose one of window"):
+        between_chunks(ada, "question")
+
+
+@pytest.mark.parametrize("kind", BETWEEN_KINDS)
+def test_every_kind_keeps_the_same_count_in_every_head(kind: str) -> None:
+    layer = random_layer(kv_heads=3, n=200, w=32)
+    kept = between_chunks(build_policy("ada-snapkv"), kind).select(layer, 64)
+    assert kept.counts.tolist() == [64, 64, 64]
+    assert set(range(168, 200)) <= set(kept.head(0).tolist())  # the newest window is held for the next chunk
