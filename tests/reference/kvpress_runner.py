@@ -90,8 +90,8 @@ def our_kept(method: str, layers: list[LayerKV], compression_ratio: float, **par
 
 def method_params(method: str, extra: dict | None = None) -> dict:
     """Our parameters matching kvpress's defaults for ``method`` (+ ``extra``)."""
-    # KeyDiffPress keeps no sinks and no window: ours without them is the same score.
-    params = {"streamingllm": {}, "keydiff": {"window": 0, "sinks": 0}}.get(method, KVPRESS_ALIKE)
-    params = dict(params)
+    # KeyDiffPress keeps no sinks, no window and no span: ours without them is the same score.
+    keydiff = {"window": 0, "sinks": 0, "span_after": 0}
+    params = dict({"streamingllm": {}, "keydiff": keydiff}.get(method, KVPRESS_ALIKE))
     params.update(extra or {})
     return params

@@ -24,13 +24,13 @@ def clustered_layer(n: int = 40, odd: tuple[int, ...] = (9, 23)) -> LayerKV:
 
 def test_keydiff_keeps_the_keys_unlike_the_rest_then_sinks_and_window() -> None:
     layer = clustered_layer()
-    kept = KeyDiff(window=4, sinks=2).select(layer, 8)
+    kept = KeyDiff(window=4, sinks=2, span_after=0).select(layer, 8)
     assert kept.head(0).tolist() == [0, 1, 9, 23, 36, 37, 38, 39]
 
 
 def test_keydiff_without_sinks_or_window_ranks_by_minus_the_cosine_to_the_mean_key() -> None:
     layer = random_layer(kv_heads=2, n=30, w=0)
-    scores = KeyDiff(window=0, sinks=0).score(layer, 10)
+    scores = KeyDiff(window=0, sinks=0, span_after=0).score(layer, 10)
     keys = torch.nn.functional.normalize(layer.keys, dim=-1)
     anchor = keys.mean(dim=1, keepdim=True)
     expected = -torch.nn.functional.cosine_similarity(layer.keys, anchor, dim=-1)
@@ -48,7 +48,7 @@ def test_keydiff_needs_no_queries_and_refuses_a_budget_below_what_it_always_keep
 
 def test_blend_keeps_its_first_share_by_the_first_scores_and_the_rest_by_the_second() -> None:
     layer = random_layer(kv_heads=2, n=60, w=32)
-    first, second = SnapKV(window=8, kernel=1, span_after=0), KeyDiff(window=0, sinks=0)
+    first, second = SnapKV(window=8, kernel=1, span_after=0), KeyDiff(window=0, sinks=0, span_after=0)
     kept = Blend(first, second, first_share=0.5).select(layer, 20)
     assert kept.counts.tolist() == [20, 20]
     first_scores, second_scores = first.score(layer, 20), second.score(layer, 20)
@@ -81,3 +81,9 @@ def test_every_kind_keeps_the_same_count_in_every_head(kind: str) -> None:
     kept = between_chunks(build_policy("ada-snapkv"), kind).select(layer, 64)
     assert kept.counts.tolist() == [64, 64, 64]
     assert set(range(168, 200)) <= set(kept.head(0).tolist())  # the newest window is held for the next chunk
+
+
+def test_keydiff_span_after_keeps_the_run_after_a_distinctive_key() -> None:
+    layer = clustered_layer(odd=(9,))
+    kept = KeyDiff(window=4, sinks=2, span_after=3).select(layer, 10)
+    assert kept.head(0).tolist() == [0, 1, 9, 10, 11, 12, 36, 37, 38, 39]

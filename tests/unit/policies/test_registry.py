@@ -56,7 +56,7 @@ def test_names_map_to_composed_policies_with_paper_defaults() -> None:
     assert isinstance(build_policy("h2o"), H2O)
     assert isinstance(build_policy("nacl"), NaCl)
     assert isinstance(build_policy("roco"), RoCo)
-    assert build_policy("keydiff") == KeyDiff(window=32, sinks=4)
+    assert build_policy("keydiff") == KeyDiff(window=32, sinks=4, span_after=8)
 
 
 def test_parameters_reach_every_part_of_a_composed_policy() -> None:
