@@ -39,6 +39,7 @@ from vllm_kvevict.hf_reference import load_reference_model, prefill  # noqa: E40
 from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
 from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
+from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, DEFAULT_BETWEEN  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 
 TASKS = (
@@ -105,7 +106,9 @@ def main() -> None:
     parser.add_argument("--fractions", default="0.25,0.1")
     parser.add_argument("--chunk-budgets", default="1.5", help="intermediate budgets I, multiples of B'")
     parser.add_argument(
-        "--between", default="window", help="how held entries are judged between chunks (BETWEEN_KINDS)"
+        "--between",
+        default=DEFAULT_BETWEEN,
+        help=f"how held entries are judged between chunks, comma-separated: {', '.join(BETWEEN_KINDS)}",
     )
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size (max_num_batched_tokens)")
     parser.add_argument("--seed", type=int, default=0)

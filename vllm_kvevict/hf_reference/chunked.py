@@ -18,7 +18,7 @@ from vllm_kvevict.hf_reference.generation import evicting
 from vllm_kvevict.hf_reference.model import o_proj_weights
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
-from vllm_kvevict.policies.between_chunks import between_chunks
+from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN, between_chunks
 
 #: (computed tokens after an evicting chunk, per layer what each head held then).
 ChunkHeld = tuple[int, Sequence[KeptTokens]]
@@ -73,7 +73,7 @@ def chunked_prefill(
     policy: EvictionPolicy,
     plan: RequestPlan,
     chunk: int,
-    between: str = "window",
+    between: str = DEFAULT_BETWEEN,
 ) -> ChunkedPrefill:
     """Prefill ``input_ids`` [n] in chunks of ``chunk`` tokens with ``plan``'s per-chunk rule (the server's
     ``RequestPlan``): after a chunk that moves the offset every layer keeps ``a(n)`` entries per head with

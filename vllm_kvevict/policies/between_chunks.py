@@ -14,7 +14,9 @@ from vllm_kvevict.policies.selection import always_kept_mask, top_k_mask
 #: How a prompt is judged between chunks: by the method's own scores from the chunk's last queries
 #: ("window"), by key distinctiveness alone ("keydiff"), or half each ("blend").
 BETWEEN_KINDS: tuple[str, ...] = ("window", "keydiff", "blend")
-DEFAULT_BETWEEN = "window"
+#: The chunk's last queries are mid-document text that does not look at a needle the question will ask for;
+#: half the intermediate budget by KeyDiff keeps it (docs/quality.md, "Per-chunk eviction").
+DEFAULT_BETWEEN = "blend"
 
 
 @dataclass

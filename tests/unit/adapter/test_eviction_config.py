@@ -119,7 +119,7 @@ def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
         "params": {},
         "prefill": "whole",
         "chunk_budget": 1.5,
-        "between": "window",
+        "between": "blend",
     }
     assert engine_args.enable_prefix_caching is True  # evicting requests skip it themselves
     assert engine_args.enable_chunked_prefill is True  # prompts are evicted once, after their last chunk

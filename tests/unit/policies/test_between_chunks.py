@@ -64,10 +64,10 @@ def test_blend_keeps_its_first_share_by_the_first_scores_and_the_rest_by_the_sec
 def test_between_chunks_takes_out_ada_allocation_and_judges_as_told() -> None:
     ada = build_policy("ada-snapkv", window=16)
     assert isinstance(ada, AdaKV)
-    assert between_chunks(ada) == ada.inner
     assert between_chunks(ada, "window") == ada.inner
     assert between_chunks(ada, "keydiff") == KeyDiff(window=16)
-    blend = between_chunks(ada, "blend")
+    blend = between_chunks(ada)
+    assert between_chunks(ada, "blend") == blend
     assert isinstance(blend, Blend) and blend.first == ada.inner and blend.second == KeyDiff(window=16)
     streaming = between_chunks(build_policy("streamingllm"), "blend")
     assert isinstance(streaming, Blend) and streaming.second == KeyDiff(window=32)  # KeyDiff's own window
