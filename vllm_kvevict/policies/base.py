@@ -109,6 +109,13 @@ class KeptTokens:
         indices = torch.where(indices == n, -1, indices)
         return cls(indices=indices, counts=counts)
 
+    def to_mask(self, num_tokens: int) -> torch.Tensor:
+        """[kv_heads, num_tokens] bool, True at each head's kept tokens (``from_mask``'s inverse)."""
+        heads = self.counts.shape[0]
+        mask = torch.zeros(heads, num_tokens + 1, dtype=torch.bool, device=self.indices.device)
+        index = torch.where(self.indices >= 0, self.indices, num_tokens).reshape(heads, -1)
+        return mask.scatter_(1, index, True)[:, :num_tokens]
+
     @classmethod
     def everything(cls, kv_heads: int, n: int, device: torch.device | str = "cpu") -> KeptTokens:
         """Every token of every head (budget >= n)."""

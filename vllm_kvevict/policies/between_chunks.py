@@ -9,7 +9,7 @@ from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, check_fraction
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.keydiff import KeyDiff
-from vllm_kvevict.policies.selection import always_kept_mask, top_k_mask
+from vllm_kvevict.policies.selection import top_k_mask
 
 #: How a prompt is judged between chunks: by the method's own scores from the chunk's last queries
 #: ("window"), by key distinctiveness alone ("keydiff"), or half each ("blend").
@@ -21,10 +21,10 @@ DEFAULT_BETWEEN = "blend"
 
 @dataclass
 class Blend(EvictionPolicy):
-    """``first_share`` of each head's budget by ``first``'s scores, the rest by ``second``'s among the
-    tokens the first stage left (both uniform scorers; every head keeps ``budget``)."""
+    """``first_share`` of each head's budget chosen by ``first`` (a uniform policy: its own selection), the
+    rest by ``second``'s scores among the tokens the first left; every head keeps ``budget``."""
 
-    first: ScoredPolicy
+    first: EvictionPolicy
     second: ScoredPolicy
     first_share: float = 0.5
 
@@ -41,11 +41,9 @@ class Blend(EvictionPolicy):
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         if (everything := self.keep_all_or_check(layer, budget)) is not None:
             return everything
-        first = self.first.score(layer, budget)
-        forced = always_kept_mask(first)
-        share = int(budget * self.first_share)
-        extra = (share - forced.sum(dim=1)).clamp(min=0)
-        stage1 = forced | top_k_mask(first, extra, eligible=~forced)
+        share = min(budget, max(int(budget * self.first_share), self.first.min_budget, 1))
+        first = self.first.select(layer, share)
+        stage1 = first.to_mask(layer.num_tokens)
         rest = (budget - stage1.sum(dim=1)).clamp(min=0)
         second = self.second.score(layer, budget)
         return KeptTokens.from_mask(stage1 | top_k_mask(second, rest, eligible=~stage1))
@@ -62,9 +60,7 @@ def between_chunks(policy: EvictionPolicy, kind: str = DEFAULT_BETWEEN) -> Evict
         return uniform
     # KeyDiff keeps the same recent window as the method, so the next chunk sees its own context.
     keydiff = KeyDiff(window=int(getattr(uniform, "window", KeyDiff.window)))
-    if kind == "blend" and isinstance(uniform, ScoredPolicy):
-        return Blend(uniform, keydiff)
-    return keydiff  # "keydiff", and "blend" for a method whose own scores are not one ScoredPolicy
+    return Blend(uniform, keydiff) if kind == "blend" else keydiff
 
 
 def _uniform(policy: EvictionPolicy) -> EvictionPolicy:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from policy_layers import random_layer
 
-from vllm_kvevict.policies import AdaKV, KeyDiff, LayerKV, SnapKV, build_policy
+from vllm_kvevict.policies import AdaKV, KeptTokens, KeyDiff, LayerKV, SnapKV, build_policy
 from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, Blend, between_chunks
 
 
@@ -87,3 +87,17 @@ def test_keydiff_span_after_keeps_the_run_after_a_distinctive_key() -> None:
     layer = clustered_layer(odd=(9,))
     kept = KeyDiff(window=4, sinks=2, span_after=3).select(layer, 10)
     assert kept.head(0).tolist() == [0, 1, 9, 10, 11, 12, 36, 37, 38, 39]
+
+
+def test_kept_tokens_to_mask_is_from_mask_inverted() -> None:
+    keep = torch.rand(3, 40, generator=torch.Generator().manual_seed(2)) > 0.6
+    assert torch.equal(KeptTokens.from_mask(keep).to_mask(40), keep)
+
+
+def test_blend_takes_a_wrapped_methods_own_selection_first() -> None:
+    layer = random_layer(kv_heads=2, n=120, w=32)
+    critical = build_policy("critical-snapkv")
+    kept = between_chunks(critical, "blend").select(layer, 64)
+    assert kept.counts.tolist() == [64, 64]
+    first = critical.select(layer, 32).to_mask(120)
+    assert bool((kept.to_mask(120) >= first).all())
