@@ -39,14 +39,8 @@ from kvpress import (
 )
 from torch import nn
 
-PRESSES = (
-    "snapkv",
-    "pyramidkv",
-    "ada-snapkv",
-    "critical-snapkv",
-    "critical-ada-snapkv",
-    "streamingllm",
-    "keydiff",
+PRESSES = tuple(
+    "snapkv pyramidkv ada-snapkv critical-snapkv critical-ada-snapkv streamingllm keydiff".split()
 )
 
 

@@ -20,14 +20,10 @@ SCRIPT = ROOT / "scripts" / "kvpress_reference" / "kept_indices.py"
 #: kvpress's defaults (SnapKVPress: window_size 64, kernel_size 5, average pooling) on our side. We
 #: configure OUR policies like kvpress, since kvpress has no max pooling.
 KVPRESS_ALIKE = {"window": 64, "kernel": 5, "pooling": "avg", "span_after": 0}
-SHARED_METHODS = (
-    "snapkv",
-    "pyramidkv",
-    "ada-snapkv",
-    "critical-snapkv",
-    "critical-ada-snapkv",
-    "streamingllm",
-    "keydiff",
+#: our methods with a kvpress press (``scripts/kvpress_reference/kept_indices.py``'s PRESSES, which runs in
+#: kvpress's environment and cannot be imported here)
+SHARED_METHODS = tuple(
+    "snapkv pyramidkv ada-snapkv critical-snapkv critical-ada-snapkv streamingllm keydiff".split()
 )
 
 
