@@ -50,7 +50,7 @@ BLOCK_SIZE = 32
 
 
 def rows_for_prompt(
-    model, tokenizer, sample, methods, fractions, chunk_budgets, chunk: int, batch_bytes, betweens=("window",)
+    model, tokenizer, sample, methods, fractions, chunk_budgets, chunk: int, batch_bytes, betweens
 ):
     """Every (variant, fraction) row of one prompt, decoded and scored."""
     ids = torch.tensor(sample.token_ids)
@@ -73,8 +73,8 @@ def rows_for_prompt(
             ]
             runs.append((f"{method} whole", fraction, whole, kept))
             for factor in chunk_budgets:
+                chunk_plan = with_chunk_budget(plan, factor)
                 for between in betweens:
-                    chunk_plan = with_chunk_budget(plan, factor)
                     chunked = chunked_prefill(model, ids, policy, chunk_plan, chunk, between)
                     label = f"{method} chunked@{factor:g}" + ("" if between == "window" else f" {between}")
                     runs.append((label, fraction, chunked.prompt, chunked.kept))

@@ -21,14 +21,13 @@ from vllm_kvevict.policies.base import KeptTokens
 
 def evicted_mask(kept: KeptTokens, num_tokens: int) -> torch.Tensor:
     """[kv_heads, num_tokens] bool, True where a token is not in the head's kept set."""
-    kv_heads = kept.counts.shape[0]
-    keep = torch.zeros(kv_heads, num_tokens, dtype=torch.bool)
-    for h in range(kv_heads):
-        indices = kept.head(h).cpu()
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= num_tokens):
-            raise ValueError(f"head {h} keeps indices outside [0, {num_tokens})")
-        keep[h, indices] = True
-    return ~keep
+    indices, counts = kept.indices.cpu(), kept.counts.cpu()
+    counted = torch.arange(indices.shape[1]) < counts[:, None]  # each head's first counts[h] entries
+    outside = counted & ((indices < 0) | (indices >= num_tokens))
+    if bool(outside.any()):
+        head = int(outside.any(dim=1).nonzero()[0])
+        raise ValueError(f"head {head} keeps indices outside [0, {num_tokens})")
+    return ~KeptTokens(torch.where(counted, indices, -1), counts).to_mask(num_tokens)
 
 
 @contextmanager

@@ -6,7 +6,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from vllm_kvevict.policies.adakv import AdaKV
-from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, check_fraction
+from vllm_kvevict.policies.base import (
+    EvictionPolicy,
+    KeptTokens,
+    LayerKV,
+    ScoredPolicy,
+    check_choice,
+    check_fraction,
+)
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.selection import top_k_mask
@@ -53,8 +60,7 @@ def between_chunks(policy: EvictionPolicy, kind: str = DEFAULT_BETWEEN) -> Evict
     """The policy that keeps a prompt's intermediate budget between chunks: ``policy`` with its per-head
     allocation taken out (Ada-KV's shared stage), so every head keeps the same count and the next chunk
     scores a dense ``[H, L]`` sequence, judged as ``kind`` (``BETWEEN_KINDS``) says."""
-    if kind not in BETWEEN_KINDS:
-        raise ValueError(f"between={kind!r} is not valid; choose one of {', '.join(BETWEEN_KINDS)}")
+    check_choice("between_chunks", "between", kind, BETWEEN_KINDS)
     uniform = _uniform(policy)
     if kind == "window":
         return uniform
