@@ -1,6 +1,6 @@
 """The decode-time cap inside a real ``vllm serve`` with the bundled model (issue 12).
 
-One server: SnapKV after prefill (256 per KV head) and RoCo while decoding, capped at 256 per KV head and
+One server: SnapKV after prefill (128 per KV head) and RoCo while decoding, capped at 128 per KV head and
 re-scored every block (32 tokens). It saves each capped request's per-head lengths right before every
 re-score (``KVEVICT_DEBUG_DUMP_DIR``): those are the largest each head ever holds.
 """
@@ -22,12 +22,12 @@ from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 BLOCK_SIZE = 32
-CAP = 256
+CAP = 128
 INTERVAL = BLOCK_SIZE  # the default: one block
 # A head holds at most CAP + max(interval, 2 blocks) entries (right before a re-score, the step's token
 # included): CAP + interval in steady state, CAP + 2 blocks when a prompt kept whole is first cut.
 SLACK = max(INTERVAL, 2 * BLOCK_SIZE)
-OUTPUT_TOKENS = 2100
+OUTPUT_TOKENS = 800
 CAPPED_PROMPT = "Write a very long story about a lighthouse keeper."
 SERVER_ARGS = (
     "--max-model-len",
@@ -41,7 +41,7 @@ SERVER_ARGS = (
     "--kv-eviction",
     "snapkv",
     "--kv-budget",
-    "256",
+    str(CAP),
     "--kv-decode-eviction",
     "roco",
     "--kv-decode-budget",
@@ -51,9 +51,10 @@ USAGE = "vllm:kv_cache_usage_perc"
 SAVED = "vllm_kvevict_kv_cache_saved_perc"
 GENERATED = "vllm:generation_tokens_total"
 RUNNING = "vllm:num_requests_running"
-START_OTHERS_AT = 400  # the capped request's output tokens when the other two are sent
-ALONE_AFTER = 800  # the capped request's output tokens from which its usage is checked alone on the server
-UNCAPPED_TOKENS, PREFILL_TOKENS = 300, 8  # what the uncapped and the prefilled request generate
+START_OTHERS_AT = 100  # the capped request's streamed tokens when the other two are sent
+ALONE_AFTER = 500  # the capped request's streamed tokens from which its usage is checked alone on the server
+SAMPLE_EVERY = 10  # streamed tokens between two reads of /metrics
+UNCAPPED_TOKENS, PREFILL_TOKENS = 200, 8  # what the uncapped and the prefilled request generate
 OTHERS_TOKENS = UNCAPPED_TOKENS + PREFILL_TOKENS
 # The most blocks a capped request holds (the start-up line's "holds <= ..."), whatever its length.
 HELD_BLOCKS_BOUND = cdiv(CAP + SLACK, BLOCK_SIZE) + 1
@@ -145,16 +146,17 @@ def capped_held_fraction_bound(prompt_tokens: int, capped_generated: float) -> f
     return HELD_BLOCKS_BOUND / cdiv(prompt_tokens + int(capped_generated), BLOCK_SIZE)
 
 
-def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_and_prefilling_ones(
+def test_a_capped_request_stays_within_its_cap_for_800_tokens_beside_uncapped_and_prefilling_ones(
     server, dump_dir
 ):
-    """A short prompt generates 2100 tokens (ignore_eos). While it decodes, an uncapped request
+    """A short prompt generates 800 tokens (ignore_eos), streamed. While it decodes, an uncapped request
     (``vllm_xargs kv_eviction=none``) decodes and a long prompt is prefilled and compacted in the same
     steps. Every head of every layer stays within CAP + SLACK; the freed blocks show on the gauges while
     it runs, and every block comes back after.
 
-    The test's main thread only scrapes ``/metrics`` (every request waits on its own thread, none streams),
-    so what it records follows the server's progress, however fast the server decodes."""
+    The main thread reads the capped request's stream and scrapes ``/metrics`` every SAMPLE_EVERY tokens, so
+    the samples are placed by the capped request's own progress, not by wall-clock time: the other two
+    requests share its steps and are done long before ALONE_AFTER on any machine."""
     freed_before = counter(server, DECODE_BLOCKS_FREED)
     generated_before = gauge(server, GENERATED)
     before = set(dump_dir.glob("*.decode.pt"))
@@ -168,32 +170,38 @@ def test_a_capped_request_stays_within_its_cap_for_2000_tokens_beside_uncapped_a
             target=complete, args=(server, long_prompt(5000), PREFILL_TOKENS, None, results, "prefill")
         ),
     ]
-    capped = threading.Thread(
-        target=complete,
-        args=(server, CAPPED_PROMPT, OUTPUT_TOKENS, None, results, "capped"),
+    stream = client_of(server).completions.create(
+        model=server.served_model_name, prompt=CAPPED_PROMPT, max_tokens=OUTPUT_TOKENS, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
-    capped.start()
     samples: list[Sample] = []
-    while capped.is_alive():
-        others_done = others[0].ident is not None and not any(thread.is_alive() for thread in others)
-        samples.append(scrape(server, generated_before, others_done))
-        if samples[-1].generated >= START_OTHERS_AT and others[0].ident is None:
+    streamed, next_sample_at = 0, ALONE_AFTER
+    for chunk in stream:
+        if chunk.usage is not None:
+            results["capped"] = chunk.usage
+        if not chunk.choices:
+            continue
+        # A chunk carries every token generated since the last one read (one, unless the reader lagged).
+        streamed += len(chunk.choices[0].token_ids)
+        if streamed >= START_OTHERS_AT and others[0].ident is None:
             for thread in others:
                 thread.start()
-        time.sleep(0.1)
+        if streamed >= next_sample_at:
+            next_sample_at += SAMPLE_EVERY
+            others_done = not any(thread.is_alive() for thread in others)
+            samples.append(scrape(server, generated_before, others_done))
     for thread in others:
         thread.join()
-    assert results["capped"].completion_tokens == OUTPUT_TOKENS
+    assert results["capped"].completion_tokens == streamed == OUTPUT_TOKENS
     assert results["uncapped"].completion_tokens == UNCAPPED_TOKENS
     assert results["prefill"].completion_tokens == PREFILL_TOKENS
 
     # Alone on the server once the others are done (every token of theirs counted), from ALONE_AFTER of its
     # own tokens on, the capped request's usage is within what its cap allows of what it would hold uncapped.
     prompt_tokens = results["capped"].prompt_tokens
-    alone = [
-        s for s in samples if s.others_done and s.running == 1 and s.generated >= ALONE_AFTER + OTHERS_TOKENS
-    ]
-    assert len(alone) >= 3, samples[-40:]
+    alone = [s for s in samples if s.others_done and s.running == 1]
+    assert len(alone) >= (OUTPUT_TOKENS - ALONE_AFTER) // SAMPLE_EVERY // 2, samples
     for s in alone:
         bound = capped_held_fraction_bound(prompt_tokens, s.generated - OTHERS_TOKENS)
         assert s.usage <= bound * (s.usage + s.saved), (s, bound)
@@ -219,13 +227,13 @@ def test_aborting_a_capped_request_mid_decode_returns_its_blocks(server):
     stream = client_of(server).completions.create(
         model=server.served_model_name,
         prompt="List the prime numbers:",
-        max_tokens=1500,
+        max_tokens=800,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
     )
     for index, _chunk in enumerate(stream):
-        if index == 600:  # well past the first re-score (t1 = 2 x 32 + 256 - prompt)
+        if index == 300:  # well past the first re-score (t1 = 2 x 32 + 128 - prompt)
             break
     stream.close()
     assert wait_for_zero(server, USAGE) == 0
