@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -32,8 +33,26 @@ def haystack_prompt(tokenizer, num_tokens: int) -> str:
     return half + needle + half + question
 
 
-def test_help_documents_the_eviction_flags():
-    result = run_vllm("serve", "--help=KVEviction")
+BAD_SETTINGS = [
+    (("--kv-eviction", "bogus", "--kv-budget", "512"), "invalid choice: 'bogus' (choose from 'snapkv'"),
+    (("--kv-eviction", "snapkv", "--kv-budget", "1.5"), "--kv-budget='1.5': a fractional budget"),
+    (("--kv-eviction", "snapkv", "--kv-budget", "512", "--kv-eviction-config", '{"windw": 8}'), "windw"),
+    (("--kv-budget", "512", "--kv-eviction-config", "configs/missing.yaml"),
+     "--kv-eviction-config configs/missing.yaml: no such file"),
+]
+HELP = ("serve", "--help=KVEviction")
+
+
+@pytest.fixture(scope="module")
+def cli_runs(model_dir) -> dict[tuple[str, ...], subprocess.CompletedProcess[str]]:
+    """``vllm serve --help=KVEviction`` and each bad setting, run at once (each imports vLLM: ~15 s)."""
+    commands = [HELP, *(("serve", str(model_dir), *args) for args, _ in BAD_SETTINGS)]
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return dict(zip(commands, pool.map(lambda command: run_vllm(*command), commands), strict=True))
+
+
+def test_help_documents_the_eviction_flags(cli_runs):
+    result = cli_runs[HELP]
     assert result.returncode == 0, result.stderr[-2000:]
     for flag in ("--kv-eviction METHOD", "--kv-budget BUDGET", "--kv-eviction-config JSON|FILE"):
         assert flag in result.stdout
@@ -41,18 +60,9 @@ def test_help_documents_the_eviction_flags():
     assert "streamingllm" in help_text and "kept fraction of the prompt" in help_text
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (("--kv-eviction", "bogus", "--kv-budget", "512"), "invalid choice: 'bogus' (choose from 'snapkv'"),
-        (("--kv-eviction", "snapkv", "--kv-budget", "1.5"), "--kv-budget='1.5': a fractional budget"),
-        (("--kv-eviction", "snapkv", "--kv-budget", "512", "--kv-eviction-config", '{"windw": 8}'), "windw"),
-        (("--kv-budget", "512", "--kv-eviction-config", "configs/missing.yaml"),
-         "--kv-eviction-config configs/missing.yaml: no such file"),
-    ],
-)
-def test_bad_setting_stops_start_up_with_one_line(model_dir, args, message):
-    result = run_vllm("serve", str(model_dir), *args)
+@pytest.mark.parametrize(("args", "message"), BAD_SETTINGS)
+def test_bad_setting_stops_start_up_with_one_line(cli_runs, model_dir, args, message):
+    result = cli_runs[("serve", str(model_dir), *args)]
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
     assert last_line.startswith("vllm serve: error:"), result.stderr[-2000:]
