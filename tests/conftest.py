@@ -6,8 +6,9 @@ choice in one line.
 
 ``make test`` runs the suite in pytest-xdist workers (``-n 2 --dist loadfile``). Each worker's servers run
 their model on that worker's share of the cores, so two servers never contend for one core; one module's
-tests stay on one worker (they share its server and module fixtures). The reliability server of
-``tests/reliability/conftest.py`` is session-scoped, so each worker that runs one of its files starts one.
+tests stay on one worker (they share its server and module fixtures), and so do all of ``tests/reliability``
+(they share the session-scoped server of ``tests/reliability/conftest.py``). The slowest scopes are dealt
+out first (``SLOWEST_FIRST``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from suite_schedule import schedule_rank, scope_of
 
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -60,14 +62,24 @@ def servers_bind_their_cores() -> Iterator[None]:
         os.environ.pop(OMP_BIND_ENV, None)
 
 
-#: Directories whose modules start servers (minutes each): run first, so that xdist's workers end together
-#: on the short unit tests.
-SERVER_DIRS = ("e2e", "reliability")
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Server-starting modules first (a stable sort: each module keeps its own order)."""
-    items.sort(key=lambda item: item.path.parent.name not in SERVER_DIRS)
+    """Slowest server-starting scopes first (a stable sort: each module keeps its own order)."""
+    items.sort(key=lambda item: schedule_rank(item.nodeid))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadfile``: a module is a scope except the ``ONE_SCOPE`` directories, and scopes are
+    dealt out in collection order (``SLOWEST_FIRST``), not xdist's default of most tests first."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ServerScopes(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    config.option.loadscopereorder = False
+    return ServerScopes(config, log)
 
 
 @pytest.fixture(scope="session")
