@@ -39,7 +39,11 @@ from vllm_kvevict.hf_reference import load_reference_model, prefill  # noqa: E40
 from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
 from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
-from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, DEFAULT_BETWEEN  # noqa: E402
+from vllm_kvevict.policies.between_chunks import (  # noqa: E402
+    BETWEEN_KINDS,
+    DEFAULT_BETWEEN,
+    BetweenRule,
+)
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 
 TASKS = (
@@ -47,6 +51,16 @@ TASKS = (
     "niah_single_essay,niah_single_noise,vt"
 )
 BLOCK_SIZE = 32
+
+
+def variant_suffix(rule: BetweenRule) -> str:
+    """The row label's tail: the kind, and the share/span where they are not the defaults."""
+    if rule.kind == "window":
+        return ""
+    default = BetweenRule(rule.kind)
+    share = f" share={rule.share:g}" if rule.kind == "blend" and rule.share != default.share else ""
+    span = f" span={rule.span_after}" if rule.span_after != default.span_after else ""
+    return f" {rule.kind}{share}{span}"
 
 
 def rows_for_prompt(
@@ -76,7 +90,7 @@ def rows_for_prompt(
                 chunk_plan = with_chunk_budget(plan, factor)
                 for between in betweens:
                     chunked = chunked_prefill(model, ids, policy, chunk_plan, chunk, between)
-                    label = f"{method} chunked@{factor:g}" + ("" if between == "window" else f" {between}")
+                    label = f"{method} chunked@{factor:g}" + variant_suffix(between)
                     runs.append((label, fraction, chunked.prompt, chunked.kept))
     rows = []
     for label, fraction, prompt, kept in runs:
@@ -110,6 +124,8 @@ def main() -> None:
         default=DEFAULT_BETWEEN,
         help=f"how held entries are judged between chunks, comma-separated: {', '.join(BETWEEN_KINDS)}",
     )
+    parser.add_argument("--between-share", type=float, default=BetweenRule.share, help="blend: method share")
+    parser.add_argument("--between-span", type=int, default=BetweenRule.span_after, help="KeyDiff span_after")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size (max_num_batched_tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -144,7 +160,7 @@ def main() -> None:
                 [float(c) for c in args.chunk_budgets.split(",")],
                 args.chunk,
                 args.batch_bytes,
-                args.between.split(","),
+                [BetweenRule(k, args.between_share, args.between_span) for k in args.between.split(",")],
             )
             with args.out.open("a") as out:
                 for row in rows:

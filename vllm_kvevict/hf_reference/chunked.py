@@ -18,7 +18,7 @@ from vllm_kvevict.hf_reference.generation import evicting
 from vllm_kvevict.hf_reference.model import o_proj_weights
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
-from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN, between_chunks
+from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN, BetweenRule, between_chunks
 
 #: (computed tokens after an evicting chunk, per layer what each head held then).
 ChunkHeld = tuple[int, Sequence[KeptTokens]]
@@ -73,17 +73,17 @@ def chunked_prefill(
     policy: EvictionPolicy,
     plan: RequestPlan,
     chunk: int,
-    between: str = DEFAULT_BETWEEN,
+    between: BetweenRule | str = DEFAULT_BETWEEN,
 ) -> ChunkedPrefill:
     """Prefill ``input_ids`` [n] in chunks of ``chunk`` tokens with ``plan``'s per-chunk rule (the server's
     ``RequestPlan``): after a chunk that moves the offset every layer keeps ``a(n)`` entries per head with
     ``between_chunks(policy)`` (scored from the held entries in position order and the chunk's last window
     of queries), and the final chunk keeps the plan's layer budgets with ``policy`` itself — the selection
     of ``vllm_adapter/chunk_eviction.py``, in float32 on HF's cache. The window must fit in one chunk.
-    ``between``: how the held entries are judged between chunks (``between_chunks.BETWEEN_KINDS``)."""
+    ``between``: how the held entries are judged between chunks (a ``BetweenRule``, or its kind alone)."""
     ids = input_ids.reshape(-1).to(model.device)
     total = int(ids.shape[0])
-    intermediate = between_chunks(policy, between)
+    intermediate = between_chunks(policy, between)  # its observation window (the span does not change it)
     if total != plan.prompt_len:
         raise ValueError(f"plan is for {plan.prompt_len} tokens, the prompt has {total}")
     cache = DynamicCache(config=model.config)
@@ -124,8 +124,8 @@ def chunked_prefill(
                     num_layers=num_layers,
                     o_proj=weights[layer_idx],
                 )
-                selector = policy if final else intermediate
                 budget = plan.layer_budgets[layer_idx] if final else plan.kept_length_at(end)
+                selector = policy if final else between_chunks(policy, between, budget)
                 choice = selector.select(layer, min(budget, layer.num_tokens))
                 kept.append(KeptTokens(gather_kept(positions, choice), choice.counts))
             if final:

@@ -13,6 +13,7 @@ from vllm_kvevict.policies.base import (
     ScoredPolicy,
     check_choice,
     check_fraction,
+    check_int,
 )
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.keydiff import KeyDiff
@@ -56,17 +57,61 @@ class Blend(EvictionPolicy):
         return KeptTokens.from_mask(stage1 | top_k_mask(second, rest, eligible=~stage1))
 
 
-def between_chunks(policy: EvictionPolicy, kind: str = DEFAULT_BETWEEN) -> EvictionPolicy:
+#: KeyDiff's span between chunks when ``between_span`` is not given: ``LONG_SPAN`` once KeyDiff chooses at
+#: least ``LONG_SPAN_FROM`` tokens per head, else KeyDiff's own 8. Measured on 4k prompts (docs/quality.md,
+#: "The share and the span"): a run of 16 keeps a needle's whole value after its key phrase where KeyDiff
+#: chooses ~768 tokens (25 % kept), and leaves room for too few keys where it chooses ~300 (10 %).
+LONG_SPAN = 16
+LONG_SPAN_FROM = 512
+
+
+@dataclass(frozen=True)
+class BetweenRule:
+    """How a prompt's held entries are judged between chunks: ``kind`` (``BETWEEN_KINDS``), the method's
+    own ``share`` of the intermediate budget under "blend" (KeyDiff takes the rest), and KeyDiff's
+    ``span_after`` (a distinctive key also keeps the tokens after it: a needle's value); None sets the span
+    by the tokens KeyDiff chooses (``LONG_SPAN`` from ``LONG_SPAN_FROM``)."""
+
+    kind: str = DEFAULT_BETWEEN
+    share: float = 0.5
+    span_after: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("between_chunks", "between", self.kind, BETWEEN_KINDS)
+        check_fraction("between_chunks", "between_share", self.share, 0.0, 1.0)
+        if self.span_after is not None:
+            check_int("between_chunks", "between_span", self.span_after, 0)
+
+    def span_for(self, budget: int | None) -> int:
+        """KeyDiff's span when a head keeps ``budget`` entries (None: not known, the short span)."""
+        if self.span_after is not None:
+            return self.span_after
+        keydiff_tokens = (budget or 0) * (1.0 - self.share if self.kind == "blend" else 1.0)
+        return LONG_SPAN if keydiff_tokens >= LONG_SPAN_FROM else KeyDiff.span_after
+
+    def describe(self) -> str:
+        if self.kind == "window":
+            return "between=window"
+        share = f" share={self.share:g}" if self.kind == "blend" else ""
+        span = self.span_after if self.span_after is not None else f"{LONG_SPAN}-from-{LONG_SPAN_FROM}-else-8"
+        return f"between={self.kind}{share} span={span}"
+
+
+def between_chunks(
+    policy: EvictionPolicy, rule: BetweenRule | str = DEFAULT_BETWEEN, budget: int | None = None
+) -> EvictionPolicy:
     """The policy that keeps a prompt's intermediate budget between chunks: ``policy`` with its per-head
     allocation taken out (Ada-KV's shared stage), so every head keeps the same count and the next chunk
-    scores a dense ``[H, L]`` sequence, judged as ``kind`` (``BETWEEN_KINDS``) says."""
-    check_choice("between_chunks", "between", kind, BETWEEN_KINDS)
+    scores a dense ``[H, L]`` sequence, judged as ``rule`` says (a kind alone takes the default share and
+    span). ``budget``: the entries per head it will keep, which sets the span when the rule leaves it open."""
+    rule = BetweenRule(rule) if isinstance(rule, str) else rule
     uniform = _uniform(policy)
-    if kind == "window":
+    if rule.kind == "window":
         return uniform
     # KeyDiff keeps the same recent window as the method, so the next chunk sees its own context.
-    keydiff = KeyDiff(window=int(getattr(uniform, "window", KeyDiff.window)))
-    return Blend(uniform, keydiff) if kind == "blend" else keydiff
+    window = int(getattr(uniform, "window", KeyDiff.window))
+    keydiff = KeyDiff(window=window, span_after=rule.span_for(budget))
+    return Blend(uniform, keydiff, first_share=rule.share) if rule.kind == "blend" else keydiff
 
 
 def _uniform(policy: EvictionPolicy) -> EvictionPolicy:

@@ -29,7 +29,7 @@ from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.subblock_store import TableRows, head_token_index
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
-from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN, between_chunks
+from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
 from vllm_kvevict.vllm_adapter import metrics
 from vllm_kvevict.vllm_adapter.policy_guard import PolicyFault, guarded_select
 
@@ -94,9 +94,9 @@ class ChunkEviction:
         num_kv_heads: int,
         block_size: int,
         tables: BatchSubBlocks,
-        between: str = DEFAULT_BETWEEN,
+        between: BetweenRule | None = None,
     ) -> None:
-        self.between = between  # how held entries are judged between chunks (BETWEEN_KINDS)
+        self.between = between or BetweenRule()  # how held entries are judged between chunks
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
@@ -209,7 +209,7 @@ class ChunkEviction:
         values = values.view(heads, scored, -1)
         prompt_end = r.q_start + (plan.prompt_len - r.computed if r.final else r.q_len)
         budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len)
-        policy = r.policy if r.final else between_chunks(r.policy, self.between)
+        policy = r.policy if r.final else between_chunks(r.policy, self.between, budget)
         window = policy.query_window(scored)
         layer = LayerKV(
             keys=keys,

@@ -17,7 +17,7 @@ import yaml
 
 from vllm_kvevict.layout.accounting import CHUNK_BUDGET_FLOOR
 from vllm_kvevict.policies.base import EvictionPolicy
-from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, DEFAULT_BETWEEN
+from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, DEFAULT_BETWEEN, BetweenRule
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
 from vllm_kvevict.policies.decode.registry import (
     build_decode_policy,
@@ -29,12 +29,12 @@ from vllm_kvevict.policies.registry import available_methods, build_policy
 
 #: key of the eviction settings inside vLLM's ``additional_config``.
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
-_KNOWN_KEYS = ("method", "budget", "params", "decode", "prefill", "chunk_budget", "between")
 #: how a prompt is evicted: chunk by chunk as vLLM's chunked prefill computes it, or once when it is whole
 #: (after its last chunk; vLLM's chunked prefill stays on either way unless a decode-time cap is set).
 PREFILL_MODES = ("chunked", "whole")
 #: settings of the prefill schedule that ``--kv-eviction-config`` may carry beside the method parameters.
-PREFILL_KEYS = ("prefill", "chunk_budget", "between")
+PREFILL_KEYS = ("prefill", "chunk_budget", "between", "between_share", "between_span")
+_KNOWN_KEYS = ("method", "budget", "params", "decode", *PREFILL_KEYS)
 #: I between chunks, as a multiple of the final budget (docs/benchmarks.md: the memory it allows).
 DEFAULT_CHUNK_BUDGET = 1.5
 _DECODE_KEYS = ("method", "budget", "interval", "params", "allocation")
@@ -211,7 +211,10 @@ class EvictionConfig:
         or a float >= 1.0 (a multiple of the final budget, at least ``CHUNK_BUDGET_FLOOR`` = 512 tokens).
     between: how a prompt's held entries are judged between chunks (``BETWEEN_KINDS``): "window" (the
         method's scores from the chunk's last queries), "keydiff" (key distinctiveness, no queries) or
-        "blend" (half each).
+        "blend" (``between_share`` by the method, the rest by KeyDiff).
+    between_share: the method's share of the intermediate budget under "blend", in [0, 1].
+    between_span: KeyDiff's ``span_after`` between chunks (an int >= 0): the tokens after a distinctive
+        key kept with it; None (the default) sets it by the tokens KeyDiff chooses (``BetweenRule``).
     """
 
     method: str
@@ -221,6 +224,8 @@ class EvictionConfig:
     prefill: str = "whole"
     chunk_budget: int | float = DEFAULT_CHUNK_BUDGET
     between: str = DEFAULT_BETWEEN
+    between_share: float = BetweenRule.share
+    between_span: int | None = BetweenRule.span_after
 
     def __post_init__(self) -> None:
         names = method_names()
@@ -246,9 +251,18 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"kv_eviction.between={self.between!r} is not valid; valid: {', '.join(BETWEEN_KINDS)}"
             )
+        try:
+            BetweenRule(self.between, self.between_share, self.between_span)
+        except ValueError as exc:
+            raise EvictionConfigError(f"kv_eviction.{str(exc).removeprefix('between_chunks: ')}") from exc
 
     def build_policy(self) -> EvictionPolicy:
         return build_policy(self.method, **self.params)
+
+    @property
+    def between_rule(self) -> BetweenRule:
+        """How a prompt's held entries are judged between chunks (``policies.between_chunks``)."""
+        return BetweenRule(self.between, self.between_share, self.between_span)
 
     @property
     def keeps_chunked_prefill(self) -> bool:
@@ -269,6 +283,8 @@ class EvictionConfig:
             "prefill": self.prefill,
             "chunk_budget": self.chunk_budget,
             "between": self.between,
+            "between_share": self.between_share,
+            "between_span": self.between_span,
         }
         if self.decode is not None:
             raw["decode"] = self.decode.to_dict()
@@ -315,7 +331,8 @@ class EvictionConfig:
         decode = f"; {self.decode.describe()}" if self.decode is not None else ""
         if self.chunked:
             floor = f" (x B', >= {CHUNK_BUDGET_FLOOR} tokens)" if isinstance(self.chunk_budget, float) else ""
-            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}{floor} between={self.between}"
+            between = self.between_rule.describe()
+            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}{floor} {between}"
         elif not self.keeps_chunked_prefill:
             prefill = "prefill=whole (a decode-time cap needs whole prompts)"
         else:

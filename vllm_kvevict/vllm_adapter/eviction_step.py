@@ -443,7 +443,7 @@ class EvictionWorker:
         # A decode cap re-scores each layer on its own: ragged across layers, one table group per layer.
         shared = shared and server.decode is None
         self.tables = BatchSubBlocks(num_layers, num_kv_heads, block_size, shared, max_num_seqs)
-        self.chunks = ChunkEviction(num_layers, num_kv_heads, block_size, self.tables, server.between)
+        self.chunks = ChunkEviction(num_layers, num_kv_heads, block_size, self.tables, server.between_rule)
         self._chunk_history: dict[str, list] = {}  # req -> held sets after each chunk (debug dump only)
         self.decode: DecodeEviction | None = None
         if server.decode is not None:

@@ -54,7 +54,7 @@ def test_each_chunk_leaves_every_head_its_intermediate_budget_in_the_blocks_the_
     included, ascending), only in blocks [blocks_freed_at(n), ...); once the prompt is complete each layer
     holds H x its layer budget, and decoding then appends to every head."""
     engine = SimulatedEngine(chunk_config(method, between=between))
-    assert engine.worker.chunks.between == between
+    assert engine.worker.chunks.between.kind == between
     plan = engine.worker.plan_for(PROMPT)
     assert plan.compacts and plan.chunk_budget == 96
     done = 0

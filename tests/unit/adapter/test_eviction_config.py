@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,8 @@ def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
         "prefill": "whole",
         "chunk_budget": 1.5,
         "between": "blend",
+        "between_share": 0.5,
+        "between_span": None,
     }
     assert engine_args.enable_prefix_caching is True  # evicting requests skip it themselves
     assert engine_args.enable_chunked_prefill is True  # prompts are evicted once, after their last chunk
@@ -255,3 +258,24 @@ def test_compiled_model_keeps_attention_out_of_cuda_graphs():
     no_split = EngineArgs(model="unused", compilation_config={"splitting_ops": []})
     with pytest.raises(SystemExit, match=r"splitting_ops=\[\] compiles attention"):
         keep_attention_out_of_graphs(no_split, is_cuda=False)
+
+
+def test_between_share_and_span_come_with_the_prefill_schedule_and_bad_ones_are_named():
+    from vllm_kvevict.policies.between_chunks import BetweenRule
+
+    # --kv-eviction-config puts them among the params; additional_config may carry them at the top level.
+    raw = {"method": "ada-snapkv", "budget": 0.25,
+           "params": {"prefill": "chunked", "between_share": 0.25, "between_span": 16}}
+    config = EvictionConfig.from_dict(raw)
+    assert config.params == {}
+    assert config.between_rule == BetweenRule("blend", share=0.25, span_after=16)
+    assert EvictionConfig.from_dict(config.to_dict()) == config
+    assert "between=blend share=0.25 span=16" in config.describe()
+    assert "between=blend share=0.5 span=16-from-512-else-8" in EvictionConfig.from_dict(
+        {"method": "snapkv", "budget": 256, "prefill": "chunked"}
+    ).describe()
+    bad = (("between_share", 2, "a number in [0.0, 1.0]"), ("between_span", 1.5, "an int >= 0"))
+    for key, value, valid in bad:
+        message = rf"kv_eviction\.{key}={value!r} is not valid.*{re.escape(valid)}"
+        with pytest.raises(EvictionConfigError, match=message):
+            EvictionConfig.from_dict({"method": "snapkv", "budget": 256, key: value})

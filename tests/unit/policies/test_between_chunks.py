@@ -7,7 +7,14 @@ import torch
 from policy_layers import random_layer
 
 from vllm_kvevict.policies import AdaKV, KeptTokens, KeyDiff, LayerKV, SnapKV, build_policy
-from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, Blend, between_chunks
+from vllm_kvevict.policies.between_chunks import (
+    BETWEEN_KINDS,
+    LONG_SPAN,
+    LONG_SPAN_FROM,
+    BetweenRule,
+    Blend,
+    between_chunks,
+)
 
 
 def clustered_layer(n: int = 40, odd: tuple[int, ...] = (9, 23)) -> LayerKV:
@@ -73,6 +80,34 @@ def test_between_chunks_takes_out_ada_allocation_and_judges_as_told() -> None:
     assert isinstance(streaming, Blend) and streaming.second == KeyDiff(window=32)  # KeyDiff's own window
     with pytest.raises(ValueError, match="between='question' is not valid; choose one of window"):
         between_chunks(ada, "question")
+
+
+def test_a_rule_sets_the_blend_share_and_the_keydiff_span() -> None:
+    ada = build_policy("ada-snapkv", window=16)
+    blend = between_chunks(ada, BetweenRule("blend", share=0.25, span_after=16))
+    assert blend == Blend(ada.inner, KeyDiff(window=16, span_after=16), first_share=0.25)
+    assert between_chunks(ada, BetweenRule("keydiff", span_after=0)) == KeyDiff(window=16, span_after=0)
+    assert between_chunks(ada, BetweenRule()) == between_chunks(ada)  # blend, 0.5, span by budget
+    kept = blend.select(random_layer(kv_heads=3, n=200, w=32), 64)
+    assert kept.counts.tolist() == [64, 64, 64]
+    with pytest.raises(ValueError, match="between_share=1.5 is not valid"):
+        BetweenRule(share=1.5)
+    with pytest.raises(ValueError, match="between_span=-1 is not valid"):
+        BetweenRule(span_after=-1)
+
+
+def test_an_open_span_is_long_once_keydiff_chooses_enough_tokens_per_head() -> None:
+    """blend at share 0.5 hands KeyDiff half the budget: 2 x LONG_SPAN_FROM is where the long span starts;
+    keydiff alone takes it all; a span given is kept at every budget."""
+    ada = build_policy("ada-snapkv")
+    short, long = KeyDiff.span_after, LONG_SPAN
+    budgets = (600, 1023, 1024, 1536)
+    spans = {budget: between_chunks(ada, "blend", budget).second.span_after for budget in budgets}
+    assert spans == {600: short, 1023: short, 1024: long, 1536: long}
+    assert between_chunks(ada, "blend").second.span_after == short  # budget unknown
+    assert between_chunks(ada, "keydiff", LONG_SPAN_FROM).span_after == long
+    assert between_chunks(ada, "keydiff", LONG_SPAN_FROM - 1).span_after == short
+    assert between_chunks(ada, BetweenRule(span_after=3), 4000).second.span_after == 3
 
 
 @pytest.mark.parametrize("kind", BETWEEN_KINDS)
