@@ -67,6 +67,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: schedule_rank(item.nodeid))
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: pytest without xdist must not reject it
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under ``--dist loadfile``: a module is a scope except the ``ONE_SCOPE`` directories, and scopes are
     dealt out in collection order (``SLOWEST_FIRST``), not xdist's default of most tests first."""

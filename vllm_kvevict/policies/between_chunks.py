@@ -93,7 +93,8 @@ class BetweenRule:
         if self.kind == "window":
             return "between=window"
         share = f" share={self.share:g}" if self.kind == "blend" else ""
-        span = self.span_after if self.span_after is not None else f"{LONG_SPAN}-from-{LONG_SPAN_FROM}-else-8"
+        by_budget = f"{LONG_SPAN}-from-{LONG_SPAN_FROM}-else-{KeyDiff.span_after}"
+        span = self.span_after if self.span_after is not None else by_budget
         return f"between={self.kind}{share} span={span}"
 
 
