@@ -63,6 +63,11 @@ def variant_suffix(rule: BetweenRule) -> str:
     return f" {rule.kind}{share}{span}"
 
 
+def chunk_budget_arg(text: str) -> int | float:
+    """``--chunk-budgets`` item: "768" is tokens per KV head, "1.5" a multiple of B' (as the config key)."""
+    return float(text) if "." in text else int(text)
+
+
 def rows_for_prompt(
     model, tokenizer, sample, methods, fractions, chunk_budgets, chunk: int, batch_bytes, betweens
 ):
@@ -118,7 +123,11 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024")
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--fractions", default="0.25,0.1")
-    parser.add_argument("--chunk-budgets", default="1.5", help="intermediate budgets I, multiples of B'")
+    parser.add_argument(
+        "--chunk-budgets",
+        default="1.5",
+        help="intermediate budgets I: multiples of B' (1.5) or tokens per KV head (768)",
+    )
     parser.add_argument(
         "--between",
         default=DEFAULT_BETWEEN,
@@ -157,7 +166,7 @@ def main() -> None:
                 sample,
                 args.methods.split(","),
                 [float(f) for f in args.fractions.split(",")],
-                [float(c) for c in args.chunk_budgets.split(",")],
+                [chunk_budget_arg(c) for c in args.chunk_budgets.split(",")],
                 args.chunk,
                 args.batch_bytes,
                 [BetweenRule(k, args.between_share, args.between_span) for k in args.between.split(",")],
