@@ -14,6 +14,7 @@ out first (``SLOWEST_FIRST``).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,9 @@ import pytest
 from suite_schedule import schedule_rank, scope_of
 
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+#: File to which every worker appends "worker start end nodeid" (seconds since the epoch) per test: how the
+#: workers' time was spent, for ``suite_schedule.SLOWEST_FIRST``. Unset: nothing is written.
+TIMELINE_ENV = "KVEVICT_SUITE_TIMELINE"
 
 
 def worker_cores(worker: int, workers: int) -> list[int]:
@@ -81,6 +85,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     config.option.loadscopereorder = False
     return ServerScopes(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With ``KVEVICT_SUITE_TIMELINE`` set, one line per test (setup, call and teardown together)."""
+    path = os.environ.get(TIMELINE_ENV)
+    started = time.time()
+    try:
+        return (yield)
+    finally:
+        if path:
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            with open(path, "a") as timeline:
+                timeline.write(f"{worker} {started:.1f} {time.time():.1f} {item.nodeid}\n")
 
 
 @pytest.fixture(scope="session")

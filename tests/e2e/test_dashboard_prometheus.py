@@ -126,7 +126,7 @@ def scraped_server(model_dir: Path, tmp_path_factory) -> Iterator[tuple[Promethe
     from vllm_kvevict.cli.server_process import VLLMServer
 
     ensure_prometheus_installed()
-    long_prompts = build_workload(model_dir, num_prompts=6, prompt_tokens=1024, output_tokens=24, seed=7)
+    long_prompts = build_workload(model_dir, num_prompts=4, prompt_tokens=1024, output_tokens=24, seed=7)
     short_prompts = Workload(prompts=[p[:96] for p in long_prompts.prompts[:2]], output_tokens=24)
     workdir = tmp_path_factory.mktemp("prometheus")
     with VLLMServer(model_dir, extra_args=EVICTION_ARGS + ("--max-model-len", "2048"),
