@@ -32,6 +32,8 @@ EVICTION_ARGS = (
     "--kv-eviction", "ada-snapkv", "--kv-budget", "256",
     "--kv-decode-eviction", "roco", "--kv-decode-budget", "1024",
 )
+#: long prompts per wave (two waves) and their length; two short prompts stay below the budget
+LONG_PROMPTS, LONG_PROMPT_TOKENS = 4, 1024
 RATE_WINDOW = "20s"
 SCRAPE_INTERVAL = "1s"
 
@@ -126,7 +128,9 @@ def scraped_server(model_dir: Path, tmp_path_factory) -> Iterator[tuple[Promethe
     from vllm_kvevict.cli.server_process import VLLMServer
 
     ensure_prometheus_installed()
-    long_prompts = build_workload(model_dir, num_prompts=4, prompt_tokens=1024, output_tokens=24, seed=7)
+    long_prompts = build_workload(
+        model_dir, num_prompts=LONG_PROMPTS, prompt_tokens=LONG_PROMPT_TOKENS, output_tokens=24, seed=7
+    )
     short_prompts = Workload(prompts=[p[:96] for p in long_prompts.prompts[:2]], output_tokens=24)
     workdir = tmp_path_factory.mktemp("prometheus")
     with VLLMServer(model_dir, extra_args=EVICTION_ARGS + ("--max-model-len", "2048"),
@@ -210,10 +214,11 @@ def instant_value(prometheus: Prometheus, expr: str) -> float:
 
 
 def test_eviction_series_match_the_traffic(scraped_server):
-    """6 prompts of 1024 tokens twice, 2 of 96 tokens, ada-snapkv at 256 tokens per KV head, 30 layers x 3 KV
-    heads, blocks of 128: each long prompt keeps 256 per head and frees (1024 - 256) / 128 - 1 = 5 blocks."""
+    """LONG_PROMPTS prompts of 1024 tokens twice, 2 of 96 tokens, ada-snapkv at 256 tokens per KV head,
+    30 layers x 3 KV heads, blocks of 128: each long prompt keeps 256 per head and frees
+    (1024 - 256) / 128 - 1 = 5 blocks."""
     prometheus, _ = scraped_server
-    compacted, prompt_tokens = 12, 1024
+    compacted, prompt_tokens = 2 * LONG_PROMPTS, LONG_PROMPT_TOKENS
     assert instant_value(prometheus, "sum(vllm_kvevict_requests_compacted_total)") == compacted
     assert instant_value(prometheus, "sum(vllm_kvevict_requests_skipped_total)") == 2
     kept = instant_value(prometheus, "sum(vllm_kvevict_tokens_kept_total)")
