@@ -308,15 +308,16 @@ def test_each_bad_value_is_a_400_naming_it_and_the_server_keeps_serving(evicting
 
 # ----- tensor parallelism (issue 14) -----------------------------------------------------------------------
 # SmolLM2-135M has 9 query heads: vLLM admits TP sizes 1, 3 and 9 only. TP=3 gives each rank 3 query heads
-# and 1 KV head; OpenMP threads of the three ranks are pinned to the machine's two cores.
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}
+# and 1 KV head; the three ranks share this xdist worker's cores (``rank_binding``).
+TP_SIZE = 3
 
 
 @pytest.fixture(scope="module")
-def evicting_tp3(model_dir):
-    args = (*COMMON_ARGS, *EVICTION_ARGS, "--tensor-parallel-size", "3")
-    # Three ranks on two shared cores: start-up took 106-393 s here, and once timed out at 600 s (load 24).
-    server = VLLMServer(model_dir, extra_args=args, kv_cache_space_gib=1, env=TP_ENV, startup_timeout_s=1500)
+def evicting_tp3(model_dir, rank_binding):
+    args = (*COMMON_ARGS, *EVICTION_ARGS, "--tensor-parallel-size", str(TP_SIZE))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": rank_binding(TP_SIZE)}
+    # Three ranks on shared cores: start-up took 106-393 s here, and once timed out at 600 s (load 24).
+    server = VLLMServer(model_dir, extra_args=args, kv_cache_space_gib=1, env=env, startup_timeout_s=1500)
     with server:
         yield server
 

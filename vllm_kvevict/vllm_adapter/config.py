@@ -17,7 +17,7 @@ import yaml
 
 from vllm_kvevict.layout.accounting import CHUNK_BUDGET_FLOOR
 from vllm_kvevict.policies.base import EvictionPolicy
-from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, DEFAULT_BETWEEN, BetweenRule
+from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN, BetweenRule
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
 from vllm_kvevict.policies.decode.registry import (
     build_decode_policy,
@@ -247,11 +247,7 @@ class EvictionConfig:
                 f"kv_eviction.prefill={self.prefill!r} is not valid; valid: {', '.join(PREFILL_MODES)}"
             )
         object.__setattr__(self, "chunk_budget", parse_chunk_budget(self.chunk_budget))
-        if self.between not in BETWEEN_KINDS:
-            raise EvictionConfigError(
-                f"kv_eviction.between={self.between!r} is not valid; valid: {', '.join(BETWEEN_KINDS)}"
-            )
-        try:
+        try:  # BetweenRule names a bad kind, share or span and its valid values
             BetweenRule(self.between, self.between_share, self.between_span)
         except ValueError as exc:
             raise EvictionConfigError(f"kv_eviction.{str(exc).removeprefix('between_chunks: ')}") from exc

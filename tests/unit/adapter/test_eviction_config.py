@@ -274,7 +274,8 @@ def test_between_share_and_span_come_with_the_prefill_schedule_and_bad_ones_are_
     assert "between=blend share=0.5 span=16-from-512-else-8" in EvictionConfig.from_dict(
         {"method": "snapkv", "budget": 256, "prefill": "chunked"}
     ).describe()
-    bad = (("between_share", 2, "a number in [0.0, 1.0]"), ("between_span", 1.5, "an int >= 0"))
+    bad = (("between", "question", "window, keydiff, blend"), ("between_share", 2, "a number in [0.0, 1.0]"),
+           ("between_span", 1.5, "an int >= 0"))
     for key, value, valid in bad:
         message = rf"kv_eviction\.{key}={value!r} is not valid.*{re.escape(valid)}"
         with pytest.raises(EvictionConfigError, match=message):
