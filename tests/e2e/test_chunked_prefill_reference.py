@@ -1,15 +1,17 @@
 """Per-chunk eviction through a real server equals HF attention that hides what the server evicted, chunk by
 chunk.
 
-``vllm serve --kv-eviction ada-snapkv --kv-budget 64`` with vLLM's chunked prefill at 256 tokens per step:
-an 1100-token prompt arrives in five chunks and is evicted after four of them (down to the intermediate
-budget, then to Ada-KV's ragged final budgets), while a short uncompacted request and another chunked one
-share its steps. The worker's debug dump records what every (layer, KV head) held after each evicting chunk;
-HF transformers (float32, ``hf_reference.chunked``) prefills the same prompt segment by segment with exactly
-those entries hidden, then teacher-forces vLLM's tokens with the final kept sets. A full-cache HF run is the
-control: where the two differ, vLLM must side with the chunk-wise masked run. The same checks run with
-``prefill: whole``: the prompt still arrives in five chunks (chunked prefill stays on), nothing is evicted
-before the last, which then reads the whole prompt back from the cache and keeps the method's budgets.
+``vllm serve --kv-eviction ada-snapkv --kv-budget 64`` with vLLM's chunked prefill at 256 tokens per step,
+one server for both runs. Asked for ``"kv_prefill": "chunked"`` (``vllm_xargs``), an 1100-token prompt
+arrives in five chunks and is evicted after four of them (down to the intermediate budget, then to Ada-KV's
+ragged final budgets), while a short uncompacted request and another chunked one share its steps. The
+worker's debug dump records what every (layer, KV head) held after each evicting chunk; HF transformers
+(float32, ``hf_reference.chunked``) prefills the same prompt segment by segment with exactly those entries
+hidden, then teacher-forces vLLM's tokens with the final kept sets. A full-cache HF run is the control: where
+the two differ, vLLM must side with the chunk-wise masked run. The same checks run with ``"kv_prefill":
+"whole"`` (the server's default): the prompt still arrives in five chunks (chunked prefill stays on), nothing
+is evicted before the last, which then reads the whole prompt back from the cache and keeps the method's
+budgets.
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 PROMPT_TOKENS = 1100
 NEW_TOKENS = 96
 FIRST_STEPS = 16
+#: I = 128 tokens per head for a request evicted per chunk, given as tokens (1.5 B' but at least 512 tokens
+#: would evict this prompt after two chunks only); one eviction after the last chunk unless a request asks
 SERVER_ARGS = (
     "--kv-eviction", "ada-snapkv", "--kv-budget", "64", "--block-size", "32",
     "--max-model-len", "2048", "--enable-chunked-prefill", "--max-num-batched-tokens", "256",
-    "--no-enable-prefix-caching",
+    "--no-enable-prefix-caching", "--kv-eviction-config", '{"prefill": "whole", "chunk_budget": 128}',
 )
-#: per-chunk eviction with I = 128 tokens per head, given as tokens (1.5 B' but at least 512 tokens would
-#: evict this prompt after two chunks only); and one eviction after the last chunk, chunked prefill still on
-PREFILL_CONFIGS = {"chunked": '{"prefill": "chunked", "chunk_budget": 128}', "whole": '{"prefill": "whole"}'}
+PREFILL_MODES = ("chunked", "whole")
 USAGE = "vllm:kv_cache_usage_perc"
 
 
@@ -72,7 +74,7 @@ def story_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
     return tokenizer("\n".join(lines) + tail)["input_ids"]
 
 
-def generate(server: VLLMServer, prompt_ids: list[int], others: list[tuple[list[int], dict]]):
+def generate(server: VLLMServer, prompt_ids: list[int], xargs: dict, others: list[tuple[list[int], dict]]):
     from openai import OpenAI
 
     client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
@@ -85,7 +87,7 @@ def generate(server: VLLMServer, prompt_ids: list[int], others: list[tuple[list[
         )
 
     with ThreadPoolExecutor(max_workers=1 + len(others)) as pool:
-        checked = pool.submit(complete, prompt_ids, NEW_TOKENS, {})
+        checked = pool.submit(complete, prompt_ids, NEW_TOKENS, {"vllm_xargs": xargs})
         side = [pool.submit(complete, ids, 32, extra, 1.0 + i) for i, (ids, extra) in enumerate(others)]
         result = checked.result()
         assert all(s.result().usage.completion_tokens == 32 for s in side)
@@ -101,22 +103,32 @@ def wait_for_zero_usage(server: VLLMServer, timeout_s: float = 60.0) -> float:
     return value
 
 
-@pytest.fixture(scope="module", params=sorted(PREFILL_CONFIGS))
-def run(request, model_dir, tmp_path_factory) -> Run:
+@pytest.fixture(scope="module")
+def dump_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kept")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, dump_dir):
+    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module", params=PREFILL_MODES)
+def run(request, server, dump_dir, model_dir) -> Run:
     from vllm_kvevict.hf_reference.chunked import teacher_forced_after_chunks
     from vllm_kvevict.hf_reference.model import load_reference_model
     from vllm_kvevict.policies.base import KeptTokens
 
-    dump_dir: Path = tmp_path_factory.mktemp("kept")
     model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
     prompt_ids = story_prompt(tokenizer, PROMPT_TOKENS, seed=5)
+    xargs = {"kv_prefill": request.param}
     others = [(story_prompt(tokenizer, 60, seed=6), {"vllm_xargs": {"kv_eviction": "none"}}),
-              (story_prompt(tokenizer, 700, seed=7), {})]
-    args = (*SERVER_ARGS, "--kv-eviction-config", PREFILL_CONFIGS[request.param])
-    with VLLMServer(model_dir, extra_args=args, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
-        tokens, vllm_logprobs = generate(server, prompt_ids, others)
-        usage_after = wait_for_zero_usage(server)
-    records = [torch.load(path) for path in dump_dir.glob("*.pt")]
+              (story_prompt(tokenizer, 700, seed=7), {"vllm_xargs": xargs})]
+    dumped_before = set(dump_dir.glob("*.pt"))
+    tokens, vllm_logprobs = generate(server, prompt_ids, xargs, others)
+    usage_after = wait_for_zero_usage(server)
+    records = [torch.load(path) for path in set(dump_dir.glob("*.pt")) - dumped_before]
     (record,) = [r for r in records if r["prompt_len"] == len(prompt_ids)]
     chunks = [(end, [KeptTokens(p, c) for p, c in held]) for end, held in record["chunks"]]
     final = [KeptTokens(i, c) for i, c in zip(record["indices"], record["counts"], strict=True)]

@@ -4,6 +4,7 @@ A client overrides the server's method and/or budget for one request::
 
     extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_budget": 0.1}}   # or "kv_eviction": "none"
     extra_body={"vllm_xargs": {"kv_decode_budget": 1024}}   # the server's decode method, its own cap
+    extra_body={"vllm_xargs": {"kv_prefill": "chunked"}}    # evict this prompt chunk by chunk
 
 The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The scheduler's
 manager (``kv_spec.py``) and each worker (``eviction_step.py``) both see the request's sampling parameters,
@@ -24,6 +25,7 @@ from vllm_kvevict.layout.accounting import RequestPlan, request_planner
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
 from vllm_kvevict.vllm_adapter.config import (
+    PREFILL_MODES,
     DecodeConfig,
     EvictionConfig,
     EvictionConfigError,
@@ -36,6 +38,8 @@ logger = logging.getLogger("vllm.kvevict")
 METHOD_KEY = "kv_eviction"
 BUDGET_KEY = "kv_budget"
 DECODE_BUDGET_KEY = "kv_decode_budget"
+PREFILL_KEY = "kv_prefill"
+OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY)
 #: ``kv_eviction`` value that keeps the request's cache whole.
 NO_EVICTION = "none"
 
@@ -43,11 +47,13 @@ NO_EVICTION = "none"
 @dataclass(frozen=True)
 class RequestOverride:
     """A request's validated setting. method: a registered name or ``"none"``; budget: None for ``"none"``;
-    decode_budget: the request's own decode-time cap (None: the server's)."""
+    decode_budget: the request's own decode-time cap (None: the server's); prefill: ``"whole"`` or
+    ``"chunked"``, how a prompt computed in several steps is evicted (None: the server's)."""
 
     method: str
     budget: int | float | None
     decode_budget: int | float | None = None
+    prefill: str | None = None
 
 
 def needs_o_proj(method: str) -> bool:
@@ -73,9 +79,10 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
 
     Raises EvictionConfigError naming the bad key, its value and the valid ones.
     """
-    if not extra_args or not any(key in extra_args for key in (METHOD_KEY, BUDGET_KEY, DECODE_BUDGET_KEY)):
+    if not extra_args or not any(key in extra_args for key in OVERRIDE_KEYS):
         return None
     decode_budget = parse_decode_budget(extra_args, server)
+    prefill = parse_prefill(extra_args, server)
     method = extra_args.get(METHOD_KEY, server.method)
     valid = per_request_methods(server)
     if not isinstance(method, str) or method not in valid:
@@ -87,11 +94,11 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
             )
         raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r} {problem}; valid: {', '.join(valid)}")
     if method == NO_EVICTION:
-        for key in (BUDGET_KEY, DECODE_BUDGET_KEY):
+        for key in (BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY):
             if key in extra_args:
                 raise EvictionConfigError(
                     f"vllm_xargs.{key}={extra_args[key]!r} with {METHOD_KEY}='none': a request "
-                    f"that keeps its whole cache has no budget; drop {key} or name a method"
+                    f"that keeps its whole cache has no budget to evict to; drop {key} or name a method"
                 )
         return RequestOverride(NO_EVICTION, None)
     budget = extra_args.get(BUDGET_KEY, server.budget)
@@ -103,7 +110,24 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
             f"vllm_xargs.{BUDGET_KEY}={budget!r} is below the {policy.min_budget} tokens {method} always "
             f"keeps (its window/sinks); valid: an integer >= {policy.min_budget} or a float in (0, 1)"
         )
-    return RequestOverride(method, budget, decode_budget)
+    return RequestOverride(method, budget, decode_budget, prefill)
+
+
+def parse_prefill(extra_args: Mapping[str, Any], server: EvictionConfig) -> str | None:
+    """The request's ``kv_prefill`` (None when absent): ``"whole"`` (one eviction after the prompt's last
+    chunk) or ``"chunked"`` (after every chunk, down to the server's ``chunk_budget`` between chunks)."""
+    if PREFILL_KEY not in extra_args:
+        return None
+    raw = extra_args[PREFILL_KEY]
+    if not isinstance(raw, str) or raw not in PREFILL_MODES:
+        valid = ", ".join(PREFILL_MODES)
+        raise EvictionConfigError(f"vllm_xargs.{PREFILL_KEY}={raw!r} is not valid; valid: {valid}")
+    if raw == "chunked" and not server.keeps_chunked_prefill:
+        raise EvictionConfigError(
+            f"vllm_xargs.{PREFILL_KEY}={raw!r}: this server runs a decode-time cap, which computes every "
+            "prompt in one step (chunked prefill off); valid here: whole"
+        )
+    return raw
 
 
 def parse_decode_budget(extra_args: Mapping[str, Any], server: EvictionConfig) -> int | float | None:
@@ -212,7 +236,7 @@ class RequestSettings:
         self.num_layers = num_layers
         self._resolved = lru_cache(maxsize=64)(self._resolve)
         #: the server's own plan per prompt length
-        self.chunk_budget = server.chunk_budget if server.chunked else None
+        self.chunk_budget = self.chunk_budget_for(None)
         self.plan_for = planner(
             server.budget,
             server.build_policy(),
@@ -221,6 +245,12 @@ class RequestSettings:
             num_layers,
             chunk_budget=self.chunk_budget,
         )
+
+    def chunk_budget_for(self, prefill: str | None) -> int | float | None:
+        """I between chunks for a request asking ``prefill`` (None: the server's mode); None: no eviction
+        before the prompt's last chunk."""
+        chunked = self.server.chunked if prefill is None else prefill == "chunked"
+        return self.server.chunk_budget if chunked and self.server.keeps_chunked_prefill else None
 
     def override(self, extra_args: Mapping[str, Any] | None) -> RequestOverride | None:
         """The request's override, or None for the server's setting (also when the value is invalid)."""
@@ -248,6 +278,6 @@ class RequestSettings:
             self.block_size,
             self.num_layers,
             override.decode_budget,
-            self.chunk_budget,
+            self.chunk_budget_for(override.prefill),
         )
         return ResolvedSetting(override.method, policy, plan_for)

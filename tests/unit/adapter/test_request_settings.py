@@ -43,6 +43,8 @@ HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 16, 32, 4
         ({"kv_eviction": "snapkv"}, RequestOverride("snapkv", 64)),
         ({"kv_eviction": "streamingllm", "kv_budget": 0.5}, RequestOverride("streamingllm", 0.5)),
         ({"kv_eviction": "none"}, RequestOverride("none", None)),
+        ({"kv_prefill": "chunked"}, RequestOverride("ada-snapkv", 64, prefill="chunked")),
+        ({"kv_eviction": "snapkv", "kv_prefill": "whole"}, RequestOverride("snapkv", 64, prefill="whole")),
     ],
 )
 def test_valid_overrides(extra_args, expected):
@@ -67,6 +69,9 @@ def test_valid_overrides(extra_args, expected):
         ({"kv_eviction": "critical-snapkv"}, "'critical-snapkv' cannot run per request on this server: it "
          "needs the o_proj weights"),
         ({"kv_eviction": "none", "kv_budget": 0.2}, "with kv_eviction='none'"),
+        ({"kv_eviction": "none", "kv_prefill": "chunked"}, "kv_prefill='chunked' with kv_eviction='none'"),
+        ({"kv_prefill": "streamed"}, "kv_prefill='streamed' is not valid; valid: chunked, whole"),
+        ({"kv_prefill": True}, "kv_prefill=True is not valid; valid: chunked, whole"),
     ],
 )
 def test_bad_overrides_name_the_value_and_the_valid_ones(extra_args, message):
@@ -80,6 +85,34 @@ def test_critical_methods_run_per_request_only_on_a_server_that_collects_o_proj(
     assert parse_override({"kv_eviction": "critical-snapkv"}, critical_server) == RequestOverride(
         "critical-snapkv", 128
     )
+
+
+def test_kv_prefill_chooses_eviction_between_chunks_for_one_request():
+    prompt = 4000
+    whole_server = RequestSettings(SERVER, BS, LAYERS)  # the default: one eviction after the last chunk
+    assert whole_server.plan_for(prompt).chunk_budget == 0
+    chunked = whole_server.resolve({"kv_prefill": "chunked"}).plan_for(prompt)
+    # I = 1.5 B' but at least 512 tokens per head, a multiple of the block size away from the prompt's end
+    assert chunked.chunk_budget >= 512
+    assert chunked.kept_bound == whole_server.plan_for(prompt).kept_bound  # the same final budget
+    assert whole_server.resolve({"kv_prefill": "whole"}).plan_for(prompt) == whole_server.plan_for(prompt)
+
+    chunked_config = EvictionConfig("ada-snapkv", 64, {"window": 8}, prefill="chunked", chunk_budget=128)
+    chunked_server = RequestSettings(chunked_config, BS, LAYERS)
+    assert chunked_server.plan_for(prompt).chunk_budget == 128
+    assert chunked_server.resolve({"kv_prefill": "whole"}).plan_for(prompt).chunk_budget == 0
+    tenth = chunked_server.resolve({"kv_budget": 0.1, "kv_prefill": "chunked"}).plan_for(prompt)
+    assert tenth.chunk_budget == tenth.kept_bound == 416  # I is at least the request's own B'
+
+
+def test_a_server_with_a_decode_cap_refuses_chunked_prompts():
+    from vllm_kvevict.vllm_adapter.config import DecodeConfig
+
+    capped = EvictionConfig("ada-snapkv", 64, decode=DecodeConfig("roco", 256))
+    whole = RequestOverride("ada-snapkv", 64, prefill="whole")
+    assert parse_override({"kv_prefill": "whole"}, capped) == whole
+    with pytest.raises(EvictionConfigError, match="runs a decode-time cap.*valid here: whole"):
+        parse_override({"kv_prefill": "chunked"}, capped)
 
 
 def test_the_server_method_keeps_its_parameters_and_others_use_their_defaults():
