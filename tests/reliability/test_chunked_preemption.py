@@ -5,7 +5,9 @@ chunks and, alone, is evicted after three of them (at 256, 384 and 512 computed 
 intermediate budget of 132 tokens per KV head) before its last chunk compacts it to Ada-KV's
 ragged budgets. The pool of ``reliability_traffic`` (40 blocks of 32) cannot hold eight of them decoding
 192 tokens each, so vLLM preempts running requests, mid-prefill or mid-decode, and recomputes them from
-token 0: the worker must drop what it held for them between chunks and start the chunk rule again.
+token 0: the worker must drop what it held for them between chunks and start the chunk rule again. One of
+the eight asks for ``"kv_prefill": "whole"`` (``vllm_xargs``): it holds its whole prompt until its last
+chunk, beside the others' chunk rule, through the same preemptions.
 
 Per-chunk eviction makes a request's kept set depend on where its chunks ended, which depends on what else
 shared its steps; so the contended answers are not compared with uncontended ones token by token. What is
@@ -75,10 +77,15 @@ def chunked_server(model_dir: Path, dump_dir: Path) -> Iterator[VLLMServer]:
         yield launched
 
 
-def greedy_ids(server: VLLMServer, prompt: list[int], max_tokens: int) -> list[int]:
+WHOLE_PREFILL = {"kv_prefill": "whole"}  # the storm's request 0
+
+
+def greedy_ids(
+    server: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None
+) -> list[int]:
+    extra = {"ignore_eos": True, "return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})}
     result = client_of(server, timeout_s=900).completions.create(
-        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra,
     )
     return list(result.choices[0].token_ids)
 
@@ -91,8 +98,13 @@ def storm(chunked_server: VLLMServer, tokenizer, dump_dir: Path) -> dict:
     probe_before = greedy_ids(chunked_server, probe, PROBE_TOKENS)
     before = chunked_server.metric_value(PREEMPTIONS)
     dumped_before = set(dump_dir.glob("*.pt"))
+    xargs = [WHOLE_PREFILL] + [None] * (NUM_REQUESTS - 1)
+
+    def answer(ids: list[int], request_xargs: dict | None) -> list[int]:
+        return greedy_ids(chunked_server, ids, OUTPUT_TOKENS, request_xargs)
+
     with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-        answers = list(pool.map(lambda ids: greedy_ids(chunked_server, ids, OUTPUT_TOKENS), prompts))
+        answers = list(pool.map(answer, prompts, xargs))
     preemptions = chunked_server.metric_value(PREEMPTIONS) - before
     dumps = [torch.load(path) for path in set(dump_dir.glob("*.pt")) - dumped_before]
     return {
@@ -112,13 +124,18 @@ def test_every_request_completes_with_all_its_tokens(storm):
     assert [len(ids) for ids in storm["answers"]] == [OUTPUT_TOKENS] * NUM_REQUESTS
 
 
-def test_every_request_was_evicted_between_chunks_down_to_the_intermediate_budget(storm):
+def test_every_chunked_request_was_evicted_between_chunks_down_to_the_intermediate_budget(storm):
     """Each dump is the last prefill of its request (a recompute replaces the first one's). Where a chunk
     ended depends on what shared its step, so the evicting chunks differ between requests; after each, every
-    head of every layer held exactly what the scheduler's rule left blocks for, all of it already computed."""
+    head of every layer held exactly what the scheduler's rule left blocks for, all of it already computed.
+    The request that asked for ``kv_prefill: whole`` was evicted once, after its last chunk."""
     dumps = [d for d in storm["dumps"] if d["prompt_len"] == PROMPT_TOKENS]
     assert len(dumps) == NUM_REQUESTS, [d["prompt_len"] for d in storm["dumps"]]
+    whole = [d for d in dumps if not d["chunks"]]
+    assert len(whole) == 1, [len(d["chunks"]) for d in dumps]
     for record in dumps:
+        if record is whole[0]:
+            continue
         computed = [n for n, _ in record["chunks"]]
         assert computed and computed == sorted(set(computed)) and computed[-1] < PROMPT_TOKENS, computed
         for n, layers in record["chunks"]:
