@@ -66,13 +66,13 @@ cpu-tools:
 model: install
 	$(VENV)/bin/vllm-kvevict prepare-model
 
-# The dtype (bf16 where the CPU has it natively, else float32) and LD_PRELOAD come from cpu_setup.py,
-# the same choice as bench, eval --compare and the tests.
+# The dtype (bf16 where the CPU has it natively, else float32), LD_PRELOAD and VLLM_USE_AOT_COMPILE come
+# from cpu_setup.py, the same choice as bench, eval --compare and the tests.
 serve: install cpu-tools
 	@dir=$$($(VENV)/bin/vllm-kvevict prepare-model --quiet) && \
-	  dtype=$$($(PY) -m vllm_kvevict.cpu_setup dtype) && preload=$$($(PY) -m vllm_kvevict.cpu_setup preload 2>/dev/null) && \
+	  dtype=$$($(PY) -m vllm_kvevict.cpu_setup dtype) && setup_env=$$($(PY) -m vllm_kvevict.cpu_setup env 2>/dev/null) && \
 	  echo "Serving $$dir on http://$(HOST):$(PORT)/v1 with --kv-eviction $(METHOD) --kv-budget $(BUDGET)" && \
-	  LD_PRELOAD=$$preload VLLM_USE_V2_MODEL_RUNNER=0 VLLM_CPU_KVCACHE_SPACE=$(KV_CACHE_GIB) $(VENV)/bin/vllm serve "$$dir" \
+	  env $$setup_env VLLM_USE_V2_MODEL_RUNNER=0 VLLM_CPU_KVCACHE_SPACE=$(KV_CACHE_GIB) $(VENV)/bin/vllm serve "$$dir" \
 	    --served-model-name SmolLM2-135M-Instruct --host $(HOST) --port $(PORT) --dtype $$dtype \
 	    --kv-eviction $(METHOD) --kv-budget $(BUDGET) --block-size $(BLOCK_SIZE)
 

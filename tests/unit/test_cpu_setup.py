@@ -63,10 +63,30 @@ def test_a_dtype_given_by_the_caller_wins():
 
 def test_tcmalloc_goes_in_front_of_what_is_preloaded_and_only_once():
     setup = CPUSetup("bfloat16", "probe", TCMALLOC)
-    assert setup.server_env({}) == {"LD_PRELOAD": TCMALLOC}
-    assert setup.server_env({"LD_PRELOAD": "/x/libgomp.so"}) == {"LD_PRELOAD": f"{TCMALLOC}:/x/libgomp.so"}
-    assert setup.server_env({"LD_PRELOAD": "/opt/libtcmalloc.so"}) == {}
-    assert CPUSetup("bfloat16", "probe", None).server_env({}) == {}
+    aot_set = {"VLLM_USE_AOT_COMPILE": "1"}  # the caller's choice, kept
+    assert setup.server_env(aot_set) == {"LD_PRELOAD": TCMALLOC}
+    assert setup.server_env({"LD_PRELOAD": "/x/libgomp.so", **aot_set}) == {
+        "LD_PRELOAD": f"{TCMALLOC}:/x/libgomp.so"
+    }
+    assert setup.server_env({"LD_PRELOAD": "/opt/libtcmalloc.so", **aot_set}) == {}
+    assert CPUSetup("bfloat16", "probe", None).server_env(aot_set) == {}
+
+
+def test_a_cpu_server_compiles_without_vllms_aot_artifact_unless_told():
+    setup = CPUSetup("float32", "probe", None)
+    assert setup.server_env({}) == {"VLLM_USE_AOT_COMPILE": "0"}
+    assert setup.server_env({"VLLM_USE_AOT_COMPILE": "1"}) == {}
+    assert "AOT compile off" in setup.summary()
+    assert "AOT" not in CPUSetup(None, "a CUDA device is present, vLLM picks", None).summary()
+
+
+def test_the_makefile_gets_the_environment_as_words(monkeypatch, capsys):
+    monkeypatch.setattr(machine, "cpu_setup", lambda: CPUSetup("float32", "probe", TCMALLOC))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert machine.main(["env"]) == 0
+    assert capsys.readouterr().out.split() == [f"LD_PRELOAD={TCMALLOC}", "VLLM_USE_AOT_COMPILE=0"]
+    assert machine.main(["preload"]) == 2
 
 
 def test_tcmalloc_is_found_by_pattern_or_absent(monkeypatch, tmp_path):

@@ -103,7 +103,8 @@ class VLLMServer:
     for the default-system-prompt "capital of France" chat). Benchmarks may turn it off.
 
     ``cpu_setup`` (default on) applies :mod:`vllm_kvevict.cpu_setup`: ``--dtype`` from the CPU's
-    capabilities (unless ``extra_args`` give one) and tcmalloc in ``LD_PRELOAD`` when the system has it.
+    capabilities (unless ``extra_args`` give one), tcmalloc in ``LD_PRELOAD`` when the system has it and, on a
+    CPU, ``VLLM_USE_AOT_COMPILE=0`` (a compiled server's restart then loads Inductor's cache).
     """
 
     def __init__(
