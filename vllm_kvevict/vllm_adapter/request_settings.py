@@ -236,21 +236,20 @@ class RequestSettings:
         self.num_layers = num_layers
         self._resolved = lru_cache(maxsize=64)(self._resolve)
         #: the server's own plan per prompt length
-        self.chunk_budget = self.chunk_budget_for(None)
         self.plan_for = planner(
             server.budget,
             server.build_policy(),
             server.decode,
             block_size,
             num_layers,
-            chunk_budget=self.chunk_budget,
+            chunk_budget=self.chunk_budget_for(None),
         )
 
     def chunk_budget_for(self, prefill: str | None) -> int | float | None:
         """I between chunks for a request asking ``prefill`` (None: the server's mode); None: no eviction
-        before the prompt's last chunk."""
+        before the prompt's last chunk. ``parse_prefill`` refuses "chunked" where chunked prefill is off."""
         chunked = self.server.chunked if prefill is None else prefill == "chunked"
-        return self.server.chunk_budget if chunked and self.server.keeps_chunked_prefill else None
+        return self.server.chunk_budget if chunked else None
 
     def override(self, extra_args: Mapping[str, Any] | None) -> RequestOverride | None:
         """The request's override, or None for the server's setting (also when the value is invalid)."""
