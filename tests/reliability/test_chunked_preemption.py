@@ -38,6 +38,7 @@ from reliability_traffic import (
     wait_for_usage_zero,
     wait_for_worker_state_empty,
 )
+from request_bodies import ignore_eos_body
 
 from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.layout.accounting import request_planner
@@ -83,9 +84,9 @@ WHOLE_PREFILL = {"kv_prefill": "whole"}  # the storm's request 0
 def greedy_ids(
     server: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None
 ) -> list[int]:
-    extra = {"ignore_eos": True, "return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})}
     result = client_of(server, timeout_s=900).completions.create(
-        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra,
+        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body=ignore_eos_body(xargs, return_token_ids=True),
     )
     return list(result.choices[0].token_ids)
 

@@ -19,6 +19,7 @@ from reliability_traffic import (
     wait_for_usage_zero,
     wait_for_worker_state_empty,
 )
+from request_bodies import ignore_eos_body
 
 from vllm_kvevict.cli.server_process import VLLMServer
 
@@ -55,13 +56,12 @@ def capped_server(model_dir: Path):
 
 
 def generate(server: VLLMServer, prompt: list[int], xargs: dict | None) -> int:
-    extra = {"ignore_eos": True, **({"vllm_xargs": xargs} if xargs else {})}
     result = client_of(server, timeout_s=900).completions.create(
         model=server.served_model_name,
         prompt=prompt,
         max_tokens=OUTPUT_TOKENS,
         temperature=0,
-        extra_body=extra,
+        extra_body=ignore_eos_body(xargs),
     )
     return result.usage.completion_tokens
 
