@@ -10,7 +10,7 @@ SLOWEST_FIRST = (
     "tests/reliability",  # ~650: one scope, see ONE_SCOPE
     "tests/e2e/test_serve_eviction_flags.py",  # ~330: the compiled server's torch.compile warm-up
     "tests/e2e/test_chunked_prefill_reference.py",  # ~260: two servers + HF reference
-    "tests/e2e/test_decode_eviction_server.py",  # ~250: 2,000 capped tokens + HF reference
+    "tests/e2e/test_decode_eviction_server.py",  # ~310: 2,000 capped tokens + HF reference
     "tests/e2e/test_compacted_attention_reference.py",  # ~190
     "tests/e2e/test_dashboard_prometheus.py",  # ~170: server + Prometheus
     "tests/unit/evaluation/test_kvpress_script.py",  # ~95: kvpress in .venv-ref

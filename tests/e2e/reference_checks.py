@@ -49,3 +49,16 @@ def assert_vllm_sides_with_the_eviction(
     to_full = logprob_gap(vllm_logprobs, tokens, full)
     assert float((to_evicted[moved] < to_full[moved]).float().mean()) >= 0.9
     return moved
+
+
+def assert_agrees_along_the_run(
+    vllm_logprobs: torch.Tensor, tokens: torch.Tensor, evicted: torch.Tensor
+) -> None:
+    """Along a long run, the per-step |delta log p| of vLLM's token against the evicting reference has mean
+    < 0.03, p99 < 0.25 and max < 0.6, and vLLM's token is the reference's best or within 0.25 of it (a
+    near-tie: bf16 against float32)."""
+    gap = logprob_gap(vllm_logprobs, tokens, evicted)
+    assert float(gap.mean()) < 0.03 and float(gap.quantile(0.99)) < 0.25 and float(gap.max()) < 0.6, (
+        f"mean {gap.mean():.4f} p99 {gap.quantile(0.99):.4f} max {gap.max():.4f} at step {int(gap.argmax())}"
+    )
+    assert float(near_tie_margin(tokens, evicted).max()) < 0.25
