@@ -18,6 +18,7 @@ The server saves each capped request's per-head lengths right before every re-sc
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,8 +102,6 @@ def roco_counter(server: VLLMServer, name: str) -> float:
 
 
 def wait_for_zero(server: VLLMServer, name: str, timeout_s: float = 60.0) -> float:
-    import time
-
     deadline = time.monotonic() + timeout_s
     value = server.metric_value(name)
     while value != 0 and time.monotonic() < deadline:
