@@ -83,7 +83,7 @@ def measure(label: str, server_args: tuple[str, ...], workload: Workload, args: 
         sampler.start()
         run = run_workload(server.base_url, model, workload, len(workload.prompts))
         sampler.join()
-    tpots = [1000 * (r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in run.requests]
+    tpots = [request.tpot_ms for request in run.requests]
     total, shares = frame_shares(raw)
     return {
         "label": label,

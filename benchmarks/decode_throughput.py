@@ -41,7 +41,7 @@ def measure(label: str, old_tree: str | None, workload: Workload, args: argparse
         model = server.served_model_name
         run_workload(server.base_url, model, Workload(prompts=[workload.prompts[0]], output_tokens=8), 1)
         run = run_workload(server.base_url, model, workload, len(workload.prompts))
-    tpots = [1000 * (r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in run.requests]
+    tpots = [request.tpot_ms for request in run.requests]
     tpot = statistics.median(tpots)
     return {
         "label": label,

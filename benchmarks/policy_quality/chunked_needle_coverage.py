@@ -85,13 +85,13 @@ def main() -> None:
             policy.select(layer, min(plan.layer_budgets[i], len(ids))) for i, layer in enumerate(whole.layers)
         ]
         chunked = chunked_prefill(model, ids, policy, with_chunk_budget(plan, args.chunk_budget), args.chunk)
+        values = []  # per answer: its positions and its retrieval heads (full cache)
+        for answer in sample.answers:
+            positions = value_positions(tokenizer, sample.token_ids, answer)
+            values.append((positions, retrieval_heads(whole.layers, positions, args.top)))
         row: dict[str, object] = {"sample": sample.id, "task": sample.task, "method": args.method}
         for label, kept in (("whole", kept_whole), ("chunked", chunked.kept)):
-            shares = []
-            for answer in sample.answers:
-                positions = value_positions(tokenizer, sample.token_ids, answer)
-                heads = retrieval_heads(whole.layers, positions, args.top)
-                shares.append(value_coverage(kept, positions, heads))
+            shares = [value_coverage(kept, positions, heads) for positions, heads in values]
             row[label] = [sum(share[i] for share in shares) / len(shares) for i in (0, 1)]
         with args.out.open("a") as out:
             out.write(json.dumps(row) + "\n")

@@ -95,12 +95,7 @@ def generate(server: VLLMServer, prompt_ids: list[int], xargs: dict, others: lis
 
 
 def wait_for_zero_usage(server: VLLMServer, timeout_s: float = 60.0) -> float:
-    deadline = time.monotonic() + timeout_s
-    value = server.metric_value(USAGE)
-    while value > 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = server.metric_value(USAGE)
-    return value
+    return server.wait_for_metric(USAGE, 0.0, timeout_s)
 
 
 @pytest.fixture(scope="module")

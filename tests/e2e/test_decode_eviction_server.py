@@ -18,7 +18,6 @@ The server saves each capped request's per-head lengths right before every re-sc
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,15 +98,6 @@ def client_of(server: VLLMServer):
 
 def roco_counter(server: VLLMServer, name: str) -> float:
     return sum(value for labels, value in server.metric_samples(name) if labels.get("method") == "roco")
-
-
-def wait_for_zero(server: VLLMServer, name: str, timeout_s: float = 60.0) -> float:
-    deadline = time.monotonic() + timeout_s
-    value = server.metric_value(name)
-    while value != 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = server.metric_value(name)
-    return value
 
 
 def long_prompt(num_chars: int) -> str:
@@ -310,8 +300,8 @@ def test_blocks_are_freed_while_it_decodes_and_the_aborted_request_leaves_none_b
 
 
 def test_every_block_returns_after_the_burst(server, traffic: Traffic):
-    assert wait_for_zero(server, USAGE) == 0
-    assert wait_for_zero(server, WORKER_REQUESTS) == 0
+    assert server.wait_for_metric(USAGE) == 0
+    assert server.wait_for_metric(WORKER_REQUESTS) == 0
 
 
 @dataclass(frozen=True)

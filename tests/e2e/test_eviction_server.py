@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,12 +92,7 @@ def greedy(server: VLLMServer, prompt: str, max_tokens: int) -> str:
 
 def wait_for_usage(server: VLLMServer, expected: float, timeout_s: float = 60.0) -> float:
     """Poll the usage gauge until it equals ``expected``; returns the last value seen."""
-    deadline = time.monotonic() + timeout_s
-    value = server.metric_value(USAGE)
-    while value != expected and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = server.metric_value(USAGE)
-    return value
+    return server.wait_for_metric(USAGE, expected, timeout_s)
 
 
 def usage_while_decoding(server: VLLMServer, prompt: str, chunks_before_reading: int = 6) -> float:

@@ -9,7 +9,6 @@ tokens: six such requests decoding 192 tokens need ~60 blocks, so the pool must 
 from __future__ import annotations
 
 import random
-import time
 
 from vllm_kvevict.bench.workload import prose
 from vllm_kvevict.cli.server_process import VLLMServer
@@ -56,13 +55,8 @@ def long_ids(tokenizer, num_tokens: int, seed: int) -> list[int]:
 
 
 def wait_for_metric_zero(server: VLLMServer, metric: str, timeout_s: float) -> float:
-    """Poll ``metric`` every 0.5 s until it is 0 or ``timeout_s`` passes; returns the last value."""
-    deadline = time.monotonic() + timeout_s
-    value = server.metric_value(metric)
-    while value != 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        value = server.metric_value(metric)
-    return value
+    """Poll ``metric`` until it is 0 or ``timeout_s`` passes; returns the last value."""
+    return server.wait_for_metric(metric, 0.0, timeout_s)
 
 
 def wait_for_usage_zero(server: VLLMServer, timeout_s: float = 60.0) -> float:

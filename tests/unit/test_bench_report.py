@@ -27,6 +27,10 @@ def test_percentile_interpolates_between_ranks():
     assert percentile([7.0], 95) == 7.0
 
 
+def test_tpot_is_the_time_after_the_first_token_over_the_tokens_after_it():
+    assert RequestTiming(ttft_s=2.0, latency_s=12.0, output_tokens=101).tpot_ms == 100.0
+
+
 def test_summary_divides_all_output_tokens_by_wall_time():
     result = summarise("vanilla", timing([1.0, 2.0, 3.0, 4.0], wall_s=64.0), Peaks(max_running=4))
     assert result.output_tok_s == 4 * 128 / 64

@@ -18,6 +18,11 @@ class RequestTiming:
     output_tokens: int
     prompt_tokens: int = 0
 
+    @property
+    def tpot_ms(self) -> float:
+        """Time per output token after the first, in ms."""
+        return 1000 * (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
 
 @dataclass(frozen=True)
 class RunTiming:

@@ -324,3 +324,15 @@ class VLLMServer:
             found = [labels for labels, _ in samples]
             raise LookupError(f"expected one sample {name!r} on /metrics, found {len(samples)}: {found}")
         return samples[0][1]
+
+    def wait_for_metric(
+        self, name: str, expected: float = 0.0, timeout_s: float = 60.0, poll_s: float = 0.5
+    ) -> float:
+        """Read ``metric_value(name)`` every ``poll_s`` until it equals ``expected`` or ``timeout_s`` passes;
+        returns the last value read (e.g. usage back to 0 once every request is done)."""
+        deadline = time.monotonic() + timeout_s
+        value = self.metric_value(name)
+        while value != expected and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            value = self.metric_value(name)
+        return value
