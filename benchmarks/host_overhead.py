@@ -11,6 +11,11 @@ Time is the calling thread's CPU time (``time.thread_time``) with torch on one t
 timed steps: on a shared machine wall time mostly measures the other processes (the JSON keeps the wall
 median too).
 
+With ``--device cuda`` the sub-block tables, vLLM's block table and slot mapping live on the GPU (as in a
+server) and each decode step runs under ``torch.cuda.set_sync_debug_mode(--sync-debug)``: "error" fails the
+run at the first host-device synchronisation, "warn" lists every one with its stack and goes on. The JSON
+then also holds the GPU time of the step's bookkeeping kernels (CUDA events, synchronised after the step).
+
     python benchmarks/host_overhead.py --label after --json /tmp/after.json
     python benchmarks/host_overhead.py --compare /tmp/before.json /tmp/after.json   # markdown table
 
@@ -26,6 +31,8 @@ import json
 import platform
 import statistics
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -96,8 +103,43 @@ class FakeBatch:
         return table, torch.cat(slots)
 
 
+class SyncLog:
+    """Host-device synchronisations seen while ``torch.cuda.set_sync_debug_mode("warn")`` is on."""
+
+    def __init__(self) -> None:
+        self.stacks: dict[str, int] = {}
+
+    def record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message).lower():
+            return
+        stack = "".join(traceback.format_stack(limit=12)[:-2])
+        key = f"{message}\n{stack}"
+        self.stacks[key] = self.stacks.get(key, 0) + 1
+
+
+class SyncDebug:
+    """``with SyncDebug(device, mode)``: the block runs under CUDA's sync debug mode (nothing on CPU)."""
+
+    def __init__(self, device: torch.device, mode: str, log: SyncLog) -> None:
+        self.active = device.type == "cuda" and mode != "off"
+        self.mode, self.log = mode, log
+
+    def __enter__(self) -> None:
+        if self.active:
+            self._show = warnings.showwarning
+            warnings.showwarning = self.log.record
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(self.mode)
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = self._show
+
+
 def run_case(method: str, num_reqs: int, block_size: int, args: argparse.Namespace) -> dict:
     heads, layers, prompt = args.heads, args.layers, args.prompt
+    device = torch.device(args.device)
     policy = build_policy(method)
     policy.select = fake_select(method.startswith("ada"), heads, prompt, seed=num_reqs * 131 + block_size)
     worker = EvictionWorker(policy, args.budget, layers, heads, block_size)
@@ -120,9 +162,10 @@ def run_case(method: str, num_reqs: int, block_size: int, args: argparse.Namespa
             )
         )
         table, slots = batch.tensors(chunk, [prompt] * len(chunk), [prompt] * len(chunk))
-        step = worker.make_step(len(chunk), tokens, torch.full((len(chunk),), prompt), table, slots)
-        query = torch.zeros(1, num_q_heads, args.head_dim).expand(tokens, num_q_heads, args.head_dim)
-        kv = torch.zeros(1, heads, args.head_dim).expand(tokens, heads, args.head_dim)
+        seq_lens = torch.full((len(chunk),), prompt, device=device)
+        step = worker.make_step(len(chunk), tokens, seq_lens, table.to(device), slots.to(device))
+        query = torch.zeros(1, num_q_heads, args.head_dim, device=device).expand(tokens, num_q_heads, -1)
+        kv = torch.zeros(1, heads, args.head_dim, device=device).expand(tokens, heads, -1)
         for layer in range(layers):
             step.compact_layer(layer, query, kv, kv)
         worker.end_step()
@@ -131,7 +174,8 @@ def run_case(method: str, num_reqs: int, block_size: int, args: argparse.Namespa
 
     # Decode steps: every request computes one token; only the host work is timed.
     all_reqs = list(range(num_reqs))
-    samples, cpu_samples = [], []
+    samples, cpu_samples, gpu_samples = [], [], []
+    sync_log = SyncLog()
     for t in range(args.max_new):
         computed = prompt + t
         inputs = StepInputs(
@@ -140,22 +184,32 @@ def run_case(method: str, num_reqs: int, block_size: int, args: argparse.Namespa
             np.full(num_reqs, computed),
             np.ones(num_reqs, dtype=np.int64),
         )
-        table, slots = batch.tensors(all_reqs, [computed + 1] * num_reqs, [1] * num_reqs)
-        seq_lens = torch.full((num_reqs,), computed + 1, dtype=torch.int32)
+        # vLLM's inputs are on the device before the step's hooks run: copy them outside the timed part
+        table, slots = (x.to(device) for x in batch.tensors(all_reqs, [computed + 1] * num_reqs, [1] * num_reqs))
+        seq_lens = torch.full((num_reqs,), computed + 1, dtype=torch.int32, device=device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else []
+        if events:
+            torch.cuda.synchronize(device)
+            events[0].record()
         started, started_cpu = time.perf_counter(), time.thread_time()
-        worker.begin_step(inputs)
-        step = worker.make_step(num_reqs, num_reqs, seq_lens, table, slots)
-        assert step is not None and step.has_compacted
-        for layer in range(layers):
-            step.head_batch(layer)
-        worker.end_step()
+        with SyncDebug(device, args.sync_debug, sync_log):
+            worker.begin_step(inputs)
+            step = worker.make_step(num_reqs, num_reqs, seq_lens, table, slots)
+            assert step is not None and step.has_compacted
+            for layer in range(layers):
+                step.head_batch(layer)
+            worker.end_step()
         samples.append(time.perf_counter() - started)
         cpu_samples.append(time.thread_time() - started_cpu)
+        if events:
+            events[1].record()
+            torch.cuda.synchronize(device)
+            gpu_samples.append(events[0].elapsed_time(events[1]) / 1000)
         if len(samples) >= args.min_steps and sum(samples) > args.seconds:
             break
     first = 1 if len(samples) > 2 else 0  # the first step after the prefills moves every request's rows
     warm, warm_cpu = samples[first:], cpu_samples[first:]
-    return {
+    row = {
         "method": method,
         "batch": num_reqs,
         "block_size": block_size,
@@ -164,6 +218,13 @@ def run_case(method: str, num_reqs: int, block_size: int, args: argparse.Namespa
         "wall_ms_per_step": 1000 * statistics.median(warm),
         "steps": len(samples),
     }
+    if gpu_samples:
+        row["gpu_ms_per_step"] = 1000 * statistics.median(gpu_samples[first:])
+        row["sync_debug"] = args.sync_debug
+        row["syncs"] = sum(sync_log.stacks.values())
+        for stack, count in sync_log.stacks.items():
+            print(f"--- {count} synchronisation(s) during decode steps ({method}, batch {num_reqs}):\n{stack}")
+    return row
 
 
 def markdown(results: list[dict], columns: dict[str, list[dict]]) -> str:
@@ -205,6 +266,13 @@ def main() -> None:
     parser.add_argument("--min-steps", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=3.0, help="stop timing a case after this long")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="where the tables live: cpu or cuda")
+    parser.add_argument(
+        "--sync-debug",
+        default="error",
+        choices=["error", "warn", "off"],
+        help="CUDA sync debug mode during decode steps (--device cuda only)",
+    )
     parser.add_argument("--label", default="run")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--compare", type=Path, nargs="+", help="print one table from earlier --json files")
@@ -225,13 +293,23 @@ def main() -> None:
         for block_size in (int(b) for b in args.block_sizes.split(",")):
             for num_reqs in (int(b) for b in args.batches.split(",")):
                 row = run_case(method, num_reqs, block_size, args)
+                gpu = f", GPU {row['gpu_ms_per_step']:.3f} ms, {row['syncs']} syncs" if "syncs" in row else ""
                 print(
                     f"{method:12s} bs={block_size:3d} batch={num_reqs:4d}: {row['ms_per_step']:9.3f} ms/step "
-                    f"({row['steps']} steps)",
+                    f"({row['steps']} steps{gpu})",
                     flush=True,
                 )
                 results.append(row)
     print(markdown(results, {args.label: results}))
+    if args.device.startswith("cuda"):
+        print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, sync debug {args.sync_debug}")
+        print("| method | block size | batch | host CPU ms/step | host wall ms/step | GPU ms/step | syncs |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for row in results:
+            print(
+                f"| {row['method']} | {row['block_size']} | {row['batch']} | {row['ms_per_step']:.3g} | "
+                f"{row['wall_ms_per_step']:.3g} | {row['gpu_ms_per_step']:.3g} | {row['syncs']} |"
+            )
     if args.json:
         record = {"label": args.label, "args": vars(args), "results": results}
         args.json.write_text(json.dumps(record, indent=1, default=str))

@@ -1,26 +1,90 @@
 #!/usr/bin/env bash
-# The GPU session's whole job for issue 6, standalone (torch + triton, nvcc for the CUDA op; no vLLM):
-#   1. the kernel tests on CUDA: every backend (CUDA op, Triton) against the torch reference, fp32/fp16/bf16;
-#   2. the three benchmarks, their tables appended to $OUT_DIR/kernels.md.
+# A GPU session's whole job for issue 15, standalone (torch + triton + nvcc + compute-sanitizer; no vLLM):
+#   1. build the CUDA compaction op (torch JIT, timed);
+#   2. the kernel tests on CUDA: every backend (CUDA op, Triton) against the torch reference,
+#      fp32/fp16/bf16, block sizes 16/32/128, ragged per-head counts;
+#   3. compute-sanitizer (memcheck, racecheck, initcheck) over the CUDA op's tests;
+#   4. the kernel benchmarks, their tables appended to $OUT_DIR/kernels.md;
+#   5. the eviction datapath's per-decode-step bookkeeping on the GPU under torch's sync debug mode.
+# Every stage runs under its own time limit and the script goes on after a failure; the summary at the end
+# names each stage's exit status (0 = passed). Results: at most 8 files in $OUT_DIR.
 # Usage: benchmarks/kernels/run_gpu_tests.sh [--tests-only]     (PYTHON=... OUT_DIR=... to override)
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/kvevict_torch_extensions}
+PY=${PYTHON:-python3}
 OUT=${OUT_DIR:-benchmarks/results}
 mkdir -p "$OUT"
-$PY -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
-print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" \
-  | tee "$OUT/device.txt"
+SUMMARY=()
+
+DEADLINE=${DEADLINE_S:-520}  # seconds from the start; no stage runs past it, so the summary is written
+stage() {  # stage NAME SECONDS LOG command...: run with a time limit, output appended to LOG
+  local name=$1 limit=$2 log=$3 started=$SECONDS rc
+  shift 3
+  if ((limit > DEADLINE - SECONDS)); then limit=$((DEADLINE - SECONDS)); fi
+  if ((limit < 10)); then SUMMARY+=("$name: skipped, past the ${DEADLINE} s deadline"); return; fi
+  echo "=== $name ($(date -u +%H:%M:%S))" | tee -a "$log"
+  timeout "$limit" "$@" >>"$log" 2>&1
+  rc=$?
+  echo "=== $name: rc $rc in $((SECONDS - started)) s" | tee -a "$log"
+  SUMMARY+=("$name: rc $rc, $((SECONDS - started)) s")
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+  $PY -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
+p = torch.cuda.get_device_properties(0); \
+print(p.name, p.multi_processor_count, 'SMs', 'torch', torch.__version__, 'cuda', torch.version.cuda, \
+'triton', triton.__version__)"
+  nvcc --version | tail -2
+  SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  echo "compute-sanitizer: ${SANITIZER:-not found}"
+} 2>&1 | tee "$OUT/device.txt"
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+
+stage "build the CUDA op" 240 "$OUT/kernel_tests.txt" $PY -c "import time; t = time.time(); \
+from vllm_kvevict.layout.kernels import cuda_ext; cuda_ext.load_compaction_op(); \
+print(f'built and loaded in {time.time() - t:.1f} s')"
 # --confcutdir keeps pytest away from tests/conftest.py; parity_cases.py is named explicitly (not test_*)
-$PY -m pytest tests/kernels tests/kernels/parity_cases.py --confcutdir=tests/kernels -p no:cacheprovider -q -rfEs \
-  2>&1 | tee "$OUT/kernel_tests.txt"
-[ "${1:-}" = "--tests-only" ] && exit 0
+stage "kernel tests" 240 "$OUT/kernel_tests.txt" $PY -m pytest tests/kernels tests/kernels/parity_cases.py \
+  --confcutdir=tests/kernels -p no:cacheprovider -q -rfEs -n 8
+if [ "${1:-}" = "--tests-only" ]; then printf '%s\n' "${SUMMARY[@]}"; exit 0; fi
+
+# No caching allocator: every tensor is its own cudaMalloc, so memcheck sees each bound exactly.
+sanitize() {
+  stage "compute-sanitizer $1" 180 "$OUT/sanitizer.txt" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    "${SANITIZER:-compute-sanitizer}" --tool "$1" --error-exitcode 9 $PY -m pytest \
+    tests/kernels/parity_cases.py --confcutdir=tests/kernels -p no:cacheprovider -q -k "compaction and cuda"
+}
+sanitize memcheck
+
 rm -f "$OUT/kernels.md"
-$PY benchmarks/kernels/bench_compaction.py --markdown "$OUT/kernels.md"
-$PY benchmarks/kernels/bench_ragged_attention.py --markdown "$OUT/kernels.md"
+# 32 layers x 8 KV heads x D 128: 32 requests of 16k tokens would be 64 GiB of cache, so the long prompts run
+# with fewer requests
+stage "compaction bench float16" 150 "$OUT/benchmarks.log" bash -c "$PY benchmarks/kernels/bench_compaction.py \
+  --requests 1 8 32 --prompt 4096 --markdown $OUT/kernels.md && $PY benchmarks/kernels/bench_compaction.py \
+  --requests 1 8 --prompt 16384 --markdown $OUT/kernels.md"
+stage "compaction bench bfloat16" 90 "$OUT/benchmarks.log" $PY benchmarks/kernels/bench_compaction.py \
+  --dtype bfloat16 --requests 8 --prompt 4096 --markdown "$OUT/kernels.md"
+stage "ragged attention bench" 180 "$OUT/benchmarks.log" $PY benchmarks/kernels/bench_ragged_attention.py \
+  --max-gib 8 --markdown "$OUT/kernels.md"
+stage "scoring bench" 120 "$OUT/benchmarks.log" $PY benchmarks/kernels/bench_scoring.py --check \
+  --markdown "$OUT/kernels.md"
+stage "datapath bookkeeping (warn: lists every sync)" 150 "$OUT/host_overhead.txt" $PY \
+  benchmarks/host_overhead.py --device cuda --sync-debug warn --batches 32,256 --block-sizes 16 \
+  --methods snapkv,ada-snapkv --max-new 24 --seconds 2 --json "$OUT/host_overhead.json"
+stage "datapath bookkeeping (error mode, batch 256)" 120 "$OUT/host_overhead.txt" $PY \
+  benchmarks/host_overhead.py --device cuda --sync-debug error --batches 256 --block-sizes 16,32 \
+  --methods snapkv,ada-snapkv --max-new 8 --seconds 1
 # tile sweep on a few shapes, to retune vllm_kvevict/triton_kernels/paged_attention.py:tile_config from data
-$PY benchmarks/kernels/bench_ragged_attention.py --batch 1 16 64 --context 32768 --budget 0.1 \
-  --tile default 32x4 64x4 64x8 128x8 --check --markdown "$OUT/kernels.md"
-$PY benchmarks/kernels/bench_scoring.py --markdown "$OUT/kernels.md"
+stage "ragged attention tiles" 120 "$OUT/benchmarks.log" $PY benchmarks/kernels/bench_ragged_attention.py \
+  --batch 1 16 64 --context 32768 --budget 0.1 --tile default 32x4 64x4 64x8 128x8 --check \
+  --markdown "$OUT/kernels.md"
+stage "ragged attention bs 32/128" 120 "$OUT/benchmarks.log" bash -c "for bs in 32 128; do $PY \
+  benchmarks/kernels/bench_ragged_attention.py --block-size \$bs --batch 16 64 --context 32768 131072 \
+  --budget 0.1 0.25 --max-gib 8 --markdown $OUT/kernels.md || exit 1; done"
+sanitize racecheck
+sanitize initcheck
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
 echo "tables in $OUT/kernels.md: copy them into docs/benchmarks.md with the GPU named"

@@ -18,6 +18,10 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FAST_BACKENDS = [b for b in ("cuda", "triton") if dispatch.unavailable_reason(b, DEVICE) is None]
 DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# scores are probabilities (<= 1) from logits of half-precision keys: float32 math, half inputs
+SCORE_TOLERANCE = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-4}
+# vLLM's CUDA default (16), the CPU build's (32), and a large block (128); one sub-block per (block, head)
+BLOCK_SIZES = [16, 32, 128]
 
 
 def test_this_machine_runs_triton():
@@ -34,15 +38,17 @@ def test_the_cuda_op_is_available_exactly_on_a_gpu():
         assert reason is not None and "needs a CUDA device" in reason
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 @pytest.mark.parametrize(("planes", "head_size"), [(None, 64), (2, 32), (2, 24)])
-def test_compaction_matches_reference(backend, dtype, planes, head_size):
-    shape = (12, BLOCK_SIZE, head_size) if planes is None else (planes, 12, BLOCK_SIZE, head_size)
+def test_compaction_matches_reference(backend, dtype, planes, head_size, block_size):
+    shape = (12, block_size, head_size) if planes is None else (planes, 12, block_size, head_size)
     caches = [torch.randn(shape).to(dtype).to(DEVICE) for _ in range(3)]
     expected = [c.clone() for c in caches]
+    # each run of sub-blocks (one request's head) keeps a random share of its rows: ragged per-head counts
     src, dst, layer = (
-        t.to(DEVICE) for t in compaction_plan(3, 12, BLOCK_SIZE, kept_fraction=0.3, seed=head_size)
+        t.to(DEVICE) for t in compaction_plan(3, 12, block_size, kept_fraction=0.3, seed=head_size)
     )
     reference.compact_subblocks(expected, src, dst, layer)
     assert dispatch.compact_subblocks(caches, src, dst, layer, backend=backend) == backend
@@ -71,19 +77,24 @@ def test_compaction_with_no_moves_changes_nothing():
 
 
 ATTENTION_CASES = [
-    # (seq_lens, query_lens, causal): decode incl. length 1 and sub-block boundaries, prefill chunks, length 0
+    # (seq_lens, query_lens, causal): decode incl. length 1 and sub-block boundaries, prefill chunks, length 0;
+    # each sequence is one (request, KV head), so the lengths are ragged per-head counts
     ([1, 15, 16, 17, 40, 70], [1, 1, 1, 1, 1, 1], True),
+    ([31, 32, 33, 127, 128, 129, 300], [1, 1, 1, 1, 1, 1, 1], True),
     ([5, 33, 20, 64], [5, 7, 1, 16], True),
     ([0, 3, 18], [0, 2, 4], False),
     ([0, 9], [1, 1], False),
 ]
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize(("seq_lens", "query_lens", "causal"), ATTENTION_CASES)
-def test_ragged_attention_matches_reference(dtype, group, seq_lens, query_lens, causal):
-    case = paged_sequences(seq_lens, head_size=64, dtype=dtype, device=DEVICE, seed=group)
+def test_ragged_attention_matches_reference(dtype, group, seq_lens, query_lens, causal, block_size):
+    case = paged_sequences(
+        seq_lens, head_size=64, block_size=block_size, dtype=dtype, device=DEVICE, seed=group
+    )
     query = torch.randn(sum(query_lens), group, 64).to(dtype).to(DEVICE)
     starts = query_start_loc(query_lens, DEVICE)
     args = (query, case.k_cache, case.v_cache, case.subblock_tables, case.seq_lens, starts)
@@ -119,6 +130,20 @@ def test_window_scores_match_reference(group, pool_kernel, pool_kind, window):
     want = reference.paged_window_scores(*args, **kwargs)
     got = dispatch.paged_window_scores(*args, **kwargs, backend="triton")
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_scores_match_reference_per_dtype_and_block_size(dtype, block_size):
+    seq_lens = [9, 31, 32, 33, 129, 300]  # ragged per-head lengths across sub-block boundaries
+    case = paged_sequences(seq_lens, head_size=64, block_size=block_size, dtype=dtype, device=DEVICE, seed=3)
+    queries = torch.randn(len(seq_lens), 3, 8, 64).to(dtype).to(DEVICE)
+    args = (queries, case.k_cache, case.subblock_tables, case.seq_lens)
+    kwargs = dict(num_pooled=case.seq_lens - 8, pool_kernel=7, pool_kind="max")
+    want = reference.paged_window_scores(*args, **kwargs)
+    got = dispatch.paged_window_scores(*args, **kwargs, backend="triton")
+    tol = SCORE_TOLERANCE[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=1e-2 if dtype != torch.float32 else 1e-4)
 
 
 def test_window_scores_split_over_key_ranges_and_explicit_positions_match_reference():
