@@ -67,7 +67,8 @@ def fake_select(ragged: bool, num_heads: int, prompt_len: int, seed: int):
         width = int(counts.max())
         positions = torch.arange(width).expand(num_heads, width)
         indices = torch.where(positions < counts[:, None], positions, -1)
-        return KeptTokens(indices=indices, counts=counts)
+        device = layer.keys.device  # a real policy scores on the cache's device and returns its result there
+        return KeptTokens(indices=indices.to(device), counts=counts.to(device))
 
     return select
 
@@ -185,7 +186,8 @@ def run_case(method: str, num_reqs: int, block_size: int, args: argparse.Namespa
             np.ones(num_reqs, dtype=np.int64),
         )
         # vLLM's inputs are on the device before the step's hooks run: copy them outside the timed part
-        table, slots = (x.to(device) for x in batch.tensors(all_reqs, [computed + 1] * num_reqs, [1] * num_reqs))
+        host_inputs = batch.tensors(all_reqs, [computed + 1] * num_reqs, [1] * num_reqs)
+        table, slots = (x.to(device) for x in host_inputs)
         seq_lens = torch.full((num_reqs,), computed + 1, dtype=torch.int32, device=device)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else []
         if events:
@@ -223,7 +225,7 @@ def run_case(method: str, num_reqs: int, block_size: int, args: argparse.Namespa
         row["sync_debug"] = args.sync_debug
         row["syncs"] = sum(sync_log.stacks.values())
         for stack, count in sync_log.stacks.items():
-            print(f"--- {count} synchronisation(s) during decode steps ({method}, batch {num_reqs}):\n{stack}")
+            print(f"--- {count} synchronisation(s) in decode steps ({method}, batch {num_reqs}):\n{stack}")
     return row
 
 

@@ -42,6 +42,24 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int = 3, rep
     return statistics.median(samples)
 
 
+def time_graph_ms(
+    fn: Callable[[], object], device: torch.device, calls: int = 10, repeats: int = 10
+) -> float:
+    """Median ms of one ``fn`` call replayed from a CUDA graph of ``calls`` back-to-back calls: the GPU time
+    of the kernels without the host's launch gaps, as vLLM's decode runs them (captured graphs)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm up (Triton compiles, allocator pools) off the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, device, warmup=2, repeats=repeats) / calls
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from bench_common import base_parser, emit_table, time_ms
+from bench_common import base_parser, emit_table, time_graph_ms, time_ms
 
 from vllm_kvevict.layout.kernels import reference
 from vllm_kvevict.triton_kernels.paged_attention import ragged_paged_attention
@@ -81,9 +81,16 @@ def time_ragged(args, lengths: torch.Tensor, device, dtype, gen) -> tuple[float,
         want = reference.ragged_paged_attention(query, k, v, tables, seq_lens)
         for tile in args.tile:
             torch.testing.assert_close(ragged(tile).float(), want.float(), atol=2e-2, rtol=2e-2)
-    timings = [(time_ms(lambda t=tile: ragged(t), device, repeats=args.repeats), tile) for tile in args.tile]
+    timings = [(timer(args, device)(lambda t=tile: ragged(t)), tile) for tile in args.tile]
     best_ms, best_tile = min(timings, key=lambda x: x[0])
     return best_ms, "default" if best_tile is None else f"{best_tile[0]}x{best_tile[1]}"
+
+
+def timer(args, device):
+    """ms of one call: from CUDA graph replays with --cuda-graph, else eager launches (host gaps included)."""
+    if args.cuda_graph:
+        return lambda fn: time_graph_ms(fn, device, repeats=args.repeats)
+    return lambda fn: time_ms(fn, device, repeats=args.repeats)
 
 
 def parse_tile(text: str) -> tuple[int, int] | None:
@@ -115,10 +122,10 @@ def time_dense(args, batch: int, length: int, device, dtype) -> tuple[float, str
         try:
             with sdpa_kernel(getattr(SDPBackend, name)):
                 dense()
-                return time_ms(dense, device, repeats=args.repeats), name.split("_")[0].lower()
+                return timer(args, device)(dense), name.split("_")[0].lower()
         except (RuntimeError, AttributeError):  # this kernel does not take these shapes/dtype
             continue
-    return time_ms(dense, device, repeats=args.repeats), "default"
+    return timer(args, device)(dense), "default"
 
 
 def measure(args, batch: int, context: int, budget: float, device, dtype, gen) -> list[object] | None:
@@ -158,6 +165,9 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=20.0, help="skip configs whose KV exceeds this")
     parser.add_argument("--check", action="store_true", help="compare with the torch reference first (slow)")
     parser.add_argument(
+        "--cuda-graph", action="store_true", help="time both kernels as CUDA graph replays (no launch gaps)"
+    )
+    parser.add_argument(
         "--tile",
         type=parse_tile,
         nargs="+",
@@ -190,9 +200,10 @@ def main() -> None:
         "tile",
         "dense SDPA",
     ]
+    timing = "CUDA graph replays" if args.cuda_graph else "eager launches"
     emit_table(
         f"Ragged paged decode attention vs dense SDPA at equal KV bytes ({args.kv_heads} KV heads x "
-        f"group {args.group}, D {args.head_size}, bs {args.block_size}, spread {args.spread})",
+        f"group {args.group}, D {args.head_size}, bs {args.block_size}, spread {args.spread}; {timing})",
         header,
         rows,
         device,

@@ -77,8 +77,8 @@ def test_compaction_with_no_moves_changes_nothing():
 
 
 ATTENTION_CASES = [
-    # (seq_lens, query_lens, causal): decode incl. length 1 and sub-block boundaries, prefill chunks, length 0;
-    # each sequence is one (request, KV head), so the lengths are ragged per-head counts
+    # (seq_lens, query_lens, causal): decode incl. length 1 and sub-block boundaries, prefill chunks,
+    # length 0; each sequence is one (request, KV head), so the lengths are ragged per-head counts
     ([1, 15, 16, 17, 40, 70], [1, 1, 1, 1, 1, 1], True),
     ([31, 32, 33, 127, 128, 129, 300], [1, 1, 1, 1, 1, 1, 1], True),
     ([5, 33, 20, 64], [5, 7, 1, 16], True),
