@@ -142,6 +142,7 @@ def measure(args, batch: int, context: int, budget: float, device, dtype, gen) -
         context,
         budget,
         average,
+        int(lengths.max()),
         f"{kv_gib:.2f}",
         dense_ms,
         ragged_ms,
@@ -162,6 +163,7 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--spread", type=float, default=0.5, help="per-head length spread around the average")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and sub-block order")
     parser.add_argument("--max-gib", type=float, default=20.0, help="skip configs whose KV exceeds this")
     parser.add_argument("--check", action="store_true", help="compare with the torch reference first (slow)")
     parser.add_argument(
@@ -179,7 +181,7 @@ def main() -> None:
         args.batch, args.context, args.budget, args.kv_heads, args.head_size = [2], [512], [0.25], 2, 64
         args.repeats, args.check = 2, True
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(args.seed)
     rows = [
         row
         for batch in args.batch
@@ -192,6 +194,7 @@ def main() -> None:
         "context",
         "budget",
         "avg kept",
+        "max kept",
         "KV GiB",
         "dense ms",
         "ragged ms",

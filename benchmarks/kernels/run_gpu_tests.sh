@@ -83,6 +83,10 @@ stage "ragged attention bench, CUDA graphs" 180 "$OUT/benchmarks.log" $PY \
 stage "ragged attention tiles, CUDA graphs" 120 "$OUT/benchmarks.log" $PY \
   benchmarks/kernels/bench_ragged_attention.py --cuda-graph --batch 1 16 64 --context 32768 131072 \
   --budget 0.1 --tile default 32x4 64x4 128x4 128x8 --check --markdown "$OUT/kernels.md"
+# the same shape over several draws of per-head lengths and sub-block order: how much the draw alone moves it
+stage "ragged attention seeds, CUDA graphs" 120 "$OUT/benchmarks.log" bash -c "for seed in 1 2 3 4 5; do $PY \
+  benchmarks/kernels/bench_ragged_attention.py --cuda-graph --batch 64 --context 16384 --budget 0.1 \
+  --seed \$seed --markdown $OUT/kernels.md || exit 1; done"
 stage "scoring bench" 120 "$OUT/benchmarks.log" $PY benchmarks/kernels/bench_scoring.py --check \
   --markdown "$OUT/kernels.md"
 stage "datapath bookkeeping (warn: lists every sync)" 150 "$OUT/host_overhead.txt" $PY \

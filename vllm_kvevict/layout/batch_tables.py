@@ -24,6 +24,15 @@ from vllm_kvevict.layout.subblock_store import SubBlockStore, TableRows
 from vllm_kvevict.layout.subblock_table import SubBlockTable
 
 
+def host_to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """[N] int64 host values on ``device`` without a host-device sync: on CUDA through pinned memory and a
+    non-blocking copy (a pageable ``torch.tensor(..., device=...)`` copy synchronises the step)."""
+    host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass(frozen=True)
 class StepLayout:
     """Head-as-sequence data of one step, shared by every group of layers.
@@ -138,12 +147,8 @@ class BatchSubBlocks:
         ]
         if not decode_only:
             parts.append(_sequence_rows(q_lens, q_start, req_of_token, token_offset, heads))
-        # Everything the device needs from the host this step, in one copy (pinned, so it does not block).
-        packed = torch.from_numpy(np.concatenate([p.astype(np.int64) for p in parts]))
-        if store.device.type == "cuda":
-            packed = packed.pin_memory().to(store.device, non_blocking=True)
-        else:
-            packed = packed.to(store.device)
+        # Everything the device needs from the host this step, in one copy.
+        packed = host_to_device(np.concatenate([p.astype(np.int64) for p in parts]), store.device)
         pieces = packed.split([len(p) for p in parts])
         q_dev, blocks_dev, compacted_dev, growing_dev, token_req, offsets, qsl, rebuilt_dev, rebuilt_lens = (
             pieces[:9]
@@ -234,7 +239,7 @@ class BatchSubBlocks:
         ]
         leaving = [slot for slot in changed if slot < len(old) and self._compacted[slot]]
         if leaving:
-            saved = store.save(torch.tensor(leaving, device=store.device))
+            saved = store.save(host_to_device(np.array(leaving), store.device))
             for i, slot in enumerate(leaving):
                 self._saved[old[slot]] = {
                     name: value[:, i] if value.dim() > 1 else value[i] for name, value in saved.items()
@@ -248,7 +253,7 @@ class BatchSubBlocks:
                 name: torch.stack([r[name] for r in rows], dim=1 if rows[0][name].dim() > 0 else 0)
                 for name in rows[0]
             }
-            store.restore(torch.tensor(arriving, device=store.device), stacked)
+            store.restore(host_to_device(np.array(arriving), store.device), stacked)
             self._compacted[arriving] = True
         self._slot_ids = list(req_ids)
         self._slot_of = {req_id: slot for slot, req_id in enumerate(req_ids)}
