@@ -111,8 +111,8 @@ class SyncLog:
         self.stacks: dict[str, int] = {}
 
     def record(self, message, category, filename, lineno, file=None, line=None) -> None:
-        if "synchroniz" not in str(message).lower():
-            return
+        if "synchronizing cuda operation" not in str(message).lower():
+            return  # e.g. the notice that sync debug mode is a prototype
         stack = "".join(traceback.format_stack(limit=12)[:-2])
         key = f"{message}\n{stack}"
         self.stacks[key] = self.stacks.get(key, 0) + 1

@@ -23,17 +23,21 @@ from vllm_kvevict.triton_kernels.paged_attention import ragged_paged_attention
 
 
 def ragged_lengths(num_seqs: int, average: int, spread: float, gen: torch.Generator) -> torch.Tensor:
-    """[num_seqs] int32 lengths around ``average`` whose sum is exactly num_seqs * average."""
-    lengths = (average * (1 + spread * (2 * torch.rand(num_seqs, generator=gen) - 1))).round().clamp(min=1)
+    """[num_seqs] int32 lengths in [1, average * (1 + spread) + 1] whose sum is exactly num_seqs * average.
+
+    The rounding error of the draw (hundreds of tokens per sequence at large batches) is spread over the
+    sequences, a little each, so no single sequence ends up far longer than the spread allows."""
+    ceiling = int(average * (1 + spread)) + 1
+    lengths = (
+        (average * (1 + spread * (2 * torch.rand(num_seqs, generator=gen) - 1))).round().clamp(1, ceiling)
+    )
     lengths = lengths.long()
-    excess = int(lengths.sum()) - num_seqs * average
-    order = torch.argsort(lengths, descending=excess > 0)
-    for i in order.tolist():  # take the rounding error off the longest (or add it to the shortest) heads
-        if excess == 0:
-            break
-        step = max(-(int(lengths[i]) - 1), -excess) if excess > 0 else -excess
-        lengths[i] += step
-        excess += step
+    while (excess := int(lengths.sum()) - num_seqs * average) != 0:
+        room = lengths - 1 if excess > 0 else ceiling - lengths  # how far each may move
+        movable = torch.nonzero(room > 0).flatten()
+        step = max(1, abs(excess) // len(movable))
+        change = torch.minimum(room[movable], torch.tensor(step))[: abs(excess)]
+        lengths[movable[: len(change)]] -= change if excess > 0 else -change
     return lengths.to(torch.int32)
 
 

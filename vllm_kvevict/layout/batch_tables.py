@@ -26,7 +26,7 @@ from vllm_kvevict.layout.subblock_table import SubBlockTable
 
 def host_to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """[N] int64 host values on ``device`` without a host-device sync: on CUDA through pinned memory and a
-    non-blocking copy (a pageable ``torch.tensor(..., device=...)`` copy synchronises the step)."""
+    non-blocking copy (building the tensor on the device from pageable memory synchronises the step)."""
     host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
