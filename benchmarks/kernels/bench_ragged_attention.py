@@ -57,8 +57,8 @@ def build_ragged(lengths: torch.Tensor, head_size: int, block_size: int, dtype, 
 
 
 def time_ragged(args, lengths: torch.Tensor, device, dtype, gen) -> tuple[float, str]:
-    """Median ms of one decode step over the ragged paged cache, best over ``--tile`` configurations, and
-    that configuration (checked against the reference with --check)."""
+    """Median ms of one decode step over the ragged paged cache, best over the ``--tile`` x ``--splits``
+    configurations, and that configuration (each checked against the reference with --check)."""
     batch_heads, d = len(lengths), args.head_size
     k, v, tables = build_ragged(lengths, d, args.block_size, dtype, device, gen)
     seq_lens = lengths.to(device)
@@ -66,7 +66,7 @@ def time_ragged(args, lengths: torch.Tensor, device, dtype, gen) -> tuple[float,
     starts = torch.arange(batch_heads + 1, dtype=torch.int32, device=device)
     max_len = int(lengths.max())
 
-    def ragged(tile: tuple[int, int] | None):
+    def ragged(tile: tuple[int, int] | None, splits: int | None):
         block_n, num_warps = tile or (None, None)
         return ragged_paged_attention(
             query,
@@ -77,17 +77,20 @@ def time_ragged(args, lengths: torch.Tensor, device, dtype, gen) -> tuple[float,
             starts,
             max_query_len=1,
             max_seq_len=max_len,
+            num_splits=splits,
             block_n=block_n,
             num_warps=num_warps,
         )
 
+    configs = [(tile, splits) for tile in args.tile for splits in args.splits]
     if args.check:
         want = reference.ragged_paged_attention(query, k, v, tables, seq_lens)
-        for tile in args.tile:
-            torch.testing.assert_close(ragged(tile).float(), want.float(), atol=2e-2, rtol=2e-2)
-    timings = [(timer(args, device)(lambda t=tile: ragged(t)), tile) for tile in args.tile]
-    best_ms, best_tile = min(timings, key=lambda x: x[0])
-    return best_ms, "default" if best_tile is None else f"{best_tile[0]}x{best_tile[1]}"
+        for tile, splits in configs:
+            torch.testing.assert_close(ragged(tile, splits).float(), want.float(), atol=2e-2, rtol=2e-2)
+    timings = [(timer(args, device)(lambda c=c: ragged(*c)), c) for c in configs]
+    best_ms, (best_tile, best_splits) = min(timings, key=lambda x: x[0])
+    tile = "default" if best_tile is None else f"{best_tile[0]}x{best_tile[1]}"
+    return best_ms, tile if best_splits is None else f"{tile}, {best_splits} splits"
 
 
 def timer(args, device):
@@ -95,6 +98,11 @@ def timer(args, device):
     if args.cuda_graph:
         return lambda fn: time_graph_ms(fn, device, repeats=args.repeats)
     return lambda fn: time_ms(fn, device, repeats=args.repeats)
+
+
+def parse_splits(text: str) -> int | None:
+    """ "4" -> 4 key-range splits; "auto" -> None (choose_num_splits)."""
+    return None if text == "auto" else int(text)
 
 
 def parse_tile(text: str) -> tuple[int, int] | None:
@@ -170,6 +178,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and sub-block order")
     parser.add_argument("--max-gib", type=float, default=20.0, help="skip configs whose KV exceeds this")
     parser.add_argument("--check", action="store_true", help="compare with the torch reference first (slow)")
+    parser.add_argument(
+        "--splits",
+        type=parse_splits,
+        nargs="+",
+        default=[None],
+        help="key-range splits to try (e.g. auto 1 4 16); the best is reported with its tile",
+    )
     parser.add_argument(
         "--cuda-graph", action="store_true", help="time both kernels as CUDA graph replays (no launch gaps)"
     )

@@ -87,6 +87,10 @@ stage "ragged attention tiles, CUDA graphs" 120 "$OUT/benchmarks.log" $PY \
 stage "ragged attention seeds, CUDA graphs" 120 "$OUT/benchmarks.log" bash -c "for seed in 1 2 3 4 5; do $PY \
   benchmarks/kernels/bench_ragged_attention.py --cuda-graph --batch 64 --context 16384 --budget 0.1 \
   --seed \$seed --markdown $OUT/kernels.md || exit 1; done"
+# small batches miss the target: which key-range split count would serve them (choose_num_splits from data)
+stage "ragged attention splits, CUDA graphs" 120 "$OUT/benchmarks.log" $PY \
+  benchmarks/kernels/bench_ragged_attention.py --cuda-graph --batch 1 4 16 --context 4096 32768 131072 \
+  --budget 0.1 0.25 --splits auto 1 2 4 8 16 32 --check --markdown "$OUT/kernels.md"
 stage "scoring bench" 120 "$OUT/benchmarks.log" $PY benchmarks/kernels/bench_scoring.py --check \
   --markdown "$OUT/kernels.md"
 stage "datapath bookkeeping (warn: lists every sync)" 150 "$OUT/host_overhead.txt" $PY \
