@@ -174,12 +174,31 @@ def tile_config(element_size: int) -> tuple[int, int]:
     return (64, 8) if element_size <= 2 else (32, 8)
 
 
+# Key-range splits, from the H100 sweep of 2026-11-27 (docs/benchmarks.md, 18 decode shapes at batch 1-16):
+# the fastest split count gave each program 70-600 keys at batch 1-4 and kept ~4 programs per SM; batch 64
+# (512 programs of 8 KV heads) was at 0.89-1.06 of flash SDPA with one split.
+MIN_KEYS_PER_SPLIT = 128
+PROGRAMS_PER_SM = 4
+MAX_SPLITS = 32
+
+
+def split_count(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Key ranges per sequence: 1 once the programs fill the GPU twice over, else enough splits for about
+    ``PROGRAMS_PER_SM`` programs per SM, each with at least ``MIN_KEYS_PER_SPLIT`` keys (at most 32)."""
+    if num_programs >= 2 * num_sms:
+        return 1
+    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_programs, 1))
+    by_length = triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
 def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
     """Key-range splits so that a small batch of long sequences still fills the GPU (1 on CPU)."""
-    if device.type != "cuda" or max_seq_len <= 1024:
+    if device.type != "cuda":
         return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(target, num_programs), triton.cdiv(max_seq_len, 512), 64))
+    return split_count(
+        num_programs, max_seq_len, torch.cuda.get_device_properties(device).multi_processor_count
+    )
 
 
 def ragged_paged_attention(
