@@ -30,6 +30,7 @@ from reference_checks import (
     logprob_gap,
     tokens_and_logprobs,
 )
+from request_bodies import client_of as openai_client
 from request_bodies import ignore_eos_body
 
 from vllm_kvevict.cli.server_process import VLLMServer
@@ -91,9 +92,7 @@ REFERENCE_PROMPT = (
 
 
 def client_of(server: VLLMServer):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
+    return openai_client(server, timeout_s=1800)
 
 
 def roco_counter(server: VLLMServer, name: str) -> float:

@@ -18,9 +18,18 @@ BLOCK_SIZE = 32
 NUM_BLOCKS = 40
 BUDGET = 64
 SERVER_ARGS = (
-    "--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET),
-    "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-    "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+    "--kv-eviction",
+    "ada-snapkv",
+    "--kv-budget",
+    str(BUDGET),
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--num-gpu-blocks-override",
+    str(NUM_BLOCKS),
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-num-seqs",
+    "8",
 )
 #: the server's policy fails in every layer of prompts of exactly these lengths (policy_guard.py); no
 #: other test sends a prompt of these lengths.
@@ -28,12 +37,6 @@ INJECTED_FAULTS = {"raise": 701, "wrong_counts": 702, "nan": 703}
 USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions_total"
 WORKER_STATE = "vllm_kvevict_worker_requests"
-
-
-def client_of(server: VLLMServer, timeout_s: float = 300):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.base_url, api_key="unused", timeout=timeout_s, max_retries=0)
 
 
 def long_text(tokenizer, num_tokens: int, seed: int) -> str:

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 from reliability_traffic import (
     PREEMPTIONS,
-    client_of,
     long_ids,
     wait_for_metric_zero,
     wait_for_usage_zero,
     wait_for_worker_state_empty,
 )
-from request_bodies import ignore_eos_body
+from request_bodies import client_of, ignore_eos_body
 
 from vllm_kvevict.cli.server_process import VLLMServer
 
