@@ -41,11 +41,8 @@ def measure(name: str, workload: Workload, repeats: int) -> tuple[float, float]:
             timing = run_workload(server.base_url, model, single, 1).requests[0]
             prompt_rates.append(len(workload.prompts[index]) / timing.ttft_s)
             tpots.append(1000 * (timing.latency_s - timing.ttft_s) / (timing.output_tokens - 1))
-            print(
-                f"[{name}] run {index}: {prompt_rates[-1]:.0f} prompt tok/s, TPOT {tpots[-1]:.1f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"[{name}] run {index}: {prompt_rates[-1]:.0f} prompt tok/s, TPOT {tpots[-1]:.1f} ms",
+                  file=sys.stderr, flush=True)
     return statistics.median(prompt_rates), statistics.median(tpots)
 
 

@@ -33,8 +33,8 @@ from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
 from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
 from vllm_kvevict.hf_reference import load_reference_model  # noqa: E402
-from vllm_kvevict.hf_reference.capture import PrefilledPrompt, recording  # noqa: E402
-from vllm_kvevict.hf_reference.chunked import ChunkedPrefill, chunked_prefill  # noqa: E402
+from vllm_kvevict.hf_reference.capture import recording  # noqa: E402
+from vllm_kvevict.hf_reference.chunked import ChunkedPrefill, cached_prompt, chunked_prefill  # noqa: E402
 from vllm_kvevict.hf_reference.generation import evicting  # noqa: E402
 from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens, LayerKV  # noqa: E402
@@ -127,13 +127,7 @@ def chunked_prefill_head_budgets(
                     kept_heads.append(positions[selector.select(layer, budgets[h]).head(0)])
                 kept_layers.append(kept_heads)
             if final:
-                prompt = PrefilledPrompt(
-                    input_ids=ids.cpu(),
-                    keys=[cache.layers[i].keys for i in range(num_layers)],
-                    values=[cache.layers[i].values for i in range(num_layers)],
-                    layers=[],
-                    last_logits=out.logits[0, -1].float(),
-                )
+                prompt = cached_prompt(ids, cache, out.logits[0, -1].float())
                 return ChunkedPrefill(prompt, [as_kept(k) for k in kept_layers], history)
             history.append((end, [as_kept(k) for k in kept_layers]))
             held, held_end = kept_layers, end

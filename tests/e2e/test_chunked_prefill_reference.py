@@ -36,20 +36,9 @@ FIRST_STEPS = 16
 #: I = 128 tokens per head for a request evicted per chunk, given as tokens (1.5 B' but at least 512 tokens
 #: would evict this prompt after two chunks only); one eviction after the last chunk unless a request asks
 SERVER_ARGS = (
-    "--kv-eviction",
-    "ada-snapkv",
-    "--kv-budget",
-    "64",
-    "--block-size",
-    "32",
-    "--max-model-len",
-    "2048",
-    "--enable-chunked-prefill",
-    "--max-num-batched-tokens",
-    "256",
-    "--no-enable-prefix-caching",
-    "--kv-eviction-config",
-    '{"prefill": "whole", "chunk_budget": 128}',
+    "--kv-eviction", "ada-snapkv", "--kv-budget", "64", "--block-size", "32",
+    "--max-model-len", "2048", "--enable-chunked-prefill", "--max-num-batched-tokens", "256",
+    "--no-enable-prefix-caching", "--kv-eviction-config", '{"prefill": "whole", "chunk_budget": 128}',
 )
 PREFILL_MODES = ("chunked", "whole")
 USAGE = "vllm:kv_cache_usage_perc"
@@ -80,10 +69,8 @@ def story_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
     lines = ["Ledger of the harbour."]
     tail = "\nNow retell every entry of the ledger in order.\n"
     while len(tokenizer("\n".join(lines) + tail)["input_ids"]) < num_tokens:
-        lines.append(
-            f"Entry {len(lines)}: {rng.choice(names)} shipped {rng.randint(10, 99)} crates to pier "
-            f"{rng.randint(1, 9)}."
-        )
+        lines.append(f"Entry {len(lines)}: {rng.choice(names)} shipped {rng.randint(10, 99)} crates to pier "
+                     f"{rng.randint(1, 9)}.")
     return tokenizer("\n".join(lines) + tail)["input_ids"]
 
 
@@ -95,11 +82,7 @@ def generate(server: VLLMServer, prompt_ids: list[int], xargs: dict, others: lis
     def complete(ids: list[int], max_tokens: int, extra: dict, delay_s: float = 0.0):
         time.sleep(delay_s)
         return client.completions.create(
-            model=server.served_model_name,
-            prompt=ids,
-            max_tokens=max_tokens,
-            temperature=0,
-            logprobs=1,
+            model=server.served_model_name, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **extra},
         )
 
@@ -135,10 +118,8 @@ def run(request, server, dump_dir, model_dir) -> Run:
     model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
     prompt_ids = story_prompt(tokenizer, PROMPT_TOKENS, seed=5)
     xargs = {"kv_prefill": request.param}
-    others = [
-        (story_prompt(tokenizer, 60, seed=6), {"vllm_xargs": {"kv_eviction": "none"}}),
-        (story_prompt(tokenizer, 700, seed=7), {"vllm_xargs": xargs}),
-    ]
+    others = [(story_prompt(tokenizer, 60, seed=6), {"vllm_xargs": {"kv_eviction": "none"}}),
+              (story_prompt(tokenizer, 700, seed=7), {"vllm_xargs": xargs})]
     dumped_before = set(dump_dir.glob("*.pt"))
     tokens, vllm_logprobs = generate(server, prompt_ids, xargs, others)
     usage_after = wait_for_zero_usage(server)

@@ -39,16 +39,9 @@ PROMPT_TOKENS = 1100
 NEW_TOKENS = 512
 FIRST_STEPS = 16
 SERVER_ARGS = (
-    "--kv-eviction",
-    "ada-snapkv",
-    "--kv-budget",
-    str(BUDGET),
-    "--max-model-len",
-    "2048",
-    "--max-num-batched-tokens",
-    "2048",
-    "--no-enable-prefix-caching",
-    "--no-enable-chunked-prefill",
+    "--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET),
+    "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
+    "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
 )
 
 
@@ -100,11 +93,7 @@ def generate_in_vllm(
     def complete(ids: list[int], max_tokens: int, delay_s: float = 0.0):
         time.sleep(delay_s)
         return client.completions.create(
-            model=server.served_model_name,
-            prompt=ids,
-            max_tokens=max_tokens,
-            temperature=0,
-            logprobs=1,
+            model=server.served_model_name, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
         )
 
@@ -152,11 +141,8 @@ def run(model_dir, tmp_path_factory) -> Run:
     model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
     prompt_ids = travel_prompt(tokenizer, PROMPT_TOKENS)
     # A short request that never compacts, and two that prefill and compact while the checked one decodes.
-    neighbours = [
-        travel_prompt(tokenizer, 60, seed=1),
-        travel_prompt(tokenizer, 700, seed=2),
-        travel_prompt(tokenizer, 900, seed=3),
-    ]
+    neighbours = [travel_prompt(tokenizer, 60, seed=1), travel_prompt(tokenizer, 700, seed=2),
+                  travel_prompt(tokenizer, 900, seed=3)]
     with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
         tokens, vllm_logprobs = generate_in_vllm(server, prompt_ids, neighbours)
     records = [torch.load(path) for path in dump_dir.glob("*.pt")]

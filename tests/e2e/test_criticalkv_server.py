@@ -18,10 +18,7 @@ def test_critical_ada_snapkv_compacts_with_the_real_o_proj(model_dir):
     with VLLMServer(model_dir, extra_args=args) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
         result = client.completions.create(
-            model=server.served_model_name,
-            prompt=prompt,
-            max_tokens=8,
-            temperature=0,
+            model=server.served_model_name, prompt=prompt, max_tokens=8, temperature=0,
             extra_body={"ignore_eos": True},
         )
         assert result.usage.completion_tokens == 8

@@ -29,14 +29,8 @@ DASHBOARD = json.loads((DEPLOY / "grafana" / "vllm-kvevict.json").read_text())
 # The decode-time cap (issue 12) is on so its series exist; at 1024 per head it never re-scores this
 # traffic (prompts compact to 256, outputs are short), so the prefill numbers below are unchanged.
 EVICTION_ARGS = (
-    "--kv-eviction",
-    "ada-snapkv",
-    "--kv-budget",
-    "256",
-    "--kv-decode-eviction",
-    "roco",
-    "--kv-decode-budget",
-    "1024",
+    "--kv-eviction", "ada-snapkv", "--kv-budget", "256",
+    "--kv-decode-eviction", "roco", "--kv-decode-budget", "1024",
 )
 #: long prompts per wave (two waves) and their length; two short prompts stay below the budget
 LONG_PROMPTS, LONG_PROMPT_TOKENS = 4, 1024
@@ -80,9 +74,7 @@ class Prometheus:
         self.config_path.write_text(json.dumps(config))  # JSON is YAML
         self.log_path = workdir / "prometheus.log"
         self.command = [
-            "prometheus",
-            f"--config.file={self.config_path}",
-            f"--storage.tsdb.path={workdir / 'tsdb'}",
+            "prometheus", f"--config.file={self.config_path}", f"--storage.tsdb.path={workdir / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
         ]
         self.process: subprocess.Popen | None = None
@@ -119,7 +111,8 @@ class Prometheus:
 
 def grafana_to_promql(expr: str) -> str:
     """Fill the dashboard variables as Grafana would with "All" selected."""
-    return expr.replace("$__rate_interval", RATE_WINDOW).replace("$instance", ".+").replace("$model", ".+")
+    return (expr.replace("$__rate_interval", RATE_WINDOW)
+            .replace("$instance", ".+").replace("$model", ".+"))
 
 
 def has_values(result: list) -> bool:
@@ -140,9 +133,8 @@ def scraped_server(model_dir: Path, tmp_path_factory) -> Iterator[tuple[Promethe
     )
     short_prompts = Workload(prompts=[p[:96] for p in long_prompts.prompts[:2]], output_tokens=24)
     workdir = tmp_path_factory.mktemp("prometheus")
-    with VLLMServer(
-        model_dir, extra_args=EVICTION_ARGS + ("--max-model-len", "2048"), kv_cache_space_gib=1
-    ) as server:
+    with VLLMServer(model_dir, extra_args=EVICTION_ARGS + ("--max-model-len", "2048"),
+                    kv_cache_space_gib=1) as server:
         target = urllib.parse.urlsplit(server.root_url).netloc
         with Prometheus(workdir, target) as prometheus:
             start = time.time()
@@ -159,10 +151,8 @@ def wait_for_last_scrape(prometheus: Prometheus, metrics_text: str, timeout_s: f
 
     expected = sum(
         sample.value
-        for family in text_string_to_metric_families(metrics_text)
-        if family.name == "vllm:generation_tokens"
-        for sample in family.samples
-        if sample.name.endswith("_total")
+        for family in text_string_to_metric_families(metrics_text) if family.name == "vllm:generation_tokens"
+        for sample in family.samples if sample.name.endswith("_total")
     )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -176,8 +166,7 @@ def wait_for_last_scrape(prometheus: Prometheus, metrics_text: str, timeout_s: f
 def panel_cases() -> list[tuple[str, str, bool]]:
     return [
         (f"{panel['title']} [{target['refId']}]", target["expr"], bool(target.get("instant")))
-        for panel in DASHBOARD["panels"]
-        for target in panel["targets"]
+        for panel in DASHBOARD["panels"] for target in panel["targets"]
     ]
 
 
@@ -194,10 +183,8 @@ def test_every_eviction_metric_is_scraped(scraped_server):
     registry = CollectorRegistry()
     EvictionMetrics(registry)
     expected = {sample_name(family) for family in registry.collect()}
-    scraped = {
-        series["metric"]["__name__"]
-        for series in prometheus.query('count by (__name__) ({__name__=~"vllm_kvevict_.+"})')
-    }
+    scraped = {series["metric"]["__name__"]
+               for series in prometheus.query('count by (__name__) ({__name__=~"vllm_kvevict_.+"})')}
     assert expected - scraped == set()
 
 
@@ -264,9 +251,6 @@ def test_variables_resolve_to_the_scraped_server(scraped_server):
 
 def test_deploy_prometheus_config_passes_promtool():
     ensure_prometheus_installed()
-    result = subprocess.run(
-        ["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
-        capture_output=True,
-        text=True,
-    )
+    result = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -27,14 +27,11 @@ BUDGET = 512
 MAX_MODEL_LEN = 8192
 # Both servers: whole prompts in one step (what eviction needs), so vanilla runs the very same schedule.
 COMMON_ARGS = (
-    "--max-model-len",
-    str(MAX_MODEL_LEN),
-    "--max-num-batched-tokens",
-    str(MAX_MODEL_LEN),
+    "--max-model-len", str(MAX_MODEL_LEN),
+    "--max-num-batched-tokens", str(MAX_MODEL_LEN),
     "--no-enable-prefix-caching",
     "--no-enable-chunked-prefill",
-    "--max-num-seqs",
-    "16",
+    "--max-num-seqs", "16",
 )
 EVICTION_ARGS = ("--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET))
 USAGE = "vllm:kv_cache_usage_perc"
@@ -100,11 +97,7 @@ def wait_for_usage(server: VLLMServer, expected: float, timeout_s: float = 60.0)
 def usage_while_decoding(server: VLLMServer, prompt: str, chunks_before_reading: int = 6) -> float:
     """``vllm:kv_cache_usage_perc`` read while the only request decodes (after its first chunks)."""
     stream = client_of(server).completions.create(
-        model=server.served_model_name,
-        prompt=prompt,
-        max_tokens=64,
-        temperature=0,
-        stream=True,
+        model=server.served_model_name, prompt=prompt, max_tokens=64, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )
     usage = None
@@ -175,18 +168,10 @@ def test_eight_concurrent_mixed_requests_all_answer_and_free_every_block(evictin
     lengths = [1600, 40, 1100, 300, 800, 12, 2000, 480]  # four compact, four stay below the budget
     prompts = [travel_log(n, tokenizer, seed=n) if n > 20 else "The capital of Italy is" for n in lengths]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        answers = list(
-            pool.map(
-                lambda p: client_of(evicting).completions.create(
-                    model=evicting.served_model_name,
-                    prompt=p,
-                    max_tokens=24,
-                    temperature=0,
-                    extra_body={"ignore_eos": True},
-                ),
-                prompts,
-            )
-        )
+        answers = list(pool.map(lambda p: client_of(evicting).completions.create(
+            model=evicting.served_model_name, prompt=p, max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True},
+        ), prompts))
     assert [a.usage.completion_tokens for a in answers] == [24] * 8
     assert all(a.choices[0].finish_reason == "length" for a in answers)
     assert wait_for_usage(evicting, 0.0) == 0.0, "blocks leaked after all requests finished"
@@ -196,11 +181,7 @@ def test_aborting_a_compacted_request_mid_decode_returns_its_blocks(evicting, to
     prompt = travel_log(2500, tokenizer, seed=7)
     assert wait_for_usage(evicting, 0.0) == 0.0
     stream = client_of(evicting).completions.create(
-        model=evicting.served_model_name,
-        prompt=prompt,
-        max_tokens=400,
-        temperature=0,
-        stream=True,
+        model=evicting.served_model_name, prompt=prompt, max_tokens=400, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )
     for index, _chunk in enumerate(stream):
@@ -244,10 +225,7 @@ def method_total(server: VLLMServer, name: str, method: str) -> float:
 
 def complete(server: VLLMServer, prompt: str, xargs: dict | None, max_tokens: int = 16):
     return client_of(server).completions.create(
-        model=server.served_model_name,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
+        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
         extra_body={"vllm_xargs": xargs} if xargs is not None else None,
     )
 
@@ -299,10 +277,8 @@ BAD_XARGS = [
     ({"kv_budget": -3}, ["kv_budget=-3 is out of range"]),
     ({"kv_budget": "lots"}, ["kv_budget='lots' is a string, not a number"]),
     ({"kv_budget": 1.5}, ["kv_budget=1.5 is out of range", "a float in (0, 1)"]),
-    (
-        {"kv_eviction": "critical-snapkv"},
-        ["'critical-snapkv' cannot run per request on this server", "valid: none, snapkv"],
-    ),
+    ({"kv_eviction": "critical-snapkv"}, ["'critical-snapkv' cannot run per request on this server",
+                                          "valid: none, snapkv"]),
     ({"kv_budget": 8}, ["kv_budget=8 is below the 32 tokens ada-snapkv always keeps", "an integer >= 32"]),
     ({"kv_prefill": "streamed"}, ["kv_prefill='streamed' is not valid", "valid: chunked, whole"]),
 ]
@@ -317,30 +293,18 @@ def test_each_bad_value_is_a_400_naming_it_and_the_server_keeps_serving(evicting
     for xargs, fragments in BAD_XARGS:
         with pytest.raises(openai.BadRequestError) as raised:
             if endpoint == "completions":
-                client.completions.create(
-                    model=evicting.served_model_name,
-                    prompt="Hello",
-                    max_tokens=4,
-                    stream=stream,
-                    extra_body={"vllm_xargs": xargs},
-                )
+                client.completions.create(model=evicting.served_model_name, prompt="Hello", max_tokens=4,
+                                          stream=stream, extra_body={"vllm_xargs": xargs})
             else:
-                client.chat.completions.create(
-                    model=evicting.served_model_name,
-                    max_tokens=4,
-                    messages=[{"role": "user", "content": "Hello"}],
-                    stream=stream,
-                    extra_body={"vllm_xargs": xargs},
-                )
+                client.chat.completions.create(model=evicting.served_model_name, max_tokens=4,
+                                               messages=[{"role": "user", "content": "Hello"}],
+                                               stream=stream, extra_body={"vllm_xargs": xargs})
         assert raised.value.status_code == 400
         for fragment in fragments:
             assert fragment in raised.value.message, (xargs, raised.value.message)
-    good = client.chat.completions.create(
-        model=evicting.served_model_name,
-        max_tokens=4,
-        messages=[{"role": "user", "content": "Hello"}],
-        extra_body={"vllm_xargs": {"kv_budget": 0.5}},
-    )
+    good = client.chat.completions.create(model=evicting.served_model_name, max_tokens=4,
+                                          messages=[{"role": "user", "content": "Hello"}],
+                                          extra_body={"vllm_xargs": {"kv_budget": 0.5}})
     assert good.choices[0].message.content is not None
     assert wait_for_usage(evicting, 0.0) == 0.0
 
@@ -363,10 +327,8 @@ def evicting_tp3(model_dir, rank_binding):
 
 def test_tensor_parallel_3_answers_like_one_rank_and_counts_requests_once(evicting, evicting_tp3, tokenizer):
     """Within the budget, and compacted with per-head SnapKV (each rank selects for its own KV head)."""
-    cases = [
-        ("The capital of France is", None),
-        (travel_log(1400, tokenizer, seed=44), {"kv_eviction": "snapkv", "kv_budget": 256}),
-    ]
+    cases = [("The capital of France is", None),
+             (travel_log(1400, tokenizer, seed=44), {"kv_eviction": "snapkv", "kv_budget": 256})]
     compacted = "vllm_kvevict_requests_compacted_total"
     before = method_total(evicting_tp3, compacted, "snapkv")
     for prompt, xargs in cases:

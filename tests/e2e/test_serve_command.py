@@ -41,13 +41,8 @@ def test_vllm_executable_is_the_one_of_this_environment():
 
 @pytest.mark.model
 def test_launcher_sets_cpu_env_and_builds_the_serve_command(model_dir):
-    launcher = VLLMServer(
-        model_dir,
-        extra_args=["--max-model-len", "2048"],
-        env={"EXTRA": "1"},
-        kv_cache_space_gib=2,
-        port=free_port(),
-    )
+    launcher = VLLMServer(model_dir, extra_args=["--max-model-len", "2048"], env={"EXTRA": "1"},
+                          kv_cache_space_gib=2, port=free_port())
     assert launcher.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert launcher.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert launcher.env["EXTRA"] == "1"
@@ -97,10 +92,8 @@ def test_models_endpoint_lists_the_served_name(client, server):
 @pytest.mark.e2e
 def test_chat_completion_answers_greedily(client, server):
     response = client.chat.completions.create(
-        model=server.served_model_name,
-        messages=[{"role": "user", "content": QUESTION}],
-        temperature=0,
-        max_tokens=24,
+        model=server.served_model_name, messages=[{"role": "user", "content": QUESTION}],
+        temperature=0, max_tokens=24,
     )
     assert "Paris" in response.choices[0].message.content
     assert response.choices[0].finish_reason == "stop"  # <|im_end|> is the eos vLLM stops on
@@ -109,13 +102,8 @@ def test_chat_completion_answers_greedily(client, server):
 @pytest.mark.e2e
 def test_completion_answers_a_raw_chatml_prompt(client, server):
     prompt = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
-    response = client.completions.create(
-        model=server.served_model_name,
-        prompt=prompt,
-        temperature=0,
-        max_tokens=24,
-        extra_body={"return_token_ids": True},
-    )
+    response = client.completions.create(model=server.served_model_name, prompt=prompt, temperature=0,
+                                         max_tokens=24, extra_body={"return_token_ids": True})
     assert "Paris" in response.choices[0].text
     # <|im_start|> (id 1) is also the BOS: a prepended BOS would show as [1, 1, ...]; 4093 is "user".
     assert response.choices[0].model_extra["prompt_token_ids"][:2] == [1, 4093]

@@ -37,10 +37,8 @@ BAD_SETTINGS = [
     (("--kv-eviction", "bogus", "--kv-budget", "512"), "invalid choice: 'bogus' (choose from 'snapkv'"),
     (("--kv-eviction", "snapkv", "--kv-budget", "1.5"), "--kv-budget='1.5': a fractional budget"),
     (("--kv-eviction", "snapkv", "--kv-budget", "512", "--kv-eviction-config", '{"windw": 8}'), "windw"),
-    (
-        ("--kv-budget", "512", "--kv-eviction-config", "configs/missing.yaml"),
-        "--kv-eviction-config configs/missing.yaml: no such file",
-    ),
+    (("--kv-budget", "512", "--kv-eviction-config", "configs/missing.yaml"),
+     "--kv-eviction-config configs/missing.yaml: no such file"),
 ]
 HELP = ("serve", "--help=KVEviction")
 
@@ -106,13 +104,9 @@ def test_documented_server_finds_a_needle_in_an_evicted_prompt(documented_server
     prompt = haystack_prompt(tokenizer, 2000)
     assert len(tokenizer(prompt)["input_ids"]) > 1024 + 2 * 128  # long enough that blocks are freed
     client = OpenAI(base_url=documented_server.base_url, api_key="unused", timeout=600, max_retries=0)
-    answer = (
-        client.completions.create(
-            model=documented_server.served_model_name, prompt=prompt, max_tokens=8, temperature=0
-        )
-        .choices[0]
-        .text
-    )
+    answer = client.completions.create(
+        model=documented_server.served_model_name, prompt=prompt, max_tokens=8, temperature=0
+    ).choices[0].text
     assert NEEDLE_NUMBER in answer
     assert documented_server.metric_value("vllm_kvevict_requests_compacted_total") >= 1
     assert documented_server.metric_value("vllm_kvevict_blocks_freed_total") >= 1

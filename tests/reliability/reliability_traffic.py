@@ -18,18 +18,9 @@ BLOCK_SIZE = 32
 NUM_BLOCKS = 40
 BUDGET = 64
 SERVER_ARGS = (
-    "--kv-eviction",
-    "ada-snapkv",
-    "--kv-budget",
-    str(BUDGET),
-    "--block-size",
-    str(BLOCK_SIZE),
-    "--num-gpu-blocks-override",
-    str(NUM_BLOCKS),
-    "--max-model-len",
-    str(MAX_MODEL_LEN),
-    "--max-num-seqs",
-    "8",
+    "--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET),
+    "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+    "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
 )
 #: the server's policy fails in every layer of prompts of exactly these lengths (policy_guard.py); no
 #: other test sends a prompt of these lengths.

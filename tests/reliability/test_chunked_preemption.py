@@ -58,23 +58,11 @@ PLAN = request_planner(
     BUDGET, BLOCK_SIZE, build_policy("ada-snapkv"), num_layers=30, chunk_budget=CHUNK_BUDGET
 )(PROMPT_TOKENS)
 SERVER_ARGS = (
-    "--kv-eviction",
-    "ada-snapkv",
-    "--kv-budget",
-    str(BUDGET),
-    "--block-size",
-    str(BLOCK_SIZE),
-    "--num-gpu-blocks-override",
-    str(NUM_BLOCKS),
-    "--max-model-len",
-    str(MAX_MODEL_LEN),
-    "--max-num-seqs",
-    str(NUM_REQUESTS),
-    "--enable-chunked-prefill",
-    "--max-num-batched-tokens",
-    str(CHUNK_TOKENS),
-    "--kv-eviction-config",
-    json.dumps({"prefill": "chunked", "chunk_budget": CHUNK_BUDGET}),
+    "--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET),
+    "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+    "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(NUM_REQUESTS),
+    "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK_TOKENS),
+    "--kv-eviction-config", json.dumps({"prefill": "chunked", "chunk_budget": CHUNK_BUDGET}),
 )
 
 
@@ -96,10 +84,7 @@ def greedy_ids(
     server: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None
 ) -> list[int]:
     result = client_of(server, timeout_s=900).completions.create(
-        model=server.served_model_name,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
+        model=server.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
         extra_body=ignore_eos_body(xargs, return_token_ids=True),
     )
     return list(result.choices[0].token_ids)
@@ -175,9 +160,7 @@ def test_a_client_giving_up_mid_prefill_leaves_no_block_and_no_worker_state(chun
     client = client_of(chunked_server, timeout_s=prefill_s / 2)
     with pytest.raises(openai.APITimeoutError):
         client.completions.create(
-            model=chunked_server.served_model_name,
-            prompt=long_ids(tokenizer, 1000, seed=400),
-            max_tokens=1,
+            model=chunked_server.served_model_name, prompt=long_ids(tokenizer, 1000, seed=400), max_tokens=1,
             temperature=0,
         )
     assert wait_for_usage_zero(chunked_server) == 0

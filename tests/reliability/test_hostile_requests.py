@@ -30,12 +30,8 @@ COMPACTED_TOKENS = 400  # > BUDGET: every prompt of this length is compacted
 def post(server, path: str, body: object, timeout_s: float = 300) -> httpx.Response:
     """POST raw JSON (or raw bytes) with httpx: the openai client would validate some bodies itself."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(
-        server.base_url + path,
-        content=content,
-        timeout=timeout_s,
-        headers={"Content-Type": "application/json"},
-    )
+    return httpx.post(server.base_url + path, content=content, timeout=timeout_s,
+                      headers={"Content-Type": "application/json"})
 
 
 def completion(server, **fields) -> httpx.Response:
@@ -116,10 +112,8 @@ def test_logprobs_of_a_compacted_prompt_cover_every_generated_token(server, toke
     body = assert_valid_completion(completion(server, prompt=ids, max_tokens=8, temperature=0, logprobs=3))
     logprobs = body["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == body["usage"]["completion_tokens"]
-    assert all(
-        len(top) <= 3 + 1 and value <= 0
-        for top, value in zip(logprobs["top_logprobs"], logprobs["token_logprobs"], strict=True)
-    )
+    assert all(len(top) <= 3 + 1 and value <= 0 for top, value in
+               zip(logprobs["top_logprobs"], logprobs["token_logprobs"], strict=True))
 
 
 def test_prompt_logprobs_and_echo_of_a_compacted_prompt_cover_the_whole_prompt(server, tokenizer):
@@ -144,11 +138,8 @@ def test_json_schema_output_on_a_compacted_prompt_follows_the_schema(server, tok
     question = long_text(tokenizer, COMPACTED_TOKENS, seed=6) + "\nWas a lantern mentioned? Reply in JSON."
     response_format = {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": schema}}
     result = client_of(server).chat.completions.create(
-        model=server.served_model_name,
-        messages=[{"role": "user", "content": question}],
-        max_tokens=32,
-        temperature=0,
-        response_format=response_format,
+        model=server.served_model_name, messages=[{"role": "user", "content": question}], max_tokens=32,
+        temperature=0, response_format=response_format,
     )
     assert result.usage.prompt_tokens > BUDGET
     assert json.loads(result.choices[0].message.content)["answer"] in ("yes", "no")
@@ -200,12 +191,8 @@ def test_streams_closed_at_random_moments_release_their_blocks(server, tokenizer
     client = client_of(server)
     for index in range(6):
         stream = client.completions.create(
-            model=server.served_model_name,
-            prompt=long_ids(tokenizer, 300 + 60 * index, seed=20 + index),
-            max_tokens=200,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
+            model=server.served_model_name, prompt=long_ids(tokenizer, 300 + 60 * index, seed=20 + index),
+            max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True},
         )
         stop_after = rng.randrange(0, 12)
         for received, _chunk in enumerate(stream):

@@ -21,10 +21,7 @@ FALLBACKS = "vllm_kvevict_policy_fallbacks_total"
 
 def greedy(server, prompt: list[int]) -> list[int]:
     result = client_of(server).completions.create(
-        model=server.served_model_name,
-        prompt=prompt,
-        max_tokens=OUTPUT_TOKENS,
-        temperature=0,
+        model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     return list(result.choices[0].token_ids)
@@ -39,9 +36,8 @@ def fallbacks(server, reason: str) -> float:
     return sum(value for labels, value in server.metric_samples(FALLBACKS) if labels["reason"] == reason)
 
 
-@pytest.mark.parametrize(
-    ("fault", "reason"), [("raise", "raised"), ("wrong_counts", "wrong_counts"), ("nan", "nan_scores")]
-)
+@pytest.mark.parametrize(("fault", "reason"), [("raise", "raised"), ("wrong_counts", "wrong_counts"),
+                                                ("nan", "nan_scores")])
 def test_a_policy_fault_on_one_request_falls_back_and_leaves_the_rest_of_the_batch_alone(
     server, tokenizer, fault, reason
 ):

@@ -42,11 +42,7 @@ class Greedy:
 def generate(server, prompt: list[int]) -> Greedy:
     """Greedy answer of exactly OUTPUT_TOKENS tokens."""
     result = client_of(server, timeout_s=900).completions.create(
-        model=server.served_model_name,
-        prompt=prompt,
-        max_tokens=OUTPUT_TOKENS,
-        temperature=0,
-        logprobs=5,
+        model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0, logprobs=5,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     choice = result.choices[0]

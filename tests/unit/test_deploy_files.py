@@ -69,16 +69,8 @@ def vllm_metric_names() -> set[str]:
 
 def test_dashboard_has_the_issue_panels(dashboard):
     titles = " | ".join(panel["title"].lower() for panel in dashboard["panels"])
-    needles = (
-        "with vs without eviction",
-        "freed per second",
-        "compression",
-        "latency",
-        "running and waiting",
-        "generation throughput",
-        "per-layer",
-        "per-head",
-    )
+    needles = ("with vs without eviction", "freed per second", "compression", "latency",
+               "running and waiting", "generation throughput", "per-layer", "per-head")
     for needle in needles:
         assert needle in titles, needle
 

@@ -77,18 +77,12 @@ def test_kept_tokens_outside_the_prompt_are_rejected(metrics):
 def test_eviction_step_time_is_kept_as_the_total_phase(metrics, registry):
     metrics.observe_eviction_step(0.006)
     assert registry.get_sample_value("vllm_kvevict_eviction_step_seconds_sum", {"phase": "total"}) == 0.006
-    assert (
-        registry.get_sample_value(
-            "vllm_kvevict_eviction_step_seconds_bucket", {"phase": "total", "le": "0.005"}
-        )
-        == 0
-    )
-    assert (
-        registry.get_sample_value(
-            "vllm_kvevict_eviction_step_seconds_bucket", {"phase": "total", "le": "0.01"}
-        )
-        == 1
-    )
+    assert registry.get_sample_value(
+        "vllm_kvevict_eviction_step_seconds_bucket", {"phase": "total", "le": "0.005"}
+    ) == 0
+    assert registry.get_sample_value(
+        "vllm_kvevict_eviction_step_seconds_bucket", {"phase": "total", "le": "0.01"}
+    ) == 1
 
 
 @pytest.mark.parametrize("phase", ["prefill", "scoring", "compaction"])

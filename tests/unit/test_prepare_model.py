@@ -76,13 +76,11 @@ def test_atomic_directory_replaces_an_outdated_model(tmp_path):
 
 
 def test_marker_of_another_format_or_gguf_is_not_prepared(tmp_path):
-    (tmp_path / MARKER_NAME).write_text(
-        json.dumps({"format": prepare_model.FORMAT_VERSION - 1, "gguf_sha256": prepare_model.GGUF_SHA256})
-    )
+    (tmp_path / MARKER_NAME).write_text(json.dumps({"format": prepare_model.FORMAT_VERSION - 1,
+                                                    "gguf_sha256": prepare_model.GGUF_SHA256}))
     assert not is_prepared(tmp_path)
-    (tmp_path / MARKER_NAME).write_text(
-        json.dumps({"format": prepare_model.FORMAT_VERSION, "gguf_sha256": "0" * 64})
-    )
+    (tmp_path / MARKER_NAME).write_text(json.dumps({"format": prepare_model.FORMAT_VERSION,
+                                                    "gguf_sha256": "0" * 64}))
     assert not is_prepared(tmp_path)
     (tmp_path / MARKER_NAME).write_text("{truncated")
     assert not is_prepared(tmp_path)
@@ -114,12 +112,8 @@ def test_prepared_dir_has_verified_marker_and_safetensors(model_dir):
     assert "Paris" in marker["verified_answer"]
     assert (model_dir / "model.safetensors").stat().st_size > 200_000_000  # 135M params in bf16
     config = json.loads((model_dir / "config.json").read_text())
-    assert (
-        config["num_hidden_layers"],
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-        config["head_dim"],
-    ) == (30, 9, 3, 64)
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["head_dim"]) == (30, 9, 3, 64)
     generation = json.loads((model_dir / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
@@ -213,9 +207,8 @@ def test_second_prepare_returns_at_once_in_process(model_dir):
 @pytest.mark.model
 def test_quiet_command_prints_only_the_directory(model_dir):
     script = Path(sys.executable).parent / "vllm-kvevict"
-    result = subprocess.run(
-        [str(script), "prepare-model", "--quiet"], capture_output=True, text=True, check=True
-    )
+    result = subprocess.run([str(script), "prepare-model", "--quiet"], capture_output=True, text=True,
+                            check=True)
     assert result.stdout == f"{model_dir}\n"
 
 
@@ -240,12 +233,8 @@ print(json.dumps({"version": transformers.__version__, "ids": [tokenizer(t)["inp
 def test_reference_environment_loads_the_model_with_identical_tokens(model_dir, tokenizer):
     assert REFERENCE_PYTHON.is_file(), "run `make install-ref` to create .venv-ref"
     texts = ["year 2024: café 東京", "<|im_start|>user\nHi<|im_end|>\n", "  two  spaces"]
-    result = subprocess.run(
-        [str(REFERENCE_PYTHON), "-c", REFERENCE_CHECK, str(model_dir), json.dumps(texts)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    result = subprocess.run([str(REFERENCE_PYTHON), "-c", REFERENCE_CHECK, str(model_dir), json.dumps(texts)],
+                            capture_output=True, text=True, check=True)
     reference = json.loads(result.stdout.strip().splitlines()[-1])
     assert reference["version"].startswith("5.2.")  # kvpress 0.5.5 needs transformers < 5.3
     assert reference["ids"] == [tokenizer(text)["input_ids"] for text in texts]

@@ -9,9 +9,8 @@ from vllm_kvevict.cli.soak import AfterTraffic, passed
 from vllm_kvevict.soak.probe import ServerProbe
 from vllm_kvevict.soak.traffic import TrafficCounts
 
-CLEAN = AfterTraffic(
-    usage=0.0, leaked_blocks=0, worker_requests=0.0, preemptions=3, health=200, seconds_to_idle=1.0
-)
+CLEAN = AfterTraffic(usage=0.0, leaked_blocks=0, worker_requests=0.0, preemptions=3, health=200,
+                     seconds_to_idle=1.0)
 
 
 def clean_counts() -> TrafficCounts:

@@ -129,18 +129,23 @@ def chunked_prefill(
                 choice = selector.select(layer, min(budget, layer.num_tokens))
                 kept.append(KeptTokens(gather_kept(positions, choice), choice.counts))
             if final:
-                prompt = PrefilledPrompt(
-                    input_ids=ids.cpu(),
-                    keys=[cache.layers[i].keys for i in range(num_layers)],
-                    values=[cache.layers[i].values for i in range(num_layers)],
-                    layers=[],
-                    last_logits=logits,
-                )
-                return ChunkedPrefill(prompt, kept, history)
+                return ChunkedPrefill(cached_prompt(ids, cache, logits), kept, history)
             history.append((end, kept))
             held, held_end = [k.indices for k in kept], end
         start = end
     raise AssertionError("unreachable: the last chunk returns")
+
+
+def cached_prompt(ids: torch.Tensor, cache: DynamicCache, last_logits: torch.Tensor) -> PrefilledPrompt:
+    """The prompt ``ids`` [n] as a chunked prefill left it: the cache's keys/values per layer (entries
+    computed under the chunks' masks) and the last chunk's logits."""
+    return PrefilledPrompt(
+        input_ids=ids.cpu(),
+        keys=[layer.keys for layer in cache.layers],
+        values=[layer.values for layer in cache.layers],
+        layers=[],
+        last_logits=last_logits,
+    )
 
 
 def positions_as_kept(held: Sequence[torch.Tensor]) -> list[KeptTokens]:

@@ -34,10 +34,7 @@ class CompactionPlan:
 
 
 def plan_compaction(
-    kept_indices: torch.Tensor,
-    kept_counts: torch.Tensor,
-    table: SubBlockTable,
-    prompt_len: int,
+    kept_indices: torch.Tensor, kept_counts: torch.Tensor, table: SubBlockTable, prompt_len: int,
     trailing_tokens: int = 0,
 ) -> CompactionPlan:
     """Plan the writes of one layer of one request.

@@ -76,3 +76,4 @@ def test_unsupported_engine_features_are_refused(model_dir, setting, named):
     with pytest.raises(ValueError, match=named) as raised:
         guard_engine_args(args)
     assert "vllm serve: error" not in str(raised.value)
+

@@ -264,25 +264,18 @@ def test_between_share_and_span_come_with_the_prefill_schedule_and_bad_ones_are_
     from vllm_kvevict.policies.between_chunks import BetweenRule
 
     # --kv-eviction-config puts them among the params; additional_config may carry them at the top level.
-    raw = {
-        "method": "ada-snapkv",
-        "budget": 0.25,
-        "params": {"prefill": "chunked", "between_share": 0.25, "between_span": 16},
-    }
+    raw = {"method": "ada-snapkv", "budget": 0.25,
+           "params": {"prefill": "chunked", "between_share": 0.25, "between_span": 16}}
     config = EvictionConfig.from_dict(raw)
     assert config.params == {}
     assert config.between_rule == BetweenRule("blend", share=0.25, span_after=16)
     assert EvictionConfig.from_dict(config.to_dict()) == config
     assert "between=blend share=0.25 span=16" in config.describe()
-    assert (
-        "between=blend share=0.5 span=16-from-512-else-8"
-        in EvictionConfig.from_dict({"method": "snapkv", "budget": 256, "prefill": "chunked"}).describe()
-    )
-    bad = (
-        ("between", "question", "window, keydiff, blend"),
-        ("between_share", 2, "a number in [0.0, 1.0]"),
-        ("between_span", 1.5, "an int >= 0"),
-    )
+    assert "between=blend share=0.5 span=16-from-512-else-8" in EvictionConfig.from_dict(
+        {"method": "snapkv", "budget": 256, "prefill": "chunked"}
+    ).describe()
+    bad = (("between", "question", "window, keydiff, blend"), ("between_share", 2, "a number in [0.0, 1.0]"),
+           ("between_span", 1.5, "an int >= 0"))
     for key, value, valid in bad:
         message = rf"kv_eviction\.{key}={value!r} is not valid.*{re.escape(valid)}"
         with pytest.raises(EvictionConfigError, match=message):

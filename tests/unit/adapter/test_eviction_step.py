@@ -49,9 +49,7 @@ def test_prefill_compacts_only_the_long_prompt_into_the_blocks_it_keeps() -> Non
     tokens = PROMPT + 50
     for layer in range(LAYERS):
         write = step.compact_layer(
-            layer,
-            torch.randn(tokens, HEADS * GROUP, DIM),
-            torch.randn(tokens, HEADS, DIM),
+            layer, torch.randn(tokens, HEADS * GROUP, DIM), torch.randn(tokens, HEADS, DIM),
             torch.randn(tokens, HEADS, DIM),
         )
         budget = worker.plan_for(PROMPT).layer_budgets[layer]
@@ -77,9 +75,7 @@ def test_decode_reads_each_heads_own_sub_blocks_and_writes_after_its_kept_entrie
     run_prefill = run_step(worker, ["long"], [PROMPT], [0], [PROMPT], [long_row])
     for layer in range(LAYERS):
         run_prefill.compact_layer(
-            layer,
-            torch.randn(PROMPT, HEADS * GROUP, DIM),
-            torch.randn(PROMPT, HEADS, DIM),
+            layer, torch.randn(PROMPT, HEADS * GROUP, DIM), torch.randn(PROMPT, HEADS, DIM),
             torch.randn(PROMPT, HEADS, DIM),
         )
     worker.end_step()
@@ -118,9 +114,7 @@ def test_finished_and_restarted_requests_start_clean() -> None:
     step = run_step(worker, ["a"], [PROMPT], [0], [PROMPT], [list(range(1, 11))])
     for layer in range(LAYERS):
         step.compact_layer(
-            layer,
-            torch.randn(PROMPT, HEADS * GROUP, DIM),
-            torch.randn(PROMPT, HEADS, DIM),
+            layer, torch.randn(PROMPT, HEADS * GROUP, DIM), torch.randn(PROMPT, HEADS, DIM),
             torch.randn(PROMPT, HEADS, DIM),
         )
     # SnapKV keeps the same count per head in every layer: one table serves all layers.
@@ -156,9 +150,7 @@ def test_every_method_compacts_exactly_its_layer_budgets_through_the_worker(meth
     assert plan.compacts
     for layer in range(LAYERS):
         write = step.compact_layer(
-            layer,
-            torch.randn(prompt, HEADS * GROUP, DIM),
-            torch.randn(prompt, HEADS, DIM),
+            layer, torch.randn(prompt, HEADS * GROUP, DIM), torch.randn(prompt, HEADS, DIM),
             torch.randn(prompt, HEADS, DIM),
         )
         assert write.slots.numel() == HEADS * plan.layer_budgets[layer]
@@ -187,9 +179,7 @@ def test_a_failing_policy_still_compacts_within_the_accounting_instead_of_crashi
     step = run_step(worker, ["r"], [PROMPT], [0], [PROMPT], [list(range(1, 11))])
     budget = worker.plan_for(PROMPT).layer_budgets[0]
     write = step.compact_layer(
-        0,
-        torch.randn(PROMPT, HEADS * GROUP, DIM),
-        torch.randn(PROMPT, HEADS, DIM),
+        0, torch.randn(PROMPT, HEADS * GROUP, DIM), torch.randn(PROMPT, HEADS, DIM),
         torch.randn(PROMPT, HEADS, DIM),
     )
     assert write.slots.numel() == HEADS * budget

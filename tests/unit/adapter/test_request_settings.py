@@ -58,24 +58,16 @@ def test_valid_overrides(extra_args, expected):
         ({"kv_eviction": 3}, "kv_eviction=3 is not a known method; valid: none"),
         ({"kv_budget": 0}, "kv_budget=0 is out of range; valid: an integer >= 1"),
         ({"kv_budget": -5}, "kv_budget=-5 is out of range"),
-        (
-            {"kv_budget": 1.0},
-            "kv_budget=1.0 is out of range; valid: an integer >= 1 (kept tokens per KV "
-            "head) or a float in (0, 1)",
-        ),
+        ({"kv_budget": 1.0}, "kv_budget=1.0 is out of range; valid: an integer >= 1 (kept tokens per KV "
+         "head) or a float in (0, 1)"),
         ({"kv_budget": 2.5}, "kv_budget=2.5 is out of range"),
         ({"kv_budget": "128"}, "kv_budget='128' is a string, not a number"),
         ({"kv_budget": [1, 2]}, "kv_budget=[1, 2] is a list, not a number"),
-        (
-            {"kv_budget": 4},
-            "kv_budget=4 is below the 8 tokens ada-snapkv always keeps (its window/sinks); "
-            "valid: an integer >= 8",
-        ),
+        ({"kv_budget": 4}, "kv_budget=4 is below the 8 tokens ada-snapkv always keeps (its window/sinks); "
+         "valid: an integer >= 8"),
         ({"kv_eviction": "snapkv", "kv_budget": 16}, "kv_budget=16 is below the 32 tokens snapkv"),  # default
-        (
-            {"kv_eviction": "critical-snapkv"},
-            "'critical-snapkv' cannot run per request on this server: it needs the o_proj weights",
-        ),
+        ({"kv_eviction": "critical-snapkv"}, "'critical-snapkv' cannot run per request on this server: it "
+         "needs the o_proj weights"),
         ({"kv_eviction": "none", "kv_budget": 0.2}, "with kv_eviction='none'"),
         ({"kv_eviction": "none", "kv_prefill": "chunked"}, "kv_prefill='chunked' with kv_eviction='none'"),
         ({"kv_prefill": "streamed"}, "kv_prefill='streamed' is not valid; valid: chunked, whole"),
@@ -165,10 +157,8 @@ def call_middleware(body_chunks: list[bytes], content_type: bytes = b"applicatio
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    incoming = [
-        {"type": "http.request", "body": chunk, "more_body": i < len(body_chunks) - 1}
-        for i, chunk in enumerate(body_chunks)
-    ]
+    incoming = [{"type": "http.request", "body": chunk, "more_body": i < len(body_chunks) - 1}
+                for i, chunk in enumerate(body_chunks)]
     sent: list[dict] = []
 
     async def receive():
@@ -177,12 +167,8 @@ def call_middleware(body_chunks: list[bytes], content_type: bytes = b"applicatio
     async def send(message):
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "headers": [(b"content-type", content_type)],
-    }
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"content-type", content_type)]}
     asyncio.run(VllmXargsMiddleware(app)(scope, receive, send))
     return sent, seen.get("body")
 
@@ -223,18 +209,13 @@ def scheduler_manager() -> KVCacheManager:
     register_evicting_spec()
     runner_hooks.install()
     spec = EvictingAttentionSpec(
-        block_size=BS,
-        num_kv_heads=HEADS,
-        head_size=DIM,
-        dtype=torch.bfloat16,
-        eviction=json.dumps(SERVER.to_dict(), sort_keys=True),
-        num_model_layers=LAYERS,
+        block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16,
+        eviction=json.dumps(SERVER.to_dict(), sort_keys=True), num_model_layers=LAYERS,
     )
     group = KVCacheGroupSpec(["l"], spec)
     config = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=[group])
-    return KVCacheManager(
-        config, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS, enable_caching=False
-    )
+    return KVCacheManager(config, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS,
+                          enable_caching=False)
 
 
 REQUESTS = {  # request id -> (prompt length, extra_args)
@@ -253,45 +234,26 @@ def test_scheduler_and_worker_agree_on_each_requests_plan():
         rid: Request(rid, list(range(prompt)), SamplingParams(max_tokens=4, extra_args=xargs), None)
         for rid, (prompt, xargs) in REQUESTS.items()
     }
-    rows = {
-        rid: manager.allocate_slots(req, req.num_prompt_tokens).get_block_ids()[0]
-        for rid, req in requests.items()
-    }
+    rows = {rid: manager.allocate_slots(req, req.num_prompt_tokens).get_block_ids()[0]
+            for rid, req in requests.items()}
 
     # Worker: the prefill step of all four, each with its own extra_args, as the runner hook passes them.
     worker = EvictionWorker(SERVER.build_policy(), SERVER.budget, LAYERS, HEADS, BS, config=SERVER)
     ids = list(REQUESTS)
     prompts = [REQUESTS[rid][0] for rid in ids]
-    worker.begin_step(
-        StepInputs(
-            ids,
-            np.array(prompts),
-            np.zeros(4, dtype=np.int64),
-            np.array(prompts),
-            extra_args=[REQUESTS[rid][1] for rid in ids],
-        )
-    )
+    worker.begin_step(StepInputs(ids, np.array(prompts), np.zeros(4, dtype=np.int64), np.array(prompts),
+                                 extra_args=[REQUESTS[rid][1] for rid in ids]))
     width = max(len(r) for r in rows.values())
     table = torch.zeros(4, width, dtype=torch.int32)
     for i, rid in enumerate(ids):
         table[i, : len(rows[rid])] = torch.tensor(rows[rid])
-    slots = torch.cat(
-        [
-            torch.tensor(rows[rid])[torch.arange(p) // BS] * BS + torch.arange(p) % BS
-            for rid, p in zip(ids, prompts, strict=True)
-        ]
-    )
+    slots = torch.cat([torch.tensor(rows[rid])[torch.arange(p) // BS] * BS + torch.arange(p) % BS
+                       for rid, p in zip(ids, prompts, strict=True)])
     step = worker.make_step(4, sum(prompts), torch.tensor(prompts), table, slots)
     tokens = sum(prompts)
-    writes = [
-        step.compact_layer(
-            layer,
-            torch.randn(tokens, HEADS * GROUP, DIM),
-            torch.randn(tokens, HEADS, DIM),
-            torch.randn(tokens, HEADS, DIM),
-        )
-        for layer in range(LAYERS)
-    ]
+    writes = [step.compact_layer(layer, torch.randn(tokens, HEADS * GROUP, DIM),
+                                 torch.randn(tokens, HEADS, DIM), torch.randn(tokens, HEADS, DIM))
+              for layer in range(LAYERS)]
 
     # Scheduler: the prompts are processed; the manager frees each request's leading blocks.
     for req in requests.values():
