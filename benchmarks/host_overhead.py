@@ -127,7 +127,8 @@ class SyncDebug:
 
     def __enter__(self) -> None:
         if self.active:
-            self._show = warnings.showwarning
+            self._saved = warnings.catch_warnings()  # restores the filters and showwarning on exit
+            self._saved.__enter__()
             warnings.showwarning = self.log.record
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode(self.mode)
@@ -135,7 +136,7 @@ class SyncDebug:
     def __exit__(self, *exc) -> None:
         if self.active:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = self._show
+            self._saved.__exit__(*exc)
 
 
 def run_case(method: str, num_reqs: int, block_size: int, args: argparse.Namespace) -> dict:

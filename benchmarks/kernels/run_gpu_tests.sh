@@ -33,6 +33,7 @@ stage() {  # stage NAME SECONDS LOG command...: run with a time limit, output ap
   SUMMARY+=("$name: rc $rc, $((SECONDS - started)) s")
 }
 
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
   $PY -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; \
@@ -40,10 +41,8 @@ p = torch.cuda.get_device_properties(0); \
 print(p.name, p.multi_processor_count, 'SMs', 'torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__)"
   nvcc --version | tail -2
-  SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   echo "compute-sanitizer: ${SANITIZER:-not found}"
 } 2>&1 | tee "$OUT/device.txt"
-SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 
 stage "build the CUDA op" 240 "$OUT/kernel_tests.txt" $PY -c "import time; t = time.time(); \
 from vllm_kvevict.layout.kernels import cuda_ext; cuda_ext.load_compaction_op(); \

@@ -40,14 +40,26 @@ def value_positions(tokenizer, input_ids: list[int], answer: str) -> list[int]:
     raise ValueError(f"answer {answer!r} not found in the prompt")
 
 
-def retrieval_heads(layers, positions: list[int], top: int) -> set[tuple[int, int]]:
-    """The ``top`` (layer, KV head) pairs with the most window attention on ``positions`` (GQA mean)."""
+def value_attention(layers, positions: list[int]) -> list[list[float]]:
+    """[layer, head, attention] of every (layer, KV head) pair: its window attention summed over
+    ``positions`` (GQA mean)."""
     mass = []
     for layer_idx, layer in enumerate(layers):
         scores = group_mean(window_attention(layer.queries, layer.keys), layer.num_kv_heads)  # [kv_heads, n]
         for head, value in enumerate(scores[:, positions].sum(dim=1).tolist()):
-            mass.append((value, layer_idx, head))
-    return {(layer_idx, head) for _, layer_idx, head in sorted(mass, reverse=True)[:top]}
+            mass.append([layer_idx, head, value])
+    return mass
+
+
+def top_pairs(mass: list[list[float]], top: int) -> set[tuple[int, int]]:
+    """The ``top`` (layer, KV head) pairs of ``value_attention``'s rows with the most attention."""
+    ranked = sorted(((value, int(layer), int(head)) for layer, head, value in mass), reverse=True)
+    return {(layer, head) for _, layer, head in ranked[:top]}
+
+
+def retrieval_heads(layers, positions: list[int], top: int) -> set[tuple[int, int]]:
+    """The ``top`` (layer, KV head) pairs with the most window attention on ``positions`` (GQA mean)."""
+    return top_pairs(value_attention(layers, positions), top)
 
 
 def coverage(

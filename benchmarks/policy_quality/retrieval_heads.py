@@ -26,29 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from chunked_needle_coverage import NEEDLE_TASKS, QUERY_WINDOW  # noqa: E402
-from needle_coverage import value_positions  # noqa: E402
+from needle_coverage import top_pairs, value_attention, value_positions  # noqa: E402
 
 from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
 from vllm_kvevict.hf_reference import load_reference_model, prefill  # noqa: E402
-from vllm_kvevict.policies.scoring import group_mean, window_attention  # noqa: E402
 
-#: one answer: [layer, head, value attention] for every pair
+#: one answer: [layer, head, value attention] for every pair (``needle_coverage.value_attention``)
 AnswerMass = list[list[float]]
-
-
-def value_attention(layers, positions: list[int]) -> AnswerMass:
-    """Every (layer, KV head) pair's window attention summed over ``positions``."""
-    rows: AnswerMass = []
-    for layer_idx, layer in enumerate(layers):
-        scores = group_mean(window_attention(layer.queries, layer.keys), layer.num_kv_heads)  # [kv_heads, n]
-        for head, value in enumerate(scores[:, positions].sum(dim=1).tolist()):
-            rows.append([layer_idx, head, value])
-    return rows
-
-
-def top_pairs(mass: AnswerMass, count: int = 10) -> set[tuple[int, int]]:
-    return {(int(layer), int(head)) for layer, head, _ in sorted(mass, key=lambda row: -row[2])[:count]}
 
 
 def static_set(answers: list[AnswerMass], size: int) -> list[tuple[int, int]]:
@@ -61,15 +46,16 @@ def static_set(answers: list[AnswerMass], size: int) -> list[tuple[int, int]]:
     return [pair for pair, _ in sorted(total.items(), key=lambda item: -item[1])[:size]]
 
 
-def analyse(calibration: Path, evaluation: Path, sizes: list[int]) -> None:
-    def answers(path: Path) -> list[AnswerMass]:
-        return [mass for line in path.read_text().splitlines() for mass in json.loads(line)["answers"]]
+def load_answers(path: Path) -> list[AnswerMass]:
+    """Every answer's rows in a file this script wrote."""
+    return [mass for line in path.read_text().splitlines() for mass in json.loads(line)["answers"]]
 
-    cal, ev = answers(calibration), answers(evaluation)
+
+def analyse(cal: list[AnswerMass], ev: list[AnswerMass], sizes: list[int]) -> None:
     print(f"{len(cal)} calibration answers, {len(ev)} evaluation answers")
     for size in sizes:
         chosen = set(static_set(cal, size))
-        overlap = sum(len(chosen & top_pairs(mass)) / 10 for mass in ev) / len(ev)
+        overlap = sum(len(chosen & top_pairs(mass, 10)) / 10 for mass in ev) / len(ev)
         print(f"static set of {size}: holds {overlap:.2f} of each evaluation answer's top-10 pairs (mean)")
 
 
@@ -86,10 +72,9 @@ def main() -> None:
     parser.add_argument("--heads-out", type=Path, help="write the calibration's static set here (JSON)")
     args = parser.parse_args()
     if args.analyse:
-        analyse(*args.analyse, [int(s) for s in args.sizes.split(",")])
+        cal, ev = (load_answers(path) for path in args.analyse)
+        analyse(cal, ev, [int(s) for s in args.sizes.split(",")])
         if args.heads_out:
-            lines = args.analyse[0].read_text().splitlines()
-            cal = [mass for line in lines for mass in json.loads(line)["answers"]]
             args.heads_out.write_text(json.dumps([list(pair) for pair in static_set(cal, args.size)]))
         return
     from vllm_kvevict.cli.prepare_model import prepared_model_dir
