@@ -42,6 +42,7 @@ from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
 from vllm_kvevict.policies.between_chunks import (  # noqa: E402
     BETWEEN_KINDS,
     DEFAULT_BETWEEN,
+    KEY_SCORERS,
     BetweenRule,
 )
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
@@ -60,7 +61,8 @@ def variant_suffix(rule: BetweenRule) -> str:
     default = BetweenRule(rule.kind)
     share = f" share={rule.share:g}" if rule.kind == "blend" and rule.share != default.share else ""
     span = f" span={rule.span_after}" if rule.span_after != default.span_after else ""
-    return f" {rule.kind}{share}{span}"
+    scorer = f" {rule.scorer}" if rule.kind == "blend" and rule.scorer != default.scorer else ""
+    return f" {rule.kind}{share}{span}{scorer}"
 
 
 def chunk_budget_arg(text: str) -> int | float:
@@ -134,7 +136,10 @@ def main() -> None:
         help=f"how held entries are judged between chunks, comma-separated: {', '.join(BETWEEN_KINDS)}",
     )
     parser.add_argument("--between-share", type=float, default=BetweenRule.share, help="blend: method share")
-    parser.add_argument("--between-span", type=int, default=BetweenRule.span_after, help="KeyDiff span_after")
+    parser.add_argument("--between-span", type=int, default=BetweenRule.span_after, help="key score span")
+    parser.add_argument(
+        "--between-scorer", default=BetweenRule.scorer, help=f"blend's key score: {', '.join(KEY_SCORERS)}"
+    )
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size (max_num_batched_tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -169,7 +174,11 @@ def main() -> None:
                 [chunk_budget_arg(c) for c in args.chunk_budgets.split(",")],
                 args.chunk,
                 args.batch_bytes,
-                [BetweenRule(k, args.between_share, args.between_span) for k in args.between.split(",")],
+                [
+                    BetweenRule(k, args.between_share, args.between_span, scorer)
+                    for k in args.between.split(",")
+                    for scorer in args.between_scorer.split(",")
+                ],
             )
             with args.out.open("a") as out:
                 for row in rows:

@@ -33,6 +33,7 @@ from kvpress import (
     CriticalAdaKVPress,
     CriticalKVPress,
     KeyDiffPress,
+    KnormPress,
     PyramidKVPress,
     SnapKVPress,
     StreamingLLMPress,
@@ -40,7 +41,7 @@ from kvpress import (
 from torch import nn
 
 PRESSES = tuple(
-    "snapkv pyramidkv ada-snapkv critical-snapkv critical-ada-snapkv streamingllm keydiff".split()
+    "snapkv pyramidkv ada-snapkv critical-snapkv critical-ada-snapkv streamingllm keydiff knorm".split()
 )
 
 
@@ -66,6 +67,8 @@ def build_press(name: str, compression_ratio: float, params: dict):
         return StreamingLLMPress(compression_ratio=compression_ratio, **sinks)
     if name == "keydiff":
         return KeyDiffPress(compression_ratio=compression_ratio)
+    if name == "knorm":
+        return KnormPress(compression_ratio=compression_ratio)
     raise ValueError(f"unknown press {name!r}; choose one of {', '.join(PRESSES)}")
 
 

@@ -23,7 +23,7 @@ KVPRESS_ALIKE = {"window": 64, "kernel": 5, "pooling": "avg", "span_after": 0}
 #: our methods with a kvpress press (``scripts/kvpress_reference/kept_indices.py``'s PRESSES, which runs in
 #: kvpress's environment and cannot be imported here)
 SHARED_METHODS = tuple(
-    "snapkv pyramidkv ada-snapkv critical-snapkv critical-ada-snapkv streamingllm keydiff".split()
+    "snapkv pyramidkv ada-snapkv critical-snapkv critical-ada-snapkv streamingllm keydiff knorm".split()
 )
 
 
@@ -86,8 +86,8 @@ def our_kept(method: str, layers: list[LayerKV], compression_ratio: float, **par
 
 def method_params(method: str, extra: dict | None = None) -> dict:
     """Our parameters matching kvpress's defaults for ``method`` (+ ``extra``)."""
-    # KeyDiffPress keeps no sinks, no window and no span: ours without them is the same score.
-    keydiff = {"window": 0, "sinks": 0, "span_after": 0}
-    params = dict({"streamingllm": {}, "keydiff": keydiff}.get(method, KVPRESS_ALIKE))
+    # KeyDiffPress and KnormPress keep no sinks, no window and no span: ours without them is the same score.
+    key_scored = {"window": 0, "sinks": 0, "span_after": 0}
+    params = dict({"streamingllm": {}, "keydiff": key_scored, "knorm": key_scored}.get(method, KVPRESS_ALIKE))
     params.update(extra or {})
     return params

@@ -5,6 +5,7 @@ from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, Scor
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.h2o import H2O
 from vllm_kvevict.policies.keydiff import KeyDiff
+from vllm_kvevict.policies.knorm import KNorm
 from vllm_kvevict.policies.nacl import NaCl
 from vllm_kvevict.policies.pyramidkv import PyramidKV
 from vllm_kvevict.policies.registry import MethodInfo, available_methods, build_policy, method_names
@@ -19,6 +20,7 @@ __all__ = [
     "H2O",
     "KeptTokens",
     "KeyDiff",
+    "KNorm",
     "LayerKV",
     "MethodInfo",
     "NaCl",

@@ -16,14 +16,18 @@ from vllm_kvevict.policies.base import (
     check_int,
 )
 from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.key_scored import KeyScoredPolicy
 from vllm_kvevict.policies.keydiff import KeyDiff
+from vllm_kvevict.policies.knorm import KNorm
 from vllm_kvevict.policies.selection import top_k_mask
 
+#: The scores that judge a key with no queries: distinctiveness (KeyDiff) or a small L2 norm (K-norm).
+KEY_SCORERS: dict[str, type[KeyScoredPolicy]] = {"keydiff": KeyDiff, "knorm": KNorm}
 #: How a prompt is judged between chunks: by the method's own scores from the chunk's last queries
-#: ("window"), by key distinctiveness alone ("keydiff"), or half each ("blend").
-BETWEEN_KINDS: tuple[str, ...] = ("window", "keydiff", "blend")
+#: ("window"), by one key score alone ("keydiff", "knorm"), or by both the method and a key score ("blend").
+BETWEEN_KINDS: tuple[str, ...] = ("window", *KEY_SCORERS, "blend")
 #: The chunk's last queries are mid-document text that does not look at a needle the question will ask for;
-#: half the intermediate budget by KeyDiff keeps it (docs/quality.md, "Per-chunk eviction").
+#: half the intermediate budget by a key score keeps it (docs/quality.md, "Per-chunk eviction").
 DEFAULT_BETWEEN = "blend"
 
 
@@ -68,32 +72,40 @@ LONG_SPAN_FROM = 512
 @dataclass(frozen=True)
 class BetweenRule:
     """How a prompt's held entries are judged between chunks: ``kind`` (``BETWEEN_KINDS``), the method's
-    own ``share`` of the intermediate budget under "blend" (KeyDiff takes the rest), and KeyDiff's
-    ``span_after`` (a distinctive key also keeps the tokens after it: a needle's value); None sets the span
-    by the tokens KeyDiff chooses (``LONG_SPAN`` from ``LONG_SPAN_FROM``)."""
+    own ``share`` of the intermediate budget under "blend", the key score that takes the rest there
+    (``scorer``, one of ``KEY_SCORERS``; the kinds "keydiff" and "knorm" name their own), and that score's
+    ``span_after`` (a kept key also keeps the tokens after it: a needle's value); None sets the span by the
+    tokens the key score chooses (``LONG_SPAN`` from ``LONG_SPAN_FROM``)."""
 
     kind: str = DEFAULT_BETWEEN
     share: float = 0.5
     span_after: int | None = None
+    scorer: str = "keydiff"
 
     def __post_init__(self) -> None:
         check_choice("between_chunks", "between", self.kind, BETWEEN_KINDS)
         check_fraction("between_chunks", "between_share", self.share, 0.0, 1.0)
         if self.span_after is not None:
             check_int("between_chunks", "between_span", self.span_after, 0)
+        check_choice("between_chunks", "between_scorer", self.scorer, tuple(KEY_SCORERS))
+
+    @property
+    def key_scorer(self) -> str:
+        """The key score this rule uses (None of it under "window")."""
+        return self.kind if self.kind in KEY_SCORERS else self.scorer
 
     def span_for(self, budget: int | None) -> int:
-        """KeyDiff's span when a head keeps ``budget`` entries (None: not known, the short span)."""
+        """The key score's span when a head keeps ``budget`` entries (None: not known, the short span)."""
         if self.span_after is not None:
             return self.span_after
-        keydiff_tokens = (budget or 0) * (1.0 - self.share if self.kind == "blend" else 1.0)
-        return LONG_SPAN if keydiff_tokens >= LONG_SPAN_FROM else KeyDiff.span_after
+        keyed_tokens = (budget or 0) * (1.0 - self.share if self.kind == "blend" else 1.0)
+        return LONG_SPAN if keyed_tokens >= LONG_SPAN_FROM else KeyScoredPolicy.span_after
 
     def describe(self) -> str:
         if self.kind == "window":
             return "between=window"
-        share = f" share={self.share:g}" if self.kind == "blend" else ""
-        by_budget = f"{LONG_SPAN}-from-{LONG_SPAN_FROM}-else-{KeyDiff.span_after}"
+        share = f" share={self.share:g} scorer={self.scorer}" if self.kind == "blend" else ""
+        by_budget = f"{LONG_SPAN}-from-{LONG_SPAN_FROM}-else-{KeyScoredPolicy.span_after}"
         span = self.span_after if self.span_after is not None else by_budget
         return f"between={self.kind}{share} span={span}"
 
@@ -109,10 +121,10 @@ def between_chunks(
     uniform = _uniform(policy)
     if rule.kind == "window":
         return uniform
-    # KeyDiff keeps the same recent window as the method, so the next chunk sees its own context.
-    window = int(getattr(uniform, "window", KeyDiff.window))
-    keydiff = KeyDiff(window=window, span_after=rule.span_for(budget))
-    return Blend(uniform, keydiff, first_share=rule.share) if rule.kind == "blend" else keydiff
+    # The key score keeps the same recent window as the method, so the next chunk sees its own context.
+    window = int(getattr(uniform, "window", KeyScoredPolicy.window))
+    keyed = KEY_SCORERS[rule.key_scorer](window=window, span_after=rule.span_for(budget))
+    return Blend(uniform, keyed, first_share=rule.share) if rule.kind == "blend" else keyed
 
 
 def _uniform(policy: EvictionPolicy) -> EvictionPolicy:

@@ -12,6 +12,7 @@ from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.h2o import H2O
 from vllm_kvevict.policies.keydiff import KeyDiff
+from vllm_kvevict.policies.knorm import KNorm
 from vllm_kvevict.policies.nacl import NaCl
 from vllm_kvevict.policies.pyramidkv import PyramidKV
 from vllm_kvevict.policies.roco import RoCo
@@ -108,6 +109,7 @@ _register(
     "nacl", "proxy-token (window) attention top-k plus seeded per-head random sampling by score", NaCl, NaCl
 )
 _register("keydiff", "keys least like their head's mean key (no queries), sinks and recent", KeyDiff, KeyDiff)
+_register("knorm", "keys with the smallest L2 norm (no queries), sinks and recent", KNorm, KNorm)
 _register("roco", "mean attention received, most volatile (high std) tokens kept, plus recent", RoCo, RoCo)
 
 

@@ -33,7 +33,7 @@ ADDITIONAL_CONFIG_KEY = "kv_eviction"
 #: (after its last chunk; vLLM's chunked prefill stays on either way unless a decode-time cap is set).
 PREFILL_MODES = ("chunked", "whole")
 #: settings of the prefill schedule that ``--kv-eviction-config`` may carry beside the method parameters.
-PREFILL_KEYS = ("prefill", "chunk_budget", "between", "between_share", "between_span")
+PREFILL_KEYS = ("prefill", "chunk_budget", "between", "between_share", "between_span", "between_scorer")
 _KNOWN_KEYS = ("method", "budget", "params", "decode", *PREFILL_KEYS)
 #: I between chunks, as a multiple of the final budget (docs/benchmarks.md: the memory it allows).
 DEFAULT_CHUNK_BUDGET = 1.5
@@ -210,11 +210,13 @@ class EvictionConfig:
     chunk_budget: kept tokens per KV head between chunks: an int >= 1 (tokens, at least the final budget)
         or a float >= 1.0 (a multiple of the final budget, at least ``CHUNK_BUDGET_FLOOR`` = 512 tokens).
     between: how a prompt's held entries are judged between chunks (``BETWEEN_KINDS``): "window" (the
-        method's scores from the chunk's last queries), "keydiff" (key distinctiveness, no queries) or
-        "blend" (``between_share`` by the method, the rest by KeyDiff).
+        method's scores from the chunk's last queries), "keydiff" (key distinctiveness, no queries), "knorm"
+        (small key norms, no queries) or "blend" (``between_share`` by the method, the rest by
+        ``between_scorer``).
     between_share: the method's share of the intermediate budget under "blend", in [0, 1].
-    between_span: KeyDiff's ``span_after`` between chunks (an int >= 0): the tokens after a distinctive
-        key kept with it; None (the default) sets it by the tokens KeyDiff chooses (``BetweenRule``).
+    between_span: the key score's ``span_after`` between chunks (an int >= 0): the tokens after a kept key
+        kept with it; None (the default) sets it by the tokens the key score chooses (``BetweenRule``).
+    between_scorer: the key score that takes the rest of the budget under "blend" (``KEY_SCORERS``).
     """
 
     method: str
@@ -226,6 +228,7 @@ class EvictionConfig:
     between: str = DEFAULT_BETWEEN
     between_share: float = BetweenRule.share
     between_span: int | None = BetweenRule.span_after
+    between_scorer: str = BetweenRule.scorer
 
     def __post_init__(self) -> None:
         names = method_names()
@@ -247,8 +250,8 @@ class EvictionConfig:
                 f"kv_eviction.prefill={self.prefill!r} is not valid; valid: {', '.join(PREFILL_MODES)}"
             )
         object.__setattr__(self, "chunk_budget", parse_chunk_budget(self.chunk_budget))
-        try:  # BetweenRule names a bad kind, share or span and its valid values
-            BetweenRule(self.between, self.between_share, self.between_span)
+        try:  # BetweenRule names a bad kind, share, span or scorer and its valid values
+            BetweenRule(self.between, self.between_share, self.between_span, self.between_scorer)
         except ValueError as exc:
             raise EvictionConfigError(f"kv_eviction.{str(exc).removeprefix('between_chunks: ')}") from exc
 
@@ -258,7 +261,7 @@ class EvictionConfig:
     @property
     def between_rule(self) -> BetweenRule:
         """How a prompt's held entries are judged between chunks (``policies.between_chunks``)."""
-        return BetweenRule(self.between, self.between_share, self.between_span)
+        return BetweenRule(self.between, self.between_share, self.between_span, self.between_scorer)
 
     @property
     def keeps_chunked_prefill(self) -> bool:
@@ -281,6 +284,7 @@ class EvictionConfig:
             "between": self.between,
             "between_share": self.between_share,
             "between_span": self.between_span,
+            "between_scorer": self.between_scorer,
         }
         if self.decode is not None:
             raw["decode"] = self.decode.to_dict()

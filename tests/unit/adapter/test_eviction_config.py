@@ -123,6 +123,7 @@ def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
         "between": "blend",
         "between_share": 0.5,
         "between_span": None,
+        "between_scorer": "keydiff",
     }
     assert engine_args.enable_prefix_caching is True  # evicting requests skip it themselves
     assert engine_args.enable_chunked_prefill is True  # prompts are evicted once, after their last chunk
@@ -270,12 +271,19 @@ def test_between_share_and_span_come_with_the_prefill_schedule_and_bad_ones_are_
     assert config.params == {}
     assert config.between_rule == BetweenRule("blend", share=0.25, span_after=16)
     assert EvictionConfig.from_dict(config.to_dict()) == config
-    assert "between=blend share=0.25 span=16" in config.describe()
-    assert "between=blend share=0.5 span=16-from-512-else-8" in EvictionConfig.from_dict(
+    assert "between=blend share=0.25 scorer=keydiff span=16" in config.describe()
+    assert "between=blend share=0.5 scorer=keydiff span=16-from-512-else-8" in EvictionConfig.from_dict(
         {"method": "snapkv", "budget": 256, "prefill": "chunked"}
     ).describe()
-    bad = (("between", "question", "window, keydiff, blend"), ("between_share", 2, "a number in [0.0, 1.0]"),
-           ("between_span", 1.5, "an int >= 0"))
+    by_norm = EvictionConfig.from_dict(
+        {"method": "snapkv", "budget": 256, "params": {"prefill": "chunked", "between_scorer": "knorm"}}
+    )
+    assert by_norm.between_rule == BetweenRule("blend", scorer="knorm")
+    assert EvictionConfig.from_dict(by_norm.to_dict()) == by_norm
+    assert "between=blend share=0.5 scorer=knorm" in by_norm.describe()
+    bad = (("between", "question", "window, keydiff, knorm, blend"),
+           ("between_share", 2, "a number in [0.0, 1.0]"), ("between_span", 1.5, "an int >= 0"),
+           ("between_scorer", "norm", "keydiff, knorm"))
     for key, value, valid in bad:
         message = rf"kv_eviction\.{key}={value!r} is not valid.*{re.escape(valid)}"
         with pytest.raises(EvictionConfigError, match=message):

@@ -1,4 +1,4 @@
-"""KeyDiff and the selections a prompt is judged by between chunks (``policies/between_chunks.py``)."""
+"""KeyDiff, K-norm and the selections that judge a prompt between chunks (``policies/between_chunks.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from policy_layers import random_layer
 
-from vllm_kvevict.policies import AdaKV, KeptTokens, KeyDiff, LayerKV, SnapKV, build_policy
+from vllm_kvevict.policies import AdaKV, KeptTokens, KeyDiff, KNorm, LayerKV, SnapKV, build_policy
 from vllm_kvevict.policies.between_chunks import (
     BETWEEN_KINDS,
     LONG_SPAN,
@@ -53,6 +53,16 @@ def test_keydiff_needs_no_queries_and_refuses_a_budget_below_what_it_always_keep
         KeyDiff(window=-1)
 
 
+def test_knorm_keeps_the_smallest_keys_then_sinks_and_window() -> None:
+    layer = random_layer(kv_heads=2, n=30, w=0)
+    scores = KNorm(window=0, sinks=0, span_after=0).score(layer, 10)
+    torch.testing.assert_close(scores, -layer.keys.norm(dim=-1))
+    small = clustered_layer()
+    small.keys[0, (5, 17)] *= 0.1  # two short keys among unit-length ones
+    kept = KNorm(window=4, sinks=2, span_after=2).select(small, 12)
+    assert kept.head(0).tolist() == [0, 1, 5, 6, 7, 17, 18, 19, 36, 37, 38, 39]
+
+
 def test_blend_keeps_its_first_share_by_the_first_scores_and_the_rest_by_the_second() -> None:
     layer = random_layer(kv_heads=2, n=60, w=32)
     first, second = SnapKV(window=8, kernel=1, span_after=0), KeyDiff(window=0, sinks=0, span_after=0)
@@ -94,6 +104,17 @@ def test_a_rule_sets_the_blend_share_and_the_keydiff_span() -> None:
         BetweenRule(share=1.5)
     with pytest.raises(ValueError, match="between_span=-1 is not valid"):
         BetweenRule(span_after=-1)
+    with pytest.raises(ValueError, match="between_scorer='norm' is not valid; choose one of keydiff, knorm"):
+        BetweenRule(scorer="norm")
+
+
+def test_the_key_score_of_a_blend_and_of_a_key_kind() -> None:
+    ada = build_policy("ada-snapkv", window=16)
+    by_norm = between_chunks(ada, BetweenRule("blend", scorer="knorm"), 2048)
+    assert by_norm == Blend(ada.inner, KNorm(window=16, span_after=LONG_SPAN))
+    assert between_chunks(ada, "knorm", 100) == KNorm(window=16)
+    assert between_chunks(ada, BetweenRule("knorm", scorer="keydiff")) == KNorm(window=16)  # kind wins
+    assert BetweenRule("window", scorer="knorm").describe() == "between=window"
 
 
 def test_an_open_span_is_long_once_keydiff_chooses_enough_tokens_per_head() -> None:

@@ -13,6 +13,7 @@ from vllm_kvevict.policies import (
     AdaKV,
     CriticalKV,
     KeyDiff,
+    KNorm,
     NaCl,
     PyramidKV,
     RoCo,
@@ -35,6 +36,7 @@ REGISTERED_METHODS = [
     "h2o",
     "nacl",
     "keydiff",
+    "knorm",
     "roco",
 ]
 
@@ -57,6 +59,7 @@ def test_names_map_to_composed_policies_with_paper_defaults() -> None:
     assert isinstance(build_policy("nacl"), NaCl)
     assert isinstance(build_policy("roco"), RoCo)
     assert build_policy("keydiff") == KeyDiff(window=32, sinks=4, span_after=8)
+    assert build_policy("knorm") == KNorm(window=32, sinks=4, span_after=8)
 
 
 def test_parameters_reach_every_part_of_a_composed_policy() -> None:

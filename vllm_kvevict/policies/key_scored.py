@@ -1,0 +1,50 @@
+"""Policies that judge a token by its key alone, with no queries: they can judge a prompt before its question
+has arrived (between chunks of a chunked prefill)."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
+from vllm_kvevict.policies.scoring import extend_forward
+
+
+@dataclass
+class KeyScoredPolicy(ScoredPolicy):
+    """One score per key (``key_scores``), higher kept first. The first ``sinks`` and the last ``window``
+    tokens are always kept (continuity for the next chunk). ``span_after`` (ours, as in SnapKV; 0 is the
+    papers' rule): each token also takes the score of the ``span_after`` tokens before it, so a kept key
+    keeps the run that follows it (a needle's value after its key phrase).
+    """
+
+    window: int = 32
+    sinks: int = 4
+    span_after: int = 8
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        check_int(owner, "window", self.window, 0)
+        check_int(owner, "sinks", self.sinks, 0)
+        check_int(owner, "span_after", self.span_after, 0)
+
+    @property
+    def min_budget(self) -> int:
+        return self.window + self.sinks
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        sinks = torch.arange(min(self.sinks, num_tokens))
+        recent = torch.arange(max(self.sinks, num_tokens - self.window), num_tokens)
+        return torch.cat([sinks, recent])
+
+    @abstractmethod
+    def key_scores(self, keys: torch.Tensor) -> torch.Tensor:
+        """[H, n] float32 scores of keys [H, n, d] float32 (higher kept first)."""
+
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
+        scores = extend_forward(self.key_scores(layer.keys.float()), self.span_after)  # [H, n]
+        forced = self.always_kept(layer.num_tokens, budget).to(scores.device)
+        scores[:, forced] = float("inf")
+        return scores
