@@ -71,28 +71,31 @@ def chunk_budget_arg(text: str) -> int | float:
 
 
 def rows_for_prompt(
-    model, tokenizer, sample, methods, fractions, chunk_budgets, chunk: int, batch_bytes, betweens
+    model, tokenizer, sample, methods, fractions, chunk_budgets, chunk: int, batch_bytes, betweens,
+    references: bool = True,
 ):
-    """Every (variant, fraction) row of one prompt, decoded and scored."""
+    """Every (variant, fraction) row of one prompt, decoded and scored; ``references``: with the full-cache
+    and whole-prompt rows (they depend on neither the chunk budget nor the between rule)."""
     ids = torch.tensor(sample.token_ids)
     n = len(sample.token_ids)
-    whole = prefill(model, ids, query_window=QUERY_WINDOW)
-    num_layers = len(whole.layers)
+    whole = prefill(model, ids, query_window=QUERY_WINDOW) if references else None
+    num_layers = model.config.num_hidden_layers
     single_number = len(sample.answers) == 1 and sample.answers[0].isdigit()
     finished = answer_decided(sample.answers[0], tokenizer) if single_number else None
     new_tokens = NEEDLE_NEW_TOKENS if single_number else sample.max_new_tokens
     stops = [tokenizer.eos_token_id]
-    runs = [
-        ("full-cache", 1.0, whole, [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers])
-    ]
+    runs = []
+    if whole is not None:
+        everything = [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers]
+        runs.append(("full-cache", 1.0, whole, everything))
     for method in methods:
         policy = build_policy(method)
         for fraction in fractions:
             plan = plan_request(n, fraction, BLOCK_SIZE, policy, num_layers)
-            kept = [
-                policy.select(layer, min(plan.layer_budgets[i], n)) for i, layer in enumerate(whole.layers)
-            ]
-            runs.append((f"{method} whole", fraction, whole, kept))
+            if whole is not None:
+                budgets = [min(budget, n) for budget in plan.layer_budgets]
+                kept = [policy.select(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
+                runs.append((f"{method} whole", fraction, whole, kept))
             for factor in chunk_budgets:
                 chunk_plan = with_chunk_budget(plan, factor)
                 for between in betweens:
@@ -146,6 +149,11 @@ def main() -> None:
         "--out", type=Path, required=True, help="JSON lines; prompts already there are skipped"
     )
     parser.add_argument("--batch-bytes", type=float, default=2e9)
+    parser.add_argument(
+        "--no-references",
+        action="store_true",
+        help="per-chunk rows only (full-cache and whole rows come from an earlier run's file)",
+    )
     parser.add_argument("--summary-only", action="store_true")
     args = parser.parse_args()
     records = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
@@ -179,6 +187,7 @@ def main() -> None:
                     for k in args.between.split(",")
                     for scorer in args.between_scorer.split(",")
                 ],
+                references=not args.no_references,
             )
             with args.out.open("a") as out:
                 for row in rows:
