@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.bench.client import RequestTiming, RunTiming
+from vllm_kvevict.bench.client import CLIENT_TIMEOUT, RequestTiming, RunTiming
 from vllm_kvevict.bench.metrics_poller import KV_USAGE, RUNNING, Peaks, gauge_values
 from vllm_kvevict.bench.report import (
     CAPACITY_HEADING,
@@ -19,6 +19,13 @@ from vllm_kvevict.bench.report import (
 
 def timing(ttfts: list[float], wall_s: float, tokens: int = 128) -> RunTiming:
     return RunTiming([RequestTiming(ttft_s=t, latency_s=t + 10, output_tokens=tokens) for t in ttfts], wall_s)
+
+
+def test_a_request_may_wait_in_the_queue_as_long_as_the_run_takes():
+    """A 64-prompt run on two CPU cores queued its last requests for over an hour: a read limit of 3600 s
+    ended the whole bench with APITimeoutError. Only connecting is limited."""
+    assert CLIENT_TIMEOUT.read is None and CLIENT_TIMEOUT.pool is None
+    assert CLIENT_TIMEOUT.connect is not None and CLIENT_TIMEOUT.connect <= 120
 
 
 def test_percentile_interpolates_between_ranks():

@@ -6,9 +6,14 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, Timeout
 
 from vllm_kvevict.bench.workload import Workload
+
+#: The whole workload is sent at once on purpose, so a request may wait in the server's queue for as long as
+#: the run takes before its first byte (over an hour for 64 4k-token prompts on two CPU cores): no read
+#: limit, only a connect one. The server is one the bench started and watches.
+CLIENT_TIMEOUT = Timeout(None, connect=60.0)
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ async def _one_request(client: AsyncOpenAI, model: str, prompt: list[int], max_t
 
 async def _run(base_url: str, model: str, workload: Workload, concurrency: int) -> RunTiming:
     limit = asyncio.Semaphore(concurrency)
-    async with AsyncOpenAI(base_url=base_url, api_key="EMPTY", timeout=3600.0, max_retries=0) as client:
+    client = AsyncOpenAI(base_url=base_url, api_key="EMPTY", timeout=CLIENT_TIMEOUT, max_retries=0)
+    async with client:
 
         async def limited(prompt: list[int]) -> RequestTiming:
             async with limit:
