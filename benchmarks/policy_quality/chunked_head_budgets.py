@@ -26,8 +26,8 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import answer_decided, decode_in_batches  # noqa: E402
-from sweep import NEEDLE_NEW_TOKENS  # noqa: E402
+from run import decode_in_batches  # noqa: E402
+from sweep import decode_limits  # noqa: E402
 
 from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
@@ -170,9 +170,7 @@ def main() -> None:
             pairs = zip(reference.kept, mine.kept, strict=True)
             same = all(torch.equal(a.indices, b.indices) for a, b in pairs)
             print(f"sanity {sample.id}: {'identical' if same else 'DIFFERENT'}", flush=True)
-        single_number = len(sample.answers) == 1 and sample.answers[0].isdigit()
-        finished = answer_decided(sample.answers[0], tokenizer) if single_number else None
-        new_tokens = NEEDLE_NEW_TOKENS if single_number else sample.max_new_tokens
+        new_tokens, finished = decode_limits(sample, tokenizer)
         for factor in (float(f) for f in args.factors.split(",")):
             chunked = chunked_prefill_head_budgets(
                 model, ids, policy, plan, args.chunk, {pair: factor for pair in listed}

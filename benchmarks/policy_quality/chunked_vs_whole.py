@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import answer_decided, decode_in_batches  # noqa: E402
-from sweep import NEEDLE_NEW_TOKENS, QUERY_WINDOW, summarise  # noqa: E402
+from run import decode_in_batches  # noqa: E402
+from sweep import QUERY_WINDOW, decode_limits, summarise  # noqa: E402
 
 from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
@@ -80,9 +80,7 @@ def rows_for_prompt(
     n = len(sample.token_ids)
     whole = prefill(model, ids, query_window=QUERY_WINDOW) if references else None
     num_layers = model.config.num_hidden_layers
-    single_number = len(sample.answers) == 1 and sample.answers[0].isdigit()
-    finished = answer_decided(sample.answers[0], tokenizer) if single_number else None
-    new_tokens = NEEDLE_NEW_TOKENS if single_number else sample.max_new_tokens
+    new_tokens, finished = decode_limits(sample, tokenizer)
     stops = [tokenizer.eos_token_id]
     runs = []
     if whole is not None:

@@ -23,6 +23,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,6 +61,14 @@ NEEDLE_TASKS = ("niah_single_noise", "niah_single_essay", "niah_single_digits", 
 QUERY_WINDOW = 256
 #: Enough for a 7-digit answer after the answer prefix; other tasks decode their own max_new_tokens.
 NEEDLE_NEW_TOKENS = 12
+
+
+def decode_limits(sample: Sample, tokenizer) -> tuple[int, Callable[[list[int]], bool] | None]:
+    """(new tokens, ``finished`` callback) for decoding ``sample``: a single-number answer decodes
+    ``NEEDLE_NEW_TOKENS`` and stops once its digits are decided; any other its task's ``max_new_tokens``."""
+    if len(sample.answers) == 1 and sample.answers[0].isdigit():
+        return NEEDLE_NEW_TOKENS, answer_decided(sample.answers[0], tokenizer)
+    return sample.max_new_tokens, None
 
 
 def parse_variants(text: str) -> dict[str, EvictionPolicy]:
@@ -134,9 +143,7 @@ def sweep_prompt(
         case.unlink()
         result.unlink()
     runnable = [row for row in rows if "kept" in row]
-    single_number = len(sample.answers) == 1 and sample.answers[0].isdigit()
-    finished = answer_decided(sample.answers[0], tokenizer) if single_number else None
-    new_tokens = NEEDLE_NEW_TOKENS if single_number else sample.max_new_tokens
+    new_tokens, finished = decode_limits(sample, tokenizer)
     # Variants that keep the same tokens (PyramidKV below its pyramid's reach, for one) decode the same text.
     distinct: dict[bytes, int] = {}
     slot = [distinct.setdefault(kept_key(row["kept"]), len(distinct)) for row in runnable]

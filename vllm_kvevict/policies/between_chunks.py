@@ -91,7 +91,7 @@ class BetweenRule:
 
     @property
     def key_scorer(self) -> str:
-        """The key score this rule uses (None of it under "window")."""
+        """The name of the key score this rule judges by (unused under "window")."""
         return self.kind if self.kind in KEY_SCORERS else self.scorer
 
     def span_for(self, budget: int | None) -> int:

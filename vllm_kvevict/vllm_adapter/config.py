@@ -251,7 +251,7 @@ class EvictionConfig:
             )
         object.__setattr__(self, "chunk_budget", parse_chunk_budget(self.chunk_budget))
         try:  # BetweenRule names a bad kind, share, span or scorer and its valid values
-            BetweenRule(self.between, self.between_share, self.between_span, self.between_scorer)
+            _ = self.between_rule
         except ValueError as exc:
             raise EvictionConfigError(f"kv_eviction.{str(exc).removeprefix('between_chunks: ')}") from exc
 
