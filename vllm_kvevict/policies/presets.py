@@ -1,6 +1,7 @@
-"""Method presets: small YAML files naming a registered method and its parameters (``configs/*.yaml``).
+"""Method presets: small YAML files naming a registered method and its parameters.
 
-A preset reads::
+The presets ship inside the package (``vllm_kvevict/presets/*.yaml``, package data; ``configs/`` in a
+checkout links there), so ``--kv-eviction-config ada-snapkv`` names one in any install. A preset reads::
 
     method: ada-snapkv
     description: one line saying what the preset is for
@@ -10,6 +11,8 @@ A preset reads::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.registry import build_policy
 
 _KEYS = ("method", "description", "params")
+_SUFFIXES = (".yaml", ".yml")
 
 
 @dataclass(frozen=True)
@@ -33,9 +37,38 @@ class Preset:
         return build_policy(self.method, **self.params)
 
 
-def load_preset(path: str | Path) -> Preset:
+def packaged_presets() -> dict[str, Traversable]:
+    """Preset name (the file's stem) -> its file in the installed package, sorted by name."""
+    folder = files("vllm_kvevict").joinpath("presets")
+    yaml_files = [entry for entry in folder.iterdir() if entry.name.endswith(_SUFFIXES)]
+    found = {entry.name.rsplit(".", 1)[0]: entry for entry in yaml_files}
+    return dict(sorted(found.items()))
+
+
+def is_preset_name(text: str) -> bool:
+    """A bare word (no path separator, no .yaml/.yml suffix) names a packaged preset; else it is a path."""
+    return bool(text) and "/" not in text and "\\" not in text and not text.endswith(_SUFFIXES)
+
+
+def preset_file(text: str) -> Path | Traversable:
+    """The preset file ``text`` means: the packaged preset of that name, or else the path itself.
+
+    LookupError (one line) names an unknown preset and lists the valid names."""
+    if not is_preset_name(text):
+        return Path(text).expanduser()
+    presets = packaged_presets()
+    if text not in presets:
+        raise LookupError(
+            f"no preset named {text!r}; presets: {', '.join(presets)} "
+            "(or give a preset file path, or a JSON object)"
+        )
+    return presets[text]
+
+
+def load_preset(path: str | Path | Traversable) -> Preset:
     """Read and validate one preset file; ValueError names the file and the bad entry."""
-    path = Path(path)
+    if isinstance(path, str):
+        path = Path(path)
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict) or "method" not in data:
         raise ValueError(f"{path}: a preset is a mapping with keys {', '.join(_KEYS)}; 'method' is required")

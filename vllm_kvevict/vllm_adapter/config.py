@@ -10,7 +10,6 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -24,7 +23,7 @@ from vllm_kvevict.policies.decode.registry import (
     decode_method_names,
     decode_method_params,
 )
-from vllm_kvevict.policies.presets import Preset, load_preset
+from vllm_kvevict.policies.presets import Preset, load_preset, preset_file
 from vllm_kvevict.policies.registry import available_methods, build_policy
 
 #: key of the eviction settings inside vLLM's ``additional_config``.
@@ -376,15 +375,19 @@ def parse_params_json(text: str) -> dict[str, Any]:
 
 
 def parse_params_or_preset(text: str) -> dict[str, Any] | Preset:
-    """``--kv-eviction-config`` value: a JSON object of method parameters, or the path of a preset file
-    (``configs/*.yaml``: method, description, params). Errors name the file and the problem in one line."""
+    """``--kv-eviction-config`` value: a JSON object of method parameters, a packaged preset's name
+    (``ada-snapkv``), or the path of a preset file (method, description, params). Errors name the value and
+    the problem in one line."""
     if text.lstrip().startswith("{"):
         return parse_params_json(text)
-    path = Path(text).expanduser()
+    try:
+        path = preset_file(text)
+    except LookupError as exc:
+        raise EvictionConfigError(f"--kv-eviction-config {text}: {exc}") from None
     try:
         return load_preset(path)
     except FileNotFoundError:
-        problem = "no such file (give a preset file such as configs/ada-snapkv.yaml, or a JSON object)"
+        problem = "no such file (give a preset name such as ada-snapkv, a preset file, or a JSON object)"
     except IsADirectoryError:
         problem = "is a directory, not a preset file"
     except OSError as exc:
