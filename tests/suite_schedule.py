@@ -14,6 +14,7 @@ SLOWEST_FIRST = (
     "tests/e2e/test_compacted_attention_reference.py",  # ~190
     "tests/e2e/test_dashboard_prometheus.py",  # ~170: server + Prometheus
     "tests/unit/evaluation/test_kvpress_script.py",  # ~95: kvpress in .venv-ref
+    "tests/install/test_wheel_install.py",  # ~70 (alone, 2026-11-27): wheel build, fresh venv, two servers
     "tests/e2e/test_prefix_caching_server.py",
     "tests/e2e/test_serve_command.py",
     "tests/e2e/test_eval_cli.py",
