@@ -5,7 +5,8 @@ script writes kvpress's answer, both as ``torch.save`` files.
 
 Input case file (``torch.save``): ``{"layers": [{"keys": [kv_heads, n, d], "values": [kv_heads, n, d],
 "queries": [q_heads, w, d] post-RoPE queries of the last w prompt positions, "o_proj": [hidden, q_heads*d],
-"layer_idx": int, "num_layers": int}, ...]}``, float32.
+"layer_idx": int, "num_layers": int}, ...]}``, float32; for the Expected Attention presses also
+"prerope_queries": [q_heads, n, d] (every position's query before RoPE) and "inv_freq": [d / 2].
 Jobs (a JSON file, or a ``"jobs"`` entry of the case itself, which wins): ``[{"key": str, "press": one of
 PRESSES, "compression_ratio": float, "params": {...}}]``, params being kvpress's own field names.
 Output (``torch.save``, one per case, ``<out_dir>/<case stem>.kvpress.pt``): ``{key: kept bool
@@ -15,9 +16,12 @@ How the press sees our tensors: kvpress recomputes window queries from hidden st
 (``q_proj(hidden_states[:, -window:])`` then RoPE with ``position_embeddings``). We hand it a module whose
 q_proj is the identity and position embeddings cos = 1, sin = 0, and hidden states whose last w rows are
 the given post-RoPE queries: kvpress then computes on exactly our queries (multiplying by 1 and adding 0
-are exact). Kept sets: ScorerPress.compress gathers the kept keys, which are matched back to their
-positions (every key row of a head is distinct); AdaKV/CriticalAdaKV record their evicted entries in
-``module.masked_key_indices``.
+are exact). Expected Attention instead reads every position's pre-RoPE query (hidden states = the given
+"prerope_queries", identity q_proj) and RoPE's frequencies for its averaged future rotation
+(``module.rotary_emb``, HF Llama's arithmetic on the given "inv_freq"); a case holding them is for the
+Expected Attention presses only. Kept sets: ScorerPress.compress gathers the kept keys, which are matched
+back to their positions (every key row of a head is distinct); AdaKV/CriticalAdaKV record their evicted
+entries in ``module.masked_key_indices``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvpress import (
     AdaKVPress,
     CriticalAdaKVPress,
     CriticalKVPress,
+    ExpectedAttentionPress,
     KeyDiffPress,
     KnormPress,
     PyramidKVPress,
@@ -41,8 +46,11 @@ from kvpress import (
 from torch import nn
 
 PRESSES = tuple(
-    "snapkv pyramidkv ada-snapkv critical-snapkv critical-ada-snapkv streamingllm keydiff knorm".split()
+    "snapkv pyramidkv ada-snapkv critical-snapkv critical-ada-snapkv streamingllm keydiff knorm "
+    "expected-attention ada-expected-attention".split()
 )
+#: ExpectedAttentionPress's own field names.
+EXPECTED_FIELDS = ("n_future_positions", "n_sink", "use_covariance", "use_vnorm", "epsilon")
 
 
 def build_press(name: str, compression_ratio: float, params: dict):
@@ -69,7 +77,28 @@ def build_press(name: str, compression_ratio: float, params: dict):
         return KeyDiffPress(compression_ratio=compression_ratio)
     if name == "knorm":
         return KnormPress(compression_ratio=compression_ratio)
+    if name in ("expected-attention", "ada-expected-attention"):
+        fields = {k: params[k] for k in EXPECTED_FIELDS if k in params}
+        press = ExpectedAttentionPress(compression_ratio=compression_ratio, **fields)
+        if name == "expected-attention":
+            return press
+        alpha = {k: params[k] for k in ("alpha_safeguard",) if k in params}
+        return AdaKVPress(press, **alpha)
     raise ValueError(f"unknown press {name!r}; choose one of {', '.join(PRESSES)}")
+
+
+class ReplayRotary(nn.Module):
+    """HF Llama's rotary embedding (default RoPE) on given inverse frequencies: (cos, sin) [1, t, d]."""
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        self.inv_freq = inv_freq.float()
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1)
+        freqs = (inv_freq @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
 class ReplayAttention(nn.Module):
@@ -149,6 +178,9 @@ class LayerReplay:
         )
         self.hidden = torch.zeros(1, n, q_heads * d)
         self.hidden[0, n - w :] = queries.transpose(0, 1).reshape(w, q_heads * d)
+        if "prerope_queries" in layer:  # Expected Attention: every position's query before RoPE
+            self.hidden = layer["prerope_queries"].float().transpose(0, 1).reshape(1, n, q_heads * d)
+            self.module.rotary_emb = ReplayRotary(layer["inv_freq"])
         self.keys, self.values = keys[None], values[None]
         self.kwargs = {"position_embeddings": (torch.ones(1, n, d), torch.zeros(1, n, d))}
         self.row_indices = [RowIndex(keys[h]) for h in range(kv_heads)]

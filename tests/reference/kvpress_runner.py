@@ -25,6 +25,11 @@ KVPRESS_ALIKE = {"window": 64, "kernel": 5, "pooling": "avg", "span_after": 0}
 SHARED_METHODS = tuple(
     "snapkv pyramidkv ada-snapkv critical-snapkv critical-ada-snapkv streamingllm keydiff knorm".split()
 )
+#: methods that read every query before RoPE: kvpress gets them in a case of their own (``expected_case``).
+EXPECTED_METHODS = ("expected-attention", "ada-expected-attention")
+#: kvpress's ExpectedAttentionPress default epsilon (0) for the press alone, its leaderboard's 0.01 for the
+#: AdaKV-wrapped one (our default for both).
+EXPECTED_EPSILON = {"expected-attention": 0.0, "ada-expected-attention": 0.01}
 
 
 def require_reference_env() -> None:
@@ -49,6 +54,17 @@ def case_dict(layers: list[LayerKV], jobs: list[dict] | None = None) -> dict:
     }
     if jobs is not None:
         case["jobs"] = jobs
+    return case
+
+
+def expected_case(layers: list[LayerKV], prerope: list[torch.Tensor], jobs: list[dict]) -> dict:
+    """The script's input for the Expected Attention presses: ``layers`` (all n post-RoPE queries, theirs
+    unused) plus each layer's pre-RoPE queries [q_heads, n, d] and RoPE frequencies."""
+    case = case_dict(layers, jobs)
+    for entry, layer, pre in zip(case["layers"], layers, prerope, strict=True):
+        assert layer.rope_inv_freq is not None
+        entry["prerope_queries"] = pre.float()
+        entry["inv_freq"] = layer.rope_inv_freq.float()
     return case
 
 
@@ -88,6 +104,9 @@ def method_params(method: str, extra: dict | None = None) -> dict:
     """Our parameters matching kvpress's defaults for ``method`` (+ ``extra``)."""
     # KeyDiffPress and KnormPress keep no sinks, no window and no span: ours without them is the same score.
     key_scored = {"window": 0, "sinks": 0, "span_after": 0}
-    params = dict({"streamingllm": {}, "keydiff": key_scored, "knorm": key_scored}.get(method, KVPRESS_ALIKE))
+    own = {"streamingllm": {}, "keydiff": key_scored, "knorm": key_scored}
+    for name in EXPECTED_METHODS:  # no window, no span (the press's score), kvpress's epsilon
+        own[name] = {"window": 0, "span_after": 0, "epsilon": EXPECTED_EPSILON[name]}
+    params = dict(own.get(method, KVPRESS_ALIKE))
     params.update(extra or {})
     return params

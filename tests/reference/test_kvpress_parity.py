@@ -19,15 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 from kvpress_runner import (
+    EXPECTED_EPSILON,
+    EXPECTED_METHODS,
     SHARED_METHODS,
     case_dict,
+    expected_case,
     method_params,
     our_kept,
     run_kvpress,
 )
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from vllm_kvevict.hf_reference import capture_layers, load_reference_model
+from vllm_kvevict.hf_reference.model import attention_modules
 from vllm_kvevict.policies.base import LayerKV
+from vllm_kvevict.policies.expected_attention import rope_cos_sin
 
 pytestmark = [pytest.mark.reference, pytest.mark.model]
 
@@ -120,16 +126,57 @@ HAND_KVPRESS = {
 }
 
 
+def expected_jobs(ratios: tuple[float, ...]) -> list[dict]:
+    return [
+        {
+            "key": f"{method}@{ratio}",
+            "press": method,
+            "compression_ratio": ratio,
+            "params": {"epsilon": EXPECTED_EPSILON[method]},
+        }
+        for method in EXPECTED_METHODS
+        for ratio in ratios
+    ]
+
+
+#: SmolLM2's RoPE base (the random case uses the real model's frequencies too).
+ROPE_THETA = 100000.0
+
+
+def random_expected_layers(n: int, seed: int = 1) -> tuple[list[LayerKV], list[torch.Tensor]]:
+    """Layers as ``random_layers`` with all n queries: post-RoPE for us (RoPE applied by HF Llama's
+    ``apply_rotary_pos_emb``), pre-RoPE for kvpress. The queries have a mean (an offset) so that the
+    mean term of the expected logit matters beside the covariance."""
+    generator = torch.Generator().manual_seed(seed)
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(n))
+    layers, prerope = [], []
+    for layer_idx in (0, 14, 29):
+        pre = torch.randn(9, n, 64, generator=generator) * 0.5 + torch.randn(9, 1, 64, generator=generator)
+        post, _ = apply_rotary_pos_emb(pre[None], pre[None], cos[None], sin[None])
+        layers.append(
+            LayerKV(
+                keys=torch.randn(3, n, 64, generator=generator),
+                values=torch.randn(3, n, 64, generator=generator),
+                queries=post[0],
+                layer_idx=layer_idx,
+                num_layers=30,
+                query_positions=torch.arange(n),
+                o_proj=torch.randn(576, 576, generator=generator) * 0.05,
+                rope_inv_freq=inv_freq,
+            )
+        )
+        prerope.append(pre)
+    return layers, prerope
+
+
 #: Layers of the bundled model compared with kvpress (first, last and three between; all 30 would only
 #: repeat the same check at five times the cost).
 REAL_LAYER_INDICES = (0, 7, 14, 22, 29)
 
 
-@pytest.fixture(scope="module")
-def real_layers(model_dir: Path) -> list[LayerKV]:
-    """Layers ``REAL_LAYER_INDICES`` of the bundled model on a real 512-token chat prompt, captured
-    post-RoPE (each keeps its true layer_idx and num_layers = 30, which PyramidKV's budgets use)."""
-    model, tokenizer = load_reference_model(model_dir)
+def real_prompt_ids(tokenizer) -> torch.Tensor:
+    """The last ``REAL_N`` tokens of a chat prompt whose paragraph repeats, with a question at its end."""
     paragraph = (
         "The committee met on a rainy Tuesday to review the harbour accounts. The treasurer reported that "
         "the new crane cost 4,812 crowns, twice the estimate, and that the ferry tolls had fallen. "
@@ -139,12 +186,50 @@ def real_layers(model_dir: Path) -> list[LayerKV]:
     ids = ids["input_ids"] if not isinstance(ids, list) else ids
     ids = torch.tensor(ids[-REAL_N:])
     assert ids.shape[0] == REAL_N
-    layers = capture_layers(model, ids, query_window=64)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference_model(model_dir: Path):
+    return load_reference_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def real_layers(reference_model) -> list[LayerKV]:
+    """Layers ``REAL_LAYER_INDICES`` of the bundled model on a real 512-token chat prompt, captured
+    post-RoPE (each keeps its true layer_idx and num_layers = 30, which PyramidKV's budgets use)."""
+    model, tokenizer = reference_model
+    layers = capture_layers(model, real_prompt_ids(tokenizer), query_window=64)
     return [layers[idx] for idx in REAL_LAYER_INDICES]
 
 
 @pytest.fixture(scope="module")
-def kvpress_kept(real_layers: list[LayerKV], tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+def real_expected_layers(reference_model) -> tuple[list[LayerKV], list[torch.Tensor]]:
+    """The same layers with all 512 post-RoPE queries (ours) and the q_proj outputs, i.e. the queries
+    before RoPE, taken from the model itself (kvpress's)."""
+    model, tokenizer = reference_model
+    modules = attention_modules(model)
+    prerope: dict[int, torch.Tensor] = {}
+    hooks = [
+        modules[idx].q_proj.register_forward_hook(
+            lambda _module, _args, out, idx=idx: prerope.__setitem__(
+                idx, out[0].detach().float().reshape(out.shape[1], -1, 64).transpose(0, 1).clone()
+            )
+        )
+        for idx in REAL_LAYER_INDICES
+    ]
+    try:
+        layers = capture_layers(model, real_prompt_ids(tokenizer), query_window=None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [layers[idx] for idx in REAL_LAYER_INDICES], [prerope[idx] for idx in REAL_LAYER_INDICES]
+
+
+@pytest.fixture(scope="module")
+def kvpress_kept(
+    real_layers: list[LayerKV], real_expected_layers, tmp_path_factory
+) -> dict[str, dict[str, torch.Tensor]]:
     """kvpress's kept masks for the random, real and hand cases, from one ``.venv-ref`` subprocess."""
     hand_jobs = [
         {"key": method, "press": method, "compression_ratio": 0.5, "params": HAND_KVPRESS[method]}
@@ -154,6 +239,8 @@ def kvpress_kept(real_layers: list[LayerKV], tmp_path_factory) -> dict[str, dict
         "random": case_dict(random_layers(RANDOM_N), jobs_for(RATIOS)),
         "real": case_dict(real_layers, jobs_for(RATIOS)),
         "hand": case_dict(hand_layers(), hand_jobs),
+        "random-expected": expected_case(*random_expected_layers(RANDOM_N), expected_jobs(RATIOS)),
+        "real-expected": expected_case(*real_expected_layers, expected_jobs(RATIOS)),
     }
     return run_kvpress(cases, tmp_path_factory.mktemp("kvpress"))
 
@@ -208,6 +295,21 @@ def test_steep_pyramid_layer_budgets_match_kvpress(
     per_layer = theirs[:, 0].sum(dim=-1)
     assert per_layer[0] > per_layer[-1], "beta=2 must give a real pyramid, not the uniform fallback"
     assert_same_kept(ours, theirs, f"real pyramidkv beta=2 @{ratio}")
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("method", EXPECTED_METHODS)
+def test_expected_attention_keeps_the_same_tokens_as_kvpress(
+    kvpress_kept, real_expected_layers, method: str, ratio: float
+) -> None:
+    """Ours un-rotates the post-RoPE queries it is given; kvpress reads the queries before RoPE (random:
+    the tensors RoPE was applied to; real: the model's q_proj outputs)."""
+    cases = {"random": random_expected_layers(RANDOM_N)[0], "real": real_expected_layers[0]}
+    for case, layers in cases.items():
+        ours = our_kept(method, layers, ratio, **method_params(method))
+        assert_same_kept(
+            ours, kvpress_kept[f"{case}-expected"][f"{method}@{ratio}"], f"{case} {method}@{ratio}"
+        )
 
 
 @pytest.mark.parametrize("method", sorted(HAND_EXPECTED))

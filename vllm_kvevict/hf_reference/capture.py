@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from vllm_kvevict.hf_reference.attention import LayerRecorder
-from vllm_kvevict.hf_reference.model import attention_modules, o_proj_weights
+from vllm_kvevict.hf_reference.model import attention_modules, o_proj_weights, rope_inv_freq
 from vllm_kvevict.policies.base import LayerKV
 
 
@@ -63,6 +63,7 @@ def prefill(
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     num_layers = len(attention_modules(model))
     weights = o_proj_weights(model) if capture else []
+    inv_freq = rope_inv_freq(model) if capture else None
     layers = []
     for idx, recorder in enumerate(recorders):
         assert recorder.queries is not None and recorder.keys is not None and recorder.values is not None
@@ -76,6 +77,7 @@ def prefill(
                 num_layers=num_layers,
                 query_positions=torch.arange(n - w, n),
                 o_proj=weights[idx],
+                rope_inv_freq=inv_freq,
             )
         )
     return PrefilledPrompt(
@@ -91,7 +93,8 @@ def capture_layers(
     model: PreTrainedModel, input_ids: torch.Tensor, query_window: int | None = None
 ) -> list[LayerKV]:
     """Per-layer ``LayerKV`` of a prompt: post-RoPE keys/values [kv_heads, n, d], queries [q_heads, w, d]
-    of the last ``query_window`` positions (None: all), o_proj [hidden, q_heads * d]; float32."""
+    of the last ``query_window`` positions (None: all), o_proj [hidden, q_heads * d], the RoPE inverse
+    frequencies [d / 2]; float32."""
     return prefill(model, input_ids, query_window).layers
 
 
@@ -123,6 +126,7 @@ def context_layers(
                 num_layers=layer.num_layers,
                 query_positions=positions[take],
                 o_proj=layer.o_proj,
+                rope_inv_freq=layer.rope_inv_freq,
             )
         )
     return sliced

@@ -43,3 +43,12 @@ def attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
 def o_proj_weights(model: PreTrainedModel) -> list[torch.Tensor]:
     """[hidden, q_heads * d] o_proj weight of every layer (float32 copies), for CriticalKV."""
     return [module.o_proj.weight.detach().float().clone() for module in attention_modules(model)]
+
+
+def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:
+    """[d / 2] float32 RoPE inverse frequencies of ``model`` (every layer shares them), for the methods that
+    take RoPE out of the post-RoPE queries (Expected Attention)."""
+    rotary = model.model.rotary_emb
+    if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        raise ValueError("RoPE with an attention scaling (YaRN-style) is not modelled by the reference runner")
+    return rotary.inv_freq.detach().float().cpu().clone()

@@ -3,6 +3,7 @@
 from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, resolve_budget
 from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.expected_attention import ExpectedAttention, QueryStatistics
 from vllm_kvevict.policies.h2o import H2O
 from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.knorm import KNorm
@@ -17,6 +18,7 @@ __all__ = [
     "AdaKV",
     "CriticalKV",
     "EvictionPolicy",
+    "ExpectedAttention",
     "H2O",
     "KeptTokens",
     "KeyDiff",
@@ -25,6 +27,7 @@ __all__ = [
     "MethodInfo",
     "NaCl",
     "PyramidKV",
+    "QueryStatistics",
     "RoCo",
     "RocoStatistics",
     "ScoredPolicy",

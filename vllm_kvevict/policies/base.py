@@ -9,10 +9,14 @@ from __future__ import annotations
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_kvevict.policies.selection import top_k_mask
+
+if TYPE_CHECKING:
+    from vllm_kvevict.policies.expected_attention import QueryStatistics
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,11 @@ class LayerKV:
              the last w positions n-w .. n-1.
     layer_idx, num_layers: where this layer sits (PyramidKV budgets, per-layer seeds).
     o_proj: [hidden, q_heads * d] this layer's o_proj weight (CriticalKV), or None.
+    rope_inv_freq: [r / 2] this layer's RoPE inverse frequencies (NeoX rotate-half layout on the first r
+             coordinates of a head), or None; Expected Attention takes RoPE out of the queries with it.
+    query_statistics: the running pre-RoPE query statistics of every prompt query so far, carried across
+             chunks by the caller (``expected_attention.QueryStatistics``), or None (then computed from
+             ``queries`` by the methods that use them).
     """
 
     keys: torch.Tensor
@@ -37,6 +46,8 @@ class LayerKV:
     num_layers: int = 1
     query_positions: torch.Tensor | None = None
     o_proj: torch.Tensor | None = None
+    rope_inv_freq: torch.Tensor | None = None
+    query_statistics: QueryStatistics | None = None
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 3 or self.values.shape != self.keys.shape:

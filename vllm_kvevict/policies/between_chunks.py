@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import (
     EvictionPolicy,
@@ -16,6 +18,7 @@ from vllm_kvevict.policies.base import (
     check_int,
 )
 from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.expected_attention import ExpectedAttention
 from vllm_kvevict.policies.key_scored import KeyScoredPolicy
 from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.knorm import KNorm
@@ -23,9 +26,17 @@ from vllm_kvevict.policies.selection import top_k_mask
 
 #: The scores that judge a key with no queries: distinctiveness (KeyDiff) or a small L2 norm (K-norm).
 KEY_SCORERS: dict[str, type[KeyScoredPolicy]] = {"keydiff": KeyDiff, "knorm": KNorm}
+#: The scores that judge held entries without the question: the key scores, and Expected Attention (the
+#: statistics of every query seen so far, carried across chunks in ``LayerKV.query_statistics``). Each is
+#: built with the method's ``window`` and a ``span_after``.
+BETWEEN_SCORERS: dict[str, type[KeyScoredPolicy] | type[ExpectedAttention]] = {
+    **KEY_SCORERS,
+    "expected-attention": ExpectedAttention,
+}
 #: How a prompt is judged between chunks: by the method's own scores from the chunk's last queries
-#: ("window"), by one key score alone ("keydiff", "knorm"), or by both the method and a key score ("blend").
-BETWEEN_KINDS: tuple[str, ...] = ("window", *KEY_SCORERS, "blend")
+#: ("window"), by one such score alone ("keydiff", "knorm", "expected-attention"), or by both the method and
+#: one of them ("blend").
+BETWEEN_KINDS: tuple[str, ...] = ("window", *BETWEEN_SCORERS, "blend")
 #: The chunk's last queries are mid-document text that does not look at a needle the question will ask for;
 #: half the intermediate budget by a key score keeps it (docs/quality.md, "Per-chunk eviction").
 DEFAULT_BETWEEN = "blend"
@@ -73,7 +84,7 @@ LONG_SPAN_FROM = 512
 class BetweenRule:
     """How a prompt's held entries are judged between chunks: ``kind`` (``BETWEEN_KINDS``), the method's
     own ``share`` of the intermediate budget under "blend", the key score that takes the rest there
-    (``scorer``, one of ``KEY_SCORERS``; the kinds "keydiff" and "knorm" name their own), and that score's
+    (``scorer``, one of ``BETWEEN_SCORERS``; the kinds that are scorers name their own), and that score's
     ``span_after`` (a kept key also keeps the tokens after it: a needle's value); None sets the span by the
     tokens the key score chooses (``LONG_SPAN`` from ``LONG_SPAN_FROM``)."""
 
@@ -87,12 +98,12 @@ class BetweenRule:
         check_fraction("between_chunks", "between_share", self.share, 0.0, 1.0)
         if self.span_after is not None:
             check_int("between_chunks", "between_span", self.span_after, 0)
-        check_choice("between_chunks", "between_scorer", self.scorer, tuple(KEY_SCORERS))
+        check_choice("between_chunks", "between_scorer", self.scorer, tuple(BETWEEN_SCORERS))
 
     @property
     def key_scorer(self) -> str:
-        """The name of the key score this rule judges by (unused under "window")."""
-        return self.kind if self.kind in KEY_SCORERS else self.scorer
+        """The name of the score this rule judges by besides the method (unused under "window")."""
+        return self.kind if self.kind in BETWEEN_SCORERS else self.scorer
 
     def span_for(self, budget: int | None) -> int:
         """The key score's span when a head keeps ``budget`` entries (None: not known, the short span)."""
@@ -123,7 +134,7 @@ def between_chunks(
         return uniform
     # The key score keeps the same recent window as the method, so the next chunk sees its own context.
     window = int(getattr(uniform, "window", KeyScoredPolicy.window))
-    keyed = KEY_SCORERS[rule.key_scorer](window=window, span_after=rule.span_for(budget))
+    keyed = BETWEEN_SCORERS[rule.key_scorer](window=window, span_after=rule.span_for(budget))
     return Blend(uniform, keyed, first_share=rule.share) if rule.kind == "blend" else keyed
 
 
@@ -133,3 +144,75 @@ def _uniform(policy: EvictionPolicy) -> EvictionPolicy:
     if isinstance(policy, CriticalKV) and isinstance(policy.inner, AdaKV):
         return dataclasses.replace(policy, inner=policy.inner.inner)
     return policy
+
+
+def trailing_window_ratio(budget: int, prompt_len: int, window: int) -> float:
+    """FastKVzip's per-chunk kept ratio r' = (B - w) / (L - w): the tokens before the prompt's trailing
+    ``window`` are kept at r' so that, with the window kept whole, the prompt ends at ``budget`` = r * L
+    entries per head. A window larger than the budget is cut to the budget (r' = 0)."""
+    check_int("trailing_window", "budget", budget, 0)
+    check_int("trailing_window", "prompt_len", prompt_len, 1)
+    check_int("trailing_window", "window", window, 0)
+    budget = min(budget, prompt_len)
+    window = min(window, budget)
+    if window >= prompt_len:
+        return 1.0
+    return (budget - window) / (prompt_len - window)
+
+
+def trailing_window_held(
+    computed: int, prompt_len: int, budget: int, window: int, floor: int = 0
+) -> tuple[int, int]:
+    """(entries each head holds after ``computed`` of ``prompt_len`` tokens, how many of them are the
+    protected trailing window) under FastKVzip's rule: the tokens before the window ``L - w`` are compressed
+    to ``floor(r' * m)`` of the m arrived so far (at least ``floor`` of them: what the scorer always keeps),
+    and every token of the trailing window that has arrived is held."""
+    check_int("trailing_window", "computed", computed, 0)
+    ratio = trailing_window_ratio(budget, prompt_len, window)
+    window = min(window, min(budget, prompt_len))
+    start = prompt_len - window  # the first protected position
+    before = min(computed, start)
+    compressed = min(before, max(int(ratio * before), floor))
+    protected = max(0, min(computed, prompt_len) - start)
+    return compressed + protected, protected
+
+
+@dataclass
+class KeepTail(EvictionPolicy):
+    """Keeps the last ``tail`` held entries whatever their scores (the arrived part of the prompt's trailing
+    window, the newest held entries) and lets ``inner`` choose the rest of the budget among the others,
+    as if they were the whole sequence (its own window then falls on the entries just before the tail)."""
+
+    inner: EvictionPolicy
+    tail: int = 0
+
+    def __post_init__(self) -> None:
+        check_int(type(self).__name__, "tail", self.tail, 0)
+
+    @property
+    def min_budget(self) -> int:
+        return self.tail + self.inner.min_budget
+
+    def query_window(self, num_tokens: int) -> int:
+        return self.inner.query_window(num_tokens)
+
+    def select(self, layer: LayerKV, budget: int) -> KeptTokens:
+        if (everything := self.keep_all_or_check(layer, budget)) is not None:
+            return everything
+        n = layer.num_tokens
+        tail = min(self.tail, budget)
+        head_len = n - tail
+        keep = torch.zeros(layer.num_kv_heads, n, dtype=torch.bool, device=layer.keys.device)
+        keep[:, head_len:] = True
+        if budget > tail:
+            # Every earlier entry precedes the chunk's queries: all of them visible to every query.
+            front = dataclasses.replace(
+                layer,
+                keys=layer.keys[:, :head_len],
+                values=layer.values[:, :head_len],
+                query_positions=torch.full(
+                    (layer.queries.shape[1],), head_len - 1, dtype=torch.int64, device=layer.keys.device
+                ),
+            )
+            keep[:, :head_len] = self.inner.select(front, budget - tail).to_mask(head_len)
+        return KeptTokens.from_mask(keep)

@@ -10,6 +10,7 @@ from typing import Any
 from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.expected_attention import ExpectedAttention
 from vllm_kvevict.policies.h2o import H2O
 from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.knorm import KNorm
@@ -110,6 +111,19 @@ _register(
 )
 _register("keydiff", "keys least like their head's mean key (no queries), sinks and recent", KeyDiff, KeyDiff)
 _register("knorm", "keys with the smallest L2 norm (no queries), sinks and recent", KNorm, KNorm)
+_register(
+    "expected-attention",
+    "keys the future queries are expected to attend to (query mean/covariance, averaged RoPE) x value norm",
+    ExpectedAttention,
+    ExpectedAttention,
+)
+_register(
+    "ada-expected-attention",
+    "Expected Attention scores, per-head budgets allocated across heads (Ada-KV; kvpress's leaderboard)",
+    lambda e, a: AdaKV(ExpectedAttention(**e), **a),
+    ExpectedAttention,
+    AdaKV,
+)
 _register("roco", "mean attention received, most volatile (high std) tokens kept, plus recent", RoCo, RoCo)
 
 

@@ -6,14 +6,27 @@ import pytest
 import torch
 from policy_layers import random_layer
 
-from vllm_kvevict.policies import AdaKV, KeptTokens, KeyDiff, KNorm, LayerKV, SnapKV, build_policy
+from vllm_kvevict.policies import (
+    AdaKV,
+    ExpectedAttention,
+    KeptTokens,
+    KeyDiff,
+    KNorm,
+    LayerKV,
+    QueryStatistics,
+    SnapKV,
+    build_policy,
+)
 from vllm_kvevict.policies.between_chunks import (
     BETWEEN_KINDS,
     LONG_SPAN,
     LONG_SPAN_FROM,
     BetweenRule,
     Blend,
+    KeepTail,
     between_chunks,
+    trailing_window_held,
+    trailing_window_ratio,
 )
 
 
@@ -104,7 +117,10 @@ def test_a_rule_sets_the_blend_share_and_the_keydiff_span() -> None:
         BetweenRule(share=1.5)
     with pytest.raises(ValueError, match="between_span=-1 is not valid"):
         BetweenRule(span_after=-1)
-    with pytest.raises(ValueError, match="between_scorer='norm' is not valid; choose one of keydiff, knorm"):
+    with pytest.raises(
+        ValueError,
+        match="between_scorer='norm' is not valid; choose one of keydiff, knorm, expected-attention",
+    ):
         BetweenRule(scorer="norm")
 
 
@@ -157,3 +173,63 @@ def test_blend_takes_a_wrapped_methods_own_selection_first() -> None:
     assert kept.counts.tolist() == [64, 64]
     first = critical.select(layer, 32).to_mask(120)
     assert bool((kept.to_mask(120) >= first).all())
+
+
+def test_expected_attention_judges_between_chunks_with_the_method_window_and_the_rule_span() -> None:
+    ada = build_policy("ada-snapkv", window=16)
+    assert between_chunks(ada, "expected-attention", 100) == ExpectedAttention(window=16, span_after=8)
+    blend = between_chunks(ada, BetweenRule("blend", scorer="expected-attention"), 2048)
+    assert blend == Blend(ada.inner, ExpectedAttention(window=16, span_after=LONG_SPAN))
+
+
+def test_expected_attention_between_chunks_reads_the_statistics_carried_in_the_layer() -> None:
+    """The held entries' LayerKV carries every query seen so far; the chunk's own window is not enough."""
+    layer = random_layer(kv_heads=2, n=120, w=120, d=16, seed=9)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    stats = QueryStatistics(inv_freq, sinks=4)
+    for start in range(0, 120, 40):  # three chunks of queries, merged as they arrive
+        stats.update(layer.queries[:, start : start + 40], torch.arange(start, start + 40))
+    window_only = LayerKV(
+        keys=layer.keys, values=layer.values, queries=layer.queries[:, -32:], rope_inv_freq=inv_freq
+    )
+    carried = LayerKV(
+        keys=layer.keys, values=layer.values, queries=layer.queries[:, -32:], query_statistics=stats
+    )
+    everything = LayerKV(keys=layer.keys, values=layer.values, queries=layer.queries, rope_inv_freq=inv_freq)
+    scorer = between_chunks(build_policy("snapkv"), "expected-attention", 48)
+    assert torch.equal(scorer.select(carried, 48).indices, scorer.select(everything, 48).indices)
+    assert not torch.equal(scorer.score(carried, 48), scorer.score(window_only, 48))
+
+
+def test_trailing_window_ratio_keeps_the_prompt_at_its_budget_with_the_window_whole() -> None:
+    # r = 10 % of L = 4,000 with w = 200: (400 - 200) / 3,800 of the first 3,800 tokens, then all 200.
+    ratio = trailing_window_ratio(400, 4000, 200)
+    assert ratio == pytest.approx(200 / 3800)
+    assert ratio * 3800 + 200 == pytest.approx(400)
+    assert trailing_window_ratio(100, 4000, 200) == 0.0  # the window is cut to the budget
+    assert trailing_window_ratio(400, 4000, 0) == pytest.approx(0.1)
+
+
+def test_trailing_window_held_counts_compressed_then_protected_entries() -> None:
+    L, B, w = 4000, 400, 200
+    assert trailing_window_held(512, L, B, w) == (int(512 * 200 / 3800), 0)
+    assert trailing_window_held(3800, L, B, w) == (200, 0)
+    assert trailing_window_held(3900, L, B, w) == (200 + 100, 100)  # half the window has arrived
+    assert trailing_window_held(4000, L, B, w) == (400, 200)  # the final budget, window whole
+    assert trailing_window_held(512, L, B, w, floor=36) == (36, 0)  # what the scorer always keeps
+    assert trailing_window_held(20, L, B, w, floor=36) == (20, 0)  # fewer arrived than the floor
+    with pytest.raises(ValueError, match="window=-1 is not valid"):
+        trailing_window_held(10, L, B, -1)
+
+
+def test_keep_tail_holds_the_newest_entries_and_lets_the_scorer_choose_among_the_rest() -> None:
+    layer = random_layer(kv_heads=3, n=100, w=32, d=16, seed=10)
+    scorer = KeyDiff(window=8, sinks=4, span_after=0)
+    kept = KeepTail(scorer, tail=30).select(layer, 50)
+    assert kept.counts.tolist() == [50, 50, 50]
+    front = LayerKV(keys=layer.keys[:, :70], values=layer.values[:, :70], queries=layer.queries)
+    alone = scorer.select(front, 20)
+    for head in range(3):
+        assert kept.head(head).tolist() == alone.head(head).tolist() + list(range(70, 100))
+    assert KeepTail(scorer, tail=30).min_budget == 42
+    assert KeepTail(scorer, tail=30).select(layer, 100).total == 300  # nothing to evict

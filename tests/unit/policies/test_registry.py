@@ -37,11 +37,13 @@ REGISTERED_METHODS = [
     "nacl",
     "keydiff",
     "knorm",
+    "expected-attention",
+    "ada-expected-attention",
     "roco",
 ]
 
 
-def test_registry_holds_the_eleven_methods() -> None:
+def test_registry_holds_the_fourteen_methods() -> None:
     assert method_names() == REGISTERED_METHODS
     assert [m.name for m in available_methods()] == REGISTERED_METHODS
 

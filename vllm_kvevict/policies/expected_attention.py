@@ -1,0 +1,215 @@
+"""Expected Attention: keep the keys that future queries are expected to attend to (Devoto et al., 2025).
+
+https://arxiv.org/abs/2510.00636
+
+The queries of the positions still to come are modelled per query head as a Gaussian: the mean and
+covariance of the prompt's queries before RoPE (the first ``sinks`` positions left out), rotated by the RoPE
+matrix averaged over the next ``n_future_positions`` positions. Under that model the expected attention
+logit of key k is ``mu'.k / sqrt(d) + k^T Sigma' k / (2 d)``; its softmax over the keys, averaged over the
+GQA group and weighted by ``||v||``, is the score (kvpress's ``ExpectedAttentionPress``).
+
+Policies see post-RoPE queries (what vLLM's attention receives), so the statistics un-rotate each query by
+its own position first, with the layer's RoPE frequencies (``LayerKV.rope_inv_freq``, NeoX rotate-half
+layout, as Llama/Qwen/Mistral use in HF and in vLLM; without them, plain RoPE with base ``rope_theta``).
+The statistics merge across chunks (Chan's parallel update), so a prompt evicted chunk by chunk is judged by
+every query it has seen so far, not by the chunk's alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_fraction, check_int
+from vllm_kvevict.policies.scoring import extend_forward
+
+#: kvpress's leaderboard entry (``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``); its press default is 0.
+LEADERBOARD_EPSILON = 0.01
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """NeoX RoPE's partner of every coordinate: [..., r] -> [..., r], (x1, x2) -> (-x2, x1)."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [t, 2 * len(inv_freq)] float32, of ``positions`` [t] (HF's LlamaRotaryEmbedding)."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def unrotate(queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE queries from post-RoPE ``queries`` [h, t, d] at ``positions`` [t]: each rotated back by its
+    own angle. The first ``2 * len(inv_freq)`` coordinates carry RoPE (partial rotary), the rest pass."""
+    rotary = 2 * inv_freq.shape[0]
+    cos, sin = rope_cos_sin(inv_freq.to(queries.device), positions.to(queries.device))
+    head, tail = queries[..., :rotary], queries[..., rotary:]
+    return torch.cat([head * cos - rotate_half(head) * sin, tail], dim=-1)
+
+
+def average_rotation(inv_freq: torch.Tensor, start: int, count: int, dim: int) -> torch.Tensor:
+    """[dim, dim] float32 mean RoPE matrix over positions ``start .. start + count - 1``: R x rotates x by
+    a position's angles, ``R = cos * I + sin * P`` with ``P x = rotate_half(x)``."""
+    rotary = 2 * inv_freq.shape[0]
+    cos, sin = rope_cos_sin(inv_freq, torch.arange(start, start + count, device=inv_freq.device))
+    mean_cos, mean_sin = cos.mean(dim=0), sin.mean(dim=0)  # [rotary]
+    half = rotary // 2
+    rotation = torch.eye(dim, device=inv_freq.device, dtype=torch.float32)
+    rotation[:rotary, :rotary] = torch.diag(mean_cos)
+    # rotate_half: out[:half] = -x[half:], out[half:] = x[:half]; entry (i, j) of P times sin_i.
+    rows = torch.arange(half, device=inv_freq.device)
+    rotation[rows, rows + half] = -mean_sin[:half]
+    rotation[rows + half, rows] = mean_sin[half:]
+    return rotation
+
+
+@dataclass
+class QueryStatistics:
+    """Running mean and covariance of one layer's pre-RoPE queries, per query head, over every prompt
+    position >= ``sinks`` seen so far; ``update`` once per chunk with its post-RoPE queries.
+
+    count: queries merged; mean [q_heads, d] and scatter [q_heads, d, d] (sum of centred outer products)
+    in float32; seen: one past the highest position fed (the first position still to come).
+    """
+
+    inv_freq: torch.Tensor
+    sinks: int = 4
+    count: int = 0
+    mean: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
+    seen: int = 0
+
+    def update(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
+        """Merge post-RoPE ``queries`` [q_heads, t, d] at ``positions`` [t] (positions < sinks ignored)."""
+        positions = positions.to(device=queries.device, dtype=torch.int64)
+        if positions.numel():
+            self.seen = max(self.seen, int(positions.max()) + 1)
+        take = positions >= self.sinks
+        if not bool(take.any()):
+            return
+        pre = unrotate(queries[:, take].float(), positions[take], self.inv_freq)  # [h, t, d]
+        t = pre.shape[1]
+        chunk_mean = pre.mean(dim=1)
+        centred = pre - chunk_mean[:, None]
+        chunk_scatter = centred.transpose(1, 2) @ centred  # [h, d, d]
+        if self.mean is None or self.scatter is None:
+            self.count, self.mean, self.scatter = t, chunk_mean, chunk_scatter
+            return
+        total = self.count + t
+        delta = chunk_mean - self.mean  # [h, d]
+        self.scatter = (
+            self.scatter + chunk_scatter + delta[:, :, None] * delta[:, None, :] * (self.count * t / total)
+        )
+        self.mean = self.mean + delta * (t / total)
+        self.count = total
+
+    @classmethod
+    def of(
+        cls, queries: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sinks: int
+    ) -> QueryStatistics:
+        """The statistics of ``queries`` [q_heads, t, d] at ``positions`` [t] in one update."""
+        stats = cls(inv_freq=inv_freq, sinks=sinks)
+        stats.update(queries, positions)
+        return stats
+
+    def future_moments(self, n_future_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean [q_heads, d], covariance [q_heads, d, d]) rotated by the average RoPE matrix of the next
+        ``n_future_positions`` positions after ``seen``."""
+        if self.mean is None or self.scatter is None:
+            raise ValueError(f"no query at a position >= sinks={self.sinks} has been seen yet")
+        rotation = average_rotation(
+            self.inv_freq.to(self.mean.device), self.seen, n_future_positions, self.mean.shape[-1]
+        )
+        covariance = self.scatter / self.count
+        return self.mean @ rotation.T, rotation @ covariance @ rotation.T
+
+
+@dataclass
+class ExpectedAttention(ScoredPolicy):
+    """Score = ``(softmax over keys of the expected logit, GQA-group mean + epsilon) * ||v||`` (``use_vnorm``;
+    without it the softmax alone); the first ``sinks`` tokens are always kept and take no part in the
+    statistics or the softmax. ``use_covariance=False`` drops the ``k^T Sigma' k`` term.
+
+    Ours on top (0 / 0 is kvpress's press): the last ``window`` tokens always kept, and ``span_after`` as in
+    SnapKV. The queries come from ``LayerKV.query_statistics`` when the caller carries them across chunks,
+    else from ``LayerKV.queries`` (all prompt queries: ``query_window(n) == n``) at ``LayerKV.positions()``.
+    ``epsilon`` defaults to kvpress's leaderboard value (its press default is 0).
+    """
+
+    n_future_positions: int = 512
+    sinks: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = LEADERBOARD_EPSILON
+    window: int = 0
+    span_after: int = 0
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        check_int(owner, "n_future_positions", self.n_future_positions, 1)
+        check_int(owner, "sinks", self.sinks, 0)
+        check_int(owner, "window", self.window, 0)
+        check_int(owner, "span_after", self.span_after, 0)
+        check_fraction(owner, "epsilon", self.epsilon, 0.0, 1.0)
+        if (
+            isinstance(self.rope_theta, bool)
+            or not isinstance(self.rope_theta, int | float)
+            or self.rope_theta <= 1
+        ):
+            raise ValueError(f"{owner}: rope_theta={self.rope_theta!r} is not valid; it must be a number > 1")
+        for flag in ("use_covariance", "use_vnorm"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(
+                    f"{owner}: {flag}={getattr(self, flag)!r} is not valid; it must be true or false"
+                )
+
+    @property
+    def min_budget(self) -> int:
+        return self.sinks + self.window
+
+    def query_window(self, num_tokens: int) -> int:
+        return num_tokens
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        sinks = torch.arange(min(self.sinks, num_tokens))
+        recent = torch.arange(max(self.sinks, num_tokens - self.window), num_tokens)
+        return torch.cat([sinks, recent])
+
+    def inv_freq(self, layer: LayerKV) -> torch.Tensor:
+        """[d / 2] the layer's RoPE inverse frequencies, or plain RoPE's with base ``rope_theta`` over the
+        whole head when the caller does not give them."""
+        if layer.rope_inv_freq is not None:
+            return layer.rope_inv_freq.float()
+        d = layer.keys.shape[2]
+        exponents = torch.arange(0, d, 2, dtype=torch.float32, device=layer.keys.device) / d
+        return 1.0 / (float(self.rope_theta) ** exponents)
+
+    def statistics(self, layer: LayerKV) -> QueryStatistics:
+        """The layer's carried statistics, or those of its queries."""
+        if layer.query_statistics is not None:
+            return layer.query_statistics
+        return QueryStatistics.of(layer.queries, layer.positions(), self.inv_freq(layer), self.sinks)
+
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
+        n, sinks = layer.num_tokens, min(self.sinks, layer.num_tokens)
+        keys = layer.keys[:, sinks:].float()  # [H, m, d]
+        heads, m, d = keys.shape
+        group = layer.group_size
+        mean, covariance = self.statistics(layer).future_moments(self.n_future_positions)
+        grouped = keys.repeat_interleave(group, dim=0)  # [Hq, m, d]
+        logits = (grouped @ mean[:, :, None]).squeeze(-1) / math.sqrt(d)  # [Hq, m]
+        if self.use_covariance:
+            logits = logits + ((grouped @ covariance) * grouped).sum(dim=-1) / d / 2
+        probabilities = torch.softmax(logits, dim=-1).reshape(heads, group, m).mean(dim=1)  # [H, m]
+        if self.use_vnorm:
+            probabilities = (probabilities + self.epsilon) * layer.values[:, sinks:].float().norm(dim=-1)
+        scores = torch.full((heads, n), float("inf"), device=keys.device)
+        scores[:, sinks:] = extend_forward(probabilities, self.span_after)
+        recent = self.always_kept(n, budget).to(scores.device)
+        scores[:, recent] = float("inf")
+        return scores
