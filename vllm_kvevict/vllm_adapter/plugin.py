@@ -1,30 +1,131 @@
-"""The ``vllm.general_plugins`` entry point: runs in every vLLM process (API server, EngineCore, workers).
+"""The ``vllm.general_plugins`` entry point: runs once in each vLLM process (API server, EngineCore, workers).
 
-It only registers things; nothing changes unless eviction is configured (``--kv-eviction`` or
-``additional_config.kv_eviction``). vLLM may call it several times per process, so every step is idempotent.
+What each process gets:
+- every process: the fixes of vLLM itself (``vllm_patches.py``; they apply with eviction off too);
+- a process that parses ``vllm serve``'s flags or builds an engine config (the API server, a Python process
+  calling ``LLM(...)``): the ``--kv-eviction`` flags and guard rails (``cli_hooks.py``), which pass everything
+  through unchanged when no eviction is asked for;
+- the eviction machinery (the evicting KV-cache spec and its manager, the attention backend re-pointed,
+  the model-runner hooks) only in a process whose vLLM config has ``additional_config["kv_eviction"]``:
+  ``--kv-eviction`` becomes that entry, and the config travels to every EngineCore and worker process.
+  With eviction off, vLLM's ``CPU_ATTN`` stays vLLM's and no runner or scheduler wrapper exists. A model
+  eviction cannot serve is refused there with one line (``model_support.py``).
+
+vLLM may call ``load_general_plugins`` several times per process (it runs the plugins once), and the
+engine config may be built more than once; every step is idempotent.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+from typing import Any
+
+#: The vLLM release this plugin was built and tested against; any other gets plain vLLM.
+TESTED_VLLM_VERSION = "0.32.0"
+
+logger = logging.getLogger("vllm.kvevict")
+_state = {"eviction_installed": False, "version_refused": False}
+
 
 def register() -> None:
-    from vllm_kvevict.vllm_adapter import cli_hooks, kv_spec
+    refusal = vllm_version_refusal(installed_vllm_version())
+    if refusal is not None:
+        if not _state["version_refused"]:
+            _state["version_refused"] = True
+            logger.warning("%s", refusal)
+        return
+    from vllm_kvevict.vllm_adapter import vllm_patches
+
+    vllm_patches.install()
+    vllm_config = vllm_config_of_caller()
+    if vllm_config is not None:
+        # EngineCore or a worker: the config it was started with decides.
+        install_eviction_if_configured(vllm_config)
+        return
+    from vllm_kvevict.vllm_adapter import cli_hooks
 
     cli_hooks.install()
-    kv_spec.register_evicting_spec()
-    _register_worker_side()
+    # An engine built in this process (LLM(...) without engine multiprocessing) loads its plugins before
+    # any config exists; the config decides once it is built.
+    vllm_patches.on_engine_config(install_eviction_if_configured)
 
 
-def _register_worker_side() -> None:
-    """The attention backend and the model-runner hooks (vllm_adapter/backend_cpu.py, runner_hooks.py)."""
+def installed_vllm_version() -> str | None:
+    try:
+        from vllm.version import __version__
+    except Exception:  # an install without the module: treated as an unknown version
+        return None
+    return str(__version__)
+
+
+def vllm_version_refusal(version: str | None) -> str | None:
+    """None for the tested release (local build tags such as ``+cpu`` ignored), else the one start-up line."""
+    base = (version or "").split("+", 1)[0]
+    if base == TESTED_VLLM_VERSION:
+        return None
+    return (
+        f"vllm-kvevict: vLLM {version or 'of unknown version'} is not the tested {TESTED_VLLM_VERSION}; "
+        "KV-cache eviction is off and --kv-eviction is not available, vLLM serves unchanged"
+    )
+
+
+def vllm_config_of_caller(max_depth: int = 8) -> Any:
+    """The ``VllmConfig`` of the vLLM frame that loaded the plugins, or None (API server, plain Python).
+
+    vLLM 0.32.0 calls ``load_general_plugins()`` from ``EngineCore.__init__(vllm_config, ...)`` and from
+    ``WorkerWrapperBase.init_worker``, which has just bound ``vllm_config``: the process's config is a local
+    of that frame. The API server loads them while building its parser, before any config exists."""
+    from vllm.config import VllmConfig
+
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("vllm_config")
+        if isinstance(candidate, VllmConfig):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def install_eviction_if_configured(vllm_config: Any) -> bool:
+    """Install the eviction machinery in this process when ``vllm_config`` asks for eviction; True if it
+    is installed (now or before). A model or setting eviction cannot serve raises ValueError with one line
+    (``model_support.eviction_refusal``) before any weight is loaded."""
+    from vllm_kvevict.vllm_adapter.config import get_eviction_config
+    from vllm_kvevict.vllm_adapter.model_support import eviction_refusal
+
+    if get_eviction_config(vllm_config) is None:
+        return _state["eviction_installed"]
+    refusal = eviction_refusal(vllm_config)
+    if refusal is not None:
+        logger.error("%s", refusal)
+        raise ValueError(refusal)
+    if _state["eviction_installed"]:
+        return True
+    _install_eviction()
+    _state["eviction_installed"] = True
+    return True
+
+
+def eviction_installed() -> bool:
+    return _state["eviction_installed"]
+
+
+def _install_eviction() -> None:
+    """The KV-cache spec with its manager, the attention backend and the model-runner hooks
+    (kv_spec.py, backend_cpu.py / backend_cuda.py, runner_hooks.py)."""
     from vllm.platforms import current_platform
 
-    from vllm_kvevict.vllm_adapter import runner_hooks
+    from vllm_kvevict.vllm_adapter import kv_spec, model_support, runner_hooks, vllm_patches
 
+    kv_spec.register_evicting_spec()
     if current_platform.is_cpu():
         from vllm_kvevict.vllm_adapter.backend_cpu import register_cpu_backend
 
         register_cpu_backend()
+        vllm_patches.choose_cpu_attention_isa(model_support.cpu_attention_isa)
     elif current_platform.is_cuda():
         from vllm_kvevict.vllm_adapter.backend_cuda import register_cuda_backend
 

@@ -1,0 +1,200 @@
+"""Each refusal of ``vllm_adapter/model_support.py``: one line naming the model feature and what is
+supported, from fake vLLM config objects with only the attributes vLLM 0.32.0 gives them (and real KV-cache
+specs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from vllm_kvevict.vllm_adapter import model_support
+from vllm_kvevict.vllm_adapter.model_support import (
+    attention_layer_refusal,
+    cache_refusal,
+    cpu_attention_isa,
+    criticalkv_refusal,
+    eviction_refusal,
+    kv_spec_refusal,
+    model_refusal,
+)
+
+
+def model_config(architecture: str = "LlamaForCausalLM", **flags) -> SimpleNamespace:
+    """A vLLM ModelConfig as the checks read it; ``text`` entries go to ``hf_text_config``."""
+    text = flags.pop("text", {})
+    values = {
+        "architectures": [architecture],
+        "hf_text_config": SimpleNamespace(**text),
+        "is_attention_free": False,
+        "is_hybrid": False,
+        "use_mla": False,
+        "uses_alibi": lambda: False,
+        "is_multimodal_model": False,
+    }
+    return SimpleNamespace(**{**values, **flags})
+
+
+def assert_one_line_naming(refusal: str | None, *words: str) -> None:
+    assert refusal is not None
+    assert "\n" not in refusal
+    assert refusal.startswith("kv eviction refused: ")
+    for word in words:
+        assert word in refusal, (word, refusal)
+
+
+def test_a_full_attention_gqa_model_is_served():
+    assert model_refusal(model_config(text={"num_key_value_heads": 2, "sliding_window": None})) is None
+
+
+def test_qwen_style_sliding_window_switched_off_is_served():
+    config = model_config("Qwen2ForCausalLM", text={"sliding_window": 4096, "use_sliding_window": False})
+    assert model_refusal(config) is None
+
+
+def test_layer_types_of_full_attention_only_are_served():
+    text = {"sliding_window": 4096, "layer_types": ["full_attention"] * 4}
+    assert model_refusal(model_config(text=text)) is None
+
+
+def test_sliding_window_layers_mixed_with_full_ones_are_refused():
+    text = {"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    refusal = model_refusal(model_config("Gemma2ForCausalLM", text=text))
+    assert_one_line_naming(refusal, "Gemma2ForCausalLM", "sliding-window", "512", "full causal attention")
+
+
+def test_a_model_wide_sliding_window_is_refused():
+    refusal = model_refusal(model_config("MistralForCausalLM", text={"sliding_window": 4096}))
+    assert_one_line_naming(refusal, "MistralForCausalLM", "sliding-window", "4096")
+
+
+def test_mla_is_refused():
+    refusal = model_refusal(model_config("DeepseekV2ForCausalLM", use_mla=True))
+    assert_one_line_naming(refusal, "DeepseekV2ForCausalLM", "multi-head latent attention")
+
+
+def test_a_hybrid_model_is_refused():
+    refusal = model_refusal(model_config("FalconH1ForCausalLM", is_hybrid=True))
+    assert_one_line_naming(refusal, "FalconH1ForCausalLM", "hybrid")
+
+
+def test_an_attention_free_model_is_refused():
+    assert_one_line_naming(
+        model_refusal(model_config("MambaForCausalLM", is_attention_free=True)), "attention-free"
+    )
+
+
+def test_alibi_is_refused():
+    refusal = model_refusal(model_config("BloomForCausalLM", uses_alibi=lambda: True))
+    assert_one_line_naming(refusal, "BloomForCausalLM", "ALiBi")
+
+
+def test_a_multimodal_model_is_refused():
+    refusal = model_refusal(model_config("LlavaForConditionalGeneration", is_multimodal_model=True))
+    assert_one_line_naming(refusal, "multimodal")
+
+
+def test_a_quantised_cache_with_a_decode_cap_is_refused_naming_the_dtype():
+    assert_one_line_naming(cache_refusal("fp8", has_decode_cap=True), "fp8", "--kv-cache-dtype auto")
+    assert cache_refusal("fp8", has_decode_cap=False) is None
+    assert cache_refusal("auto", has_decode_cap=True) is None
+
+
+def spec(cls=FullAttentionSpec, **extra):
+    return cls(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, **extra)
+
+
+def test_full_attention_specs_are_served():
+    assert (
+        kv_spec_refusal({"model.layers.0.self_attn.attn": spec(), "model.layers.1.self_attn.attn": spec()})
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("other", "feature"),
+    [
+        (spec(SlidingWindowSpec, sliding_window=128), "sliding-window attention"),
+        (MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32), "latent"),
+    ],
+)
+def test_a_layer_whose_kv_spec_is_not_full_attention_is_refused_by_name(other, feature):
+    refusal = kv_spec_refusal(
+        {"model.layers.0.self_attn.attn": spec(), "model.layers.1.self_attn.attn": other}
+    )
+    assert_one_line_naming(refusal, "model.layers.1.self_attn.attn", type(other).__name__, feature)
+
+
+def test_an_ssm_layer_of_a_hybrid_model_is_refused():
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    assert_one_line_naming(kv_spec_refusal({"model.layers.3.mixer": mamba}), "MambaSpec", "state-space")
+
+
+@pytest.mark.parametrize(
+    ("attributes", "words"),
+    [
+        ({"alibi_slopes": torch.ones(4)}, ("ALiBi",)),
+        ({"sinks": torch.zeros(4)}, ("attention sinks",)),
+        ({"sliding_window": 128}, ("sliding window", "128")),
+        ({"sliding_window": (127, 0)}, ("sliding window",)),
+    ],
+)
+def test_a_decoder_layer_with_alibi_sinks_or_a_window_is_refused(attributes, words):
+    layer = {"alibi_slopes": None, "sinks": None, "sliding_window": -1, **attributes}
+    refusal = attention_layer_refusal("model.layers.2.self_attn.attn", is_decoder=True, **layer)
+    assert_one_line_naming(refusal, "model.layers.2.self_attn.attn", *words)
+
+
+def test_plain_decoder_and_encoder_layers_pass():
+    plain = {"alibi_slopes": None, "sinks": None}
+    assert attention_layer_refusal("a", is_decoder=True, sliding_window=-1, **plain) is None
+    assert attention_layer_refusal("a", is_decoder=True, sliding_window=None, **plain) is None
+    assert attention_layer_refusal("a", is_decoder=False, sliding_window=128, **plain) is None
+
+
+def test_criticalkv_without_o_proj_in_every_layer_is_refused_naming_the_layers():
+    refusal = criticalkv_refusal("critical-ada-snapkv", o_proj_layers=[0, 1, 3], num_layers=4)
+    assert_one_line_naming(refusal, "critical-ada-snapkv", "o_proj", "layers 2")
+    assert criticalkv_refusal("critical-snapkv", o_proj_layers=range(4), num_layers=4) is None
+    assert criticalkv_refusal("snapkv", o_proj_layers=[], num_layers=4) is None
+
+
+def vllm_config(model, kv_eviction=None, cache_dtype="auto") -> SimpleNamespace:
+    additional = {"kv_eviction": kv_eviction} if kv_eviction else {}
+    return SimpleNamespace(
+        model_config=model,
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        additional_config=additional,
+    )
+
+
+def test_eviction_refusal_checks_only_when_eviction_is_on():
+    mla = model_config("DeepseekV2ForCausalLM", use_mla=True)
+    assert eviction_refusal(vllm_config(mla)) is None
+    refusal = eviction_refusal(vllm_config(mla, {"method": "snapkv", "budget": 256}))
+    assert_one_line_naming(refusal, "multi-head latent attention")
+
+
+def test_eviction_refusal_names_a_quantised_cache_under_a_decode_cap():
+    refusal = eviction_refusal(
+        vllm_config(model_config(), {"method": "roco", "budget": 256}, cache_dtype="fp8")
+    )
+    assert_one_line_naming(refusal, "fp8")
+    assert eviction_refusal(vllm_config(model_config(), {"method": "snapkv", "budget": 256}, "fp8")) is None
+
+
+def test_amx_is_replaced_by_vec_and_other_isas_are_kept():
+    assert cpu_attention_isa("amx") == "vec"
+    for isa in ("vec", "vec16", "neon", "vsx"):
+        assert cpu_attention_isa(isa) == isa
+
+
+def test_the_supported_line_names_what_is_served():
+    assert "full causal attention" in model_support.SUPPORTED
