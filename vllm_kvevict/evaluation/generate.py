@@ -66,9 +66,11 @@ def _unique_ok(parts: TaskParts) -> bool:
 def generate_sample(task: Task, fmt: PromptFormat, target_tokens: int, seed: int, index: int) -> Sample:
     """The ``index``-th sample of ``task`` at ``target_tokens``, deterministic in (seed, task, length, index).
 
-    A draw whose needle keys or values appear more than once (a haystack collision) is redrawn."""
+    A draw whose needle keys or values appear more than once (a haystack collision) is redrawn. A task
+    with a ``seed_name`` (a variant of another task) draws that task's seeds."""
+    seed_name = getattr(task, "seed_name", task.name)
     for attempt in range(MAX_ATTEMPTS):
-        sample_seed = derive_seed(seed, task.name, target_tokens, index, attempt)
+        sample_seed = derive_seed(seed, seed_name, target_tokens, index, attempt)
         length_of = _cached_length(task, fmt, sample_seed, target_tokens)
 
         units = largest_fitting(length_of, target_tokens, _MIN_UNITS)

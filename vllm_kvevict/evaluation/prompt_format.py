@@ -57,9 +57,13 @@ class PromptFormat:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
 
     def render_text(self, parts: TaskParts) -> tuple[str, int]:
-        """The prompt text of ``parts`` and the character offset where its context ends."""
-        head = f"{parts.instruction}\n\n{parts.context}"
-        user = f"{head}\n\n{parts.question}"
+        """The prompt text of ``parts`` and the character offset where its context ends (the user turn's
+        end when the question comes first)."""
+        if parts.question_first:
+            head = user = f"{parts.instruction}\n\n{parts.question}\n\n{parts.context}"
+        else:
+            head = f"{parts.instruction}\n\n{parts.context}"
+            user = f"{head}\n\n{parts.question}"
         chat = self._tokenizer.apply_chat_template(
             [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
         )

@@ -21,7 +21,8 @@ class Sample:
     prompt: str
     prompt_tokens: int
     context_tokens: int
-    """Leading tokens that form the compressible context; the question follows (question-agnostic runs)."""
+    """Leading tokens that form the compressible context; the question follows (question-agnostic runs), or,
+    with the question first, is inside it (the whole user turn)."""
     answers: tuple[str, ...]
     metric: Metric
     max_new_tokens: int

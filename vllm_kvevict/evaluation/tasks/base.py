@@ -21,6 +21,9 @@ class TaskParts:
     answers: tuple[str, ...]
     unique_in_context: tuple[str, ...] = ()
     """Strings that must occur exactly once in the context (needle keys and values); checked on generation."""
+    question_first: bool = False
+    """The instruction and question open the user turn and the context follows them (else the question
+    follows the context)."""
 
 
 class Task(Protocol):
