@@ -41,8 +41,8 @@ import torch
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.policies.base import KeptTokens
 from vllm_kvevict.policies.registry import build_policy
-from vllm_kvevict.vllm_adapter import eviction_step as eviction_step_module
-from vllm_kvevict.vllm_adapter.eviction_step import EvictionWorker, StepInputs
+from vllm_kvevict.datapath import worker as eviction_step_module
+from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 
 PREFILL_CHUNK = 8  # requests compacted per prefill step while setting up
 

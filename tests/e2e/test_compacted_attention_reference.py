@@ -29,7 +29,7 @@ from reference_checks import (
 )
 
 from vllm_kvevict.cli.server_process import VLLMServer
-from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
+from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from vllm_kvevict.vllm_adapter.metrics import EvictionMetrics
+from vllm_kvevict.metrics import EvictionMetrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -190,7 +190,7 @@ def test_every_eviction_metric_is_scraped(scraped_server):
 
 def test_the_step_phases_scraped_are_exactly_the_declared_ones(scraped_server):
     """The latency panel shows every declared phase and only those: none is declared and never recorded."""
-    from vllm_kvevict.vllm_adapter.metrics import STEP_PHASES
+    from vllm_kvevict.metrics import STEP_PHASES
 
     prometheus, _ = scraped_server
     result = prometheus.query("count by (phase) (vllm_kvevict_eviction_step_seconds_count)")

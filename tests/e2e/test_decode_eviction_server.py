@@ -37,7 +37,7 @@ from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request, with_decode_cap
 from vllm_kvevict.policies import build_policy
 from vllm_kvevict.policies.decode import build_decode_policy
-from vllm_kvevict.vllm_adapter.eviction_step import DEBUG_DUMP_ENV
+from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -13,7 +13,7 @@ import pytest
 from reliability_traffic import INJECTED_FAULTS, SERVER_ARGS
 
 from vllm_kvevict.cli.server_process import VLLMServer
-from vllm_kvevict.vllm_adapter.policy_guard import FAULT_INJECTION_ENV
+from vllm_kvevict.datapath.policy_guard import FAULT_INJECTION_ENV
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from vllm_kvevict.policies.registry import available_methods
-from vllm_kvevict.vllm_adapter.metrics import EvictionMetrics
+from vllm_kvevict.metrics import EvictionMetrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD_PATH = DEPLOY / "grafana" / "vllm-kvevict.json"
@@ -124,7 +124,7 @@ def test_every_eviction_metric_appears_on_the_dashboard(dashboard):
 
 def test_step_phases_on_the_dashboard_are_exactly_the_recorded_ones(dashboard):
     """A panel must not promise a phase no code records (issue 13: "scoring"/"compaction" never were)."""
-    from vllm_kvevict.vllm_adapter.metrics import STEP_PHASES
+    from vllm_kvevict.metrics import STEP_PHASES
 
     [panel] = [p for p in dashboard["panels"] if "eviction_step_seconds" in json.dumps(p["targets"])]
     text = json.dumps(panel).lower()

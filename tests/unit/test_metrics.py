@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from vllm_kvevict.vllm_adapter.metrics import EvictionMetrics
+from vllm_kvevict.metrics import EvictionMetrics
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_every_series_carries_the_single_prefix(metrics, registry):
 
 
 def test_kept_per_head_counts_give_layer_budgets_and_head_ratios(monkeypatch, metrics, registry):
-    from vllm_kvevict.vllm_adapter import metrics as module
+    from vllm_kvevict import metrics as module
 
     monkeypatch.setattr(module, "_process_metrics", metrics)
     module.record_kept_per_head("ada-snapkv", 1000, [[100, 300], [200, 200]], blocks_freed=5)
@@ -142,7 +142,7 @@ def test_importing_the_module_creates_no_series():
     out = run_python(
         """
         from prometheus_client import REGISTRY, generate_latest
-        import vllm_kvevict.vllm_adapter.metrics
+        import vllm_kvevict.metrics
         print(b"vllm_kvevict_" in generate_latest(REGISTRY))
         """,
         dict(os.environ),
@@ -154,7 +154,7 @@ def test_values_recorded_in_another_process_reach_a_multiprocess_registry(tmp_pa
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     run_python(
         """
-        from vllm_kvevict.vllm_adapter import metrics
+        from vllm_kvevict import metrics
         metrics.record_request_compacted("ada-snapkv", 4000, 1000.0, [900.0, 1100.0], [0.5, 1.5], 60)
         metrics.observe_eviction_step(0.02)
         metrics.set_worker_requests(3)
@@ -189,7 +189,7 @@ def test_multiprocess_collection_switched_on_late_covers_this_process_and_its_ch
         directory = ensure_multiprocess_collection()
         assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(directory)
         Counter("api_server_requests", "made in the serving process").inc(2)
-        child = "from vllm_kvevict.vllm_adapter import metrics; metrics.record_request_skipped('snapkv')"
+        child = "from vllm_kvevict import metrics; metrics.record_request_skipped('snapkv')"
         subprocess.run([sys.executable, "-c", child], check=True)
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
@@ -213,7 +213,7 @@ def test_a_muted_process_records_nothing():
     out = run_python(
         """
         from prometheus_client import REGISTRY
-        from vllm_kvevict.vllm_adapter import metrics
+        from vllm_kvevict import metrics
         metrics.mute_this_process()
         metrics.record_request_skipped("snapkv")
         metrics.record_kept_per_head("snapkv", 100, [[10, 10]], 2)

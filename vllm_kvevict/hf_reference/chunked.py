@@ -15,10 +15,17 @@ from transformers import DynamicCache, PreTrainedModel
 
 from vllm_kvevict.hf_reference.capture import PrefilledPrompt, recording
 from vllm_kvevict.hf_reference.generation import evicting
-from vllm_kvevict.hf_reference.model import o_proj_weights
+from vllm_kvevict.hf_reference.model import o_proj_weights, rope_inv_freq
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
-from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN, BetweenRule, between_chunks
+from vllm_kvevict.policies.between_chunks import (
+    DEFAULT_BETWEEN,
+    BetweenRule,
+    KeepTail,
+    between_chunks,
+    trailing_window_held,
+)
+from vllm_kvevict.policies.expected_attention import QueryStatistics
 
 #: (computed tokens after an evicting chunk, per layer what each head held then).
 ChunkHeld = tuple[int, Sequence[KeptTokens]]
@@ -74,13 +81,20 @@ def chunked_prefill(
     plan: RequestPlan,
     chunk: int,
     between: BetweenRule | str = DEFAULT_BETWEEN,
+    trailing_window: int | None = None,
 ) -> ChunkedPrefill:
     """Prefill ``input_ids`` [n] in chunks of ``chunk`` tokens with ``plan``'s per-chunk rule (the server's
     ``RequestPlan``): after a chunk that moves the offset every layer keeps ``a(n)`` entries per head with
     ``between_chunks(policy)`` (scored from the held entries in position order and the chunk's last window
     of queries), and the final chunk keeps the plan's layer budgets with ``policy`` itself — the selection
-    of ``vllm_adapter/chunk_eviction.py``, in float32 on HF's cache. The window must fit in one chunk.
-    ``between``: how the held entries are judged between chunks (a ``BetweenRule``, or its kind alone)."""
+    of ``datapath/chunk_eviction.py``, in float32 on HF's cache. The window must fit in one chunk.
+    ``between``: how the held entries are judged between chunks (a ``BetweenRule``, or its kind alone).
+    Every layer's pre-RoPE query statistics are carried across chunks (``LayerKV.query_statistics``, what
+    Expected Attention judges by, between chunks and at the end).
+    ``trailing_window`` (FastKVzip's rule, ``between_chunks.trailing_window_held``): after every chunk the
+    tokens before the prompt's last ``trailing_window`` are held at r' = (B - w) / (L - w) and the arrived
+    part of the window is held whole (``KeepTail``), instead of the plan's ``a(n)``; B is the plan's
+    largest layer budget."""
     ids = input_ids.reshape(-1).to(model.device)
     total = int(ids.shape[0])
     intermediate = between_chunks(policy, between)  # its observation window (the span does not change it)
@@ -89,6 +103,8 @@ def chunked_prefill(
     cache = DynamicCache(config=model.config)
     weights = o_proj_weights(model)
     num_layers = len(weights)
+    inv_freq = rope_inv_freq(model)
+    statistics = [QueryStatistics(inv_freq.to(ids.device)) for _ in range(num_layers)]
     held: list[torch.Tensor] | None = None  # per layer [H, a] positions held after the last eviction
     held_end = 0  # tokens computed at the last eviction: every later one is held
     history: list[ChunkHeld] = []
@@ -98,12 +114,14 @@ def chunked_prefill(
         final = end == total
         window = max(policy.query_window(end), intermediate.query_window(end))
         masks = evicting(model, [positions_as_kept(held)], held_end) if held is not None else nullcontext()
-        with masks, recording(model, window) as recorders:
+        with masks, recording(model, None) as recorders:  # every query of the chunk: the statistics
             out = model(
                 input_ids=ids[None, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1
             )
         logits = out.logits[0, -1].float()
-        if final or plan.chunk_rescores(start, end):
+        for stats, recorder in zip(statistics, recorders, strict=True):
+            stats.update(recorder.queries, torch.arange(start, end, device=ids.device))
+        if final or trailing_window is not None or plan.chunk_rescores(start, end):
             kept = []
             for layer_idx, recorder in enumerate(recorders):
                 positions = torch.arange(end, device=ids.device)
@@ -119,13 +137,24 @@ def chunked_prefill(
                 layer = LayerKV(
                     keys=keys,
                     values=values,
-                    queries=recorder.queries,
+                    queries=recorder.queries[:, max(0, recorder.queries.shape[1] - window) :],
                     layer_idx=layer_idx,
                     num_layers=num_layers,
                     o_proj=weights[layer_idx],
+                    rope_inv_freq=inv_freq,
+                    query_statistics=statistics[layer_idx],
                 )
-                budget = plan.layer_budgets[layer_idx] if final else plan.kept_length_at(end)
-                selector = policy if final else between_chunks(policy, between, budget)
+                if final:
+                    budget, selector = plan.layer_budgets[layer_idx], policy
+                elif trailing_window is not None:
+                    judge = between_chunks(policy, between, max(plan.layer_budgets))
+                    budget, tail = trailing_window_held(
+                        end, total, max(plan.layer_budgets), trailing_window, floor=judge.min_budget
+                    )
+                    selector = KeepTail(between_chunks(policy, between, budget - tail), tail)
+                else:
+                    budget = plan.kept_length_at(end)
+                    selector = between_chunks(policy, between, budget)
                 choice = selector.select(layer, min(budget, layer.num_tokens))
                 kept.append(KeptTokens(gather_kept(positions, choice), choice.counts))
             if final:

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
-from vllm_kvevict.vllm_adapter import metrics
+from vllm_kvevict import metrics
 from vllm_kvevict.vllm_adapter.config import EvictionConfig, eviction_config_from_json, get_eviction_config
 from vllm_kvevict.vllm_adapter.request_settings import RequestSettings
 

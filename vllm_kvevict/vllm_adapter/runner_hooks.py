@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_kvevict.vllm_adapter import metrics
-from vllm_kvevict.vllm_adapter.eviction_step import StepInputs, current_worker
+from vllm_kvevict import metrics
+from vllm_kvevict.datapath.worker import StepInputs, current_worker
 
 _INSTALLED_MARK = "_kvevict_wrapped"
 
@@ -158,10 +158,11 @@ def _process_weights_after_loading(original, method, layer, *args: Any, **kwargs
 def _method_needs_o_proj() -> bool:
     from vllm.config import get_current_vllm_config_or_none
 
+    from vllm_kvevict.policies.registry import method_needs_o_proj
     from vllm_kvevict.vllm_adapter.config import get_eviction_config
 
     config = get_eviction_config(get_current_vllm_config_or_none())
-    return config is not None and config.method.startswith("critical")
+    return config is not None and method_needs_o_proj(config.method)
 
 
 def o_proj_weights(model: Any) -> dict[int, Any]:

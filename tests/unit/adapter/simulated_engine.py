@@ -8,14 +8,42 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm_kvevict.datapath.moves import Moves
+from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.kernels import dispatch
-from vllm_kvevict.vllm_adapter.backend_cpu import part_view, read_rows
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
-from vllm_kvevict.vllm_adapter.eviction_step import EvictionWorker, StepInputs
 
 HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 8, 16, 3
 NUM_BLOCKS = 400
+
+
+def part_view(cache: torch.Tensor, part: int) -> torch.Tensor:
+    """[NB*H, bs, D] keys (part 0) or values (part 1) of every sub-block of a [NB, H, bs, 2D] cache."""
+    return cache.view(-1, BS, 2 * DIM)[..., part * DIM : (part + 1) * DIM]
+
+
+def read_rows(view: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[N, D] rows at one-head-view ``slots`` [N] of a ``part_view``."""
+    return view[slots // BS, slots % BS]
+
+
+class SimulatedRows:
+    """The datapath's cache rows on one simulated layer cache (token-major rows; K and V move together)."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        self.keys = part_view(cache, 0)
+        self.values = part_view(cache, 1)
+        self.cache = cache
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return read_rows(self.keys, slots), read_rows(self.values, slots)
+
+    def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        return read_rows(self.keys, slots)
+
+    def move(self, moves: Moves) -> None:
+        SimulatedEngine.move(self.cache, moves.src_slots, moves.slots)
 
 
 class SimulatedEngine:
@@ -83,44 +111,30 @@ class SimulatedEngine:
                 slots = ((slot_mapping // BS)[:, None] * HEADS + heads) * BS + (slot_mapping % BS)[:, None]
                 slots = slots.reshape(-1)
             self.write(cache, slots, key.reshape(-1, DIM), value.reshape(-1, DIM))
-            step.record_queries(layer, query)
-            if step.compacting:
-                write = step.compact_layer(layer, query, key, value)
-                self.move(cache, write.src_slots, write.slots)
-            keys = part_view(cache, 0, "rows")
-            values = part_view(cache, 1, "rows")
-            moves = step.rescore_chunks(
-                layer, query, lambda s, k=keys, v=values: (read_rows(k, s, "rows"), read_rows(v, s, "rows"))
-            )
-            if moves is not None:
-                self.move(cache, moves.src_slots, moves.slots)
-            moves = step.rescore_layer(layer, lambda s, keys=keys: read_rows(keys, s, "rows"))
-            if moves is not None:
-                self.move(cache, moves.src_slots, moves.slots)
+            step.after_attention(layer, query, key, value, SimulatedRows(cache))
         worker.end_step()
 
     @staticmethod
     def write(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         for part, rows in ((0, keys), (1, values)):
-            view = part_view(cache, part, "rows")
+            view = part_view(cache, part)
             view[slots // BS, slots % BS] = rows
 
     @staticmethod
     def move(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for part in (0, 1):
-            dispatch.compact_subblocks(part_view(cache, part, "rows"), src, dst, backend="torch")
+        dispatch.compact_subblocks(cache.view(-1, BS, 2 * DIM), src, dst, backend="torch")
 
     def held(self, req_id: str, layer: int) -> list[list[int]]:
         """Positions each head of ``layer`` reads through its sub-block table, checked to be its own rows."""
         table = self.worker.layer_table(req_id, layer)
-        keys = part_view(self.caches[layer], 0, "rows")
-        values = part_view(self.caches[layer], 1, "rows")
+        keys = part_view(self.caches[layer], 0)
+        values = part_view(self.caches[layer], 1)
         held = []
         for head in range(HEADS):
             slots = table.head_slots(head)
-            rows = read_rows(keys, slots, "rows")
+            rows = read_rows(keys, slots)
             assert rows[:, 1].eq(head).all() and rows[:, 2].eq(layer).all()
-            assert torch.equal(read_rows(values, slots, "rows"), -rows)
+            assert torch.equal(read_rows(values, slots), -rows)
             held.append(rows[:, 0].long().tolist())
         return held
 

@@ -23,13 +23,13 @@ pytest.importorskip("vllm")
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
+from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs  # noqa: E402
 from vllm_kvevict.layout.accounting import cdiv  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 from vllm_kvevict.vllm_adapter.backend_cpu import (  # noqa: E402
+    CPUCacheRows,
     packed_row_layouts,
-    write_compaction,
 )
-from vllm_kvevict.vllm_adapter.eviction_step import EvictionWorker, StepInputs  # noqa: E402
 
 HEADS, GROUP, DIM, BS, LAYERS, PROMPT, BUDGET = 3, 3, 64, 32, 2, 300, 64
 DTYPE = torch.bfloat16
@@ -61,7 +61,7 @@ def prefilled_cache(method: str):
 
 def compacted_by_dispatch(method: str) -> tuple[torch.Tensor, str]:
     kv_cache, key, value, write, isa = prefilled_cache(method)
-    route = write_compaction(kv_cache, key, value, write, isa)
+    route = CPUCacheRows(kv_cache, isa, key, value).move(write)
     return kv_cache, route
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from simulated_engine import BS, HEADS, LAYERS, SimulatedEngine
 
-from vllm_kvevict.vllm_adapter import metrics
+from vllm_kvevict import metrics
 from vllm_kvevict.vllm_adapter.config import EvictionConfig
 
 

@@ -22,9 +22,7 @@ DATAPATH = [
     "layout/batch_tables.py",
     "layout/subblock_store.py",
     "layout/subblock_table.py",
-    "vllm_adapter/eviction_step.py",
-    "vllm_adapter/chunk_eviction.py",
-    "vllm_adapter/decode_eviction.py",
+    *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "datapath").glob("*.py")),
     "vllm_adapter/backend_cuda.py",
 ]
 HOST_LIST_TO_DEVICE = re.compile(r"torch\.(?:tensor|as_tensor)\([^()]*(?:\([^()]*\)[^()]*)*device=")

@@ -19,24 +19,21 @@ the rest of its window from the previous chunks' queries, kept per request and l
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from vllm_kvevict.datapath.moves import CacheRows, Moves
+from vllm_kvevict.datapath.placement import place, standard_entries, subblock_slots
+from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.datapath.selection import select_kept
+from vllm_kvevict.datapath.step_inputs import CacheShape, StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.layout.subblock_store import TableRows, head_token_index
+from vllm_kvevict.layout.subblock_store import TableRows
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
-from vllm_kvevict.vllm_adapter import metrics
-from vllm_kvevict.vllm_adapter.policy_guard import PolicyFault, guarded_select
 
-logger = logging.getLogger("vllm.kvevict.chunk_eviction")
-
-#: one-head-view slots [N] -> (keys [N, D], values [N, D]) read from a layer's cache.
-RowReader = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 #: queries kept per request and layer between chunks, for the next chunk's observation window.
 MAX_SAVED_QUERIES = 64
 
@@ -68,38 +65,18 @@ class ChunkRescore:
         """Tokens after the prompt computed in this step (a request recomputed after preemption)."""
         return max(0, self.seq_len - self.plan.prompt_len)
 
-
-@dataclass(frozen=True)
-class ChunkMoves:
-    """Rows to move inside one layer's cache (one-head-view slots [N] int64; gather all, then scatter)."""
-
-    src_slots: torch.Tensor
-    slots: torch.Tensor
-
-
-@dataclass
-class LayerResult:
-    """What one layer of one request kept: positions [H, M] (-1 padded) and counts [H]."""
-
-    positions: torch.Tensor
-    counts: torch.Tensor
+    def as_request(self) -> StepRequest:
+        return StepRequest(
+            self.slot, self.req_id, self.q_start, self.q_len, self.seq_len, self.plan.prompt_len
+        )
 
 
 class ChunkEviction:
     """Held positions of the requests evicted between chunks, and their per-layer re-score."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        block_size: int,
-        tables: BatchSubBlocks,
-        between: BetweenRule | None = None,
-    ) -> None:
+    def __init__(self, shape: CacheShape, tables: BatchSubBlocks, between: BetweenRule | None = None) -> None:
         self.between = between or BetweenRule()  # how held entries are judged between chunks
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.block_size = block_size
+        self.shape = shape
         self.tables = tables
         self.positions: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [H, a] held positions
         self.queries: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [<= MAX, Hq, D]
@@ -115,14 +92,14 @@ class ChunkEviction:
     ) -> torch.Tensor:
         """[Hq, w, D] the last ``window`` queries up to step row ``end`` (earlier chunks' where needed)."""
         current = query[r.q_start : end]
-        saved = self.queries.get(r.req_id, [None] * self.num_layers)[layer_idx]
+        saved = self.queries.get(r.req_id, [None] * self.shape.num_layers)[layer_idx]
         if current.shape[0] < window and saved is not None:
             current = torch.cat([saved.to(current.dtype), current])
         return current[max(0, current.shape[0] - window) :].transpose(0, 1)
 
     def save_queries(self, layer_idx: int, r: ChunkRescore, query: torch.Tensor) -> None:
         """Keep the newest ``MAX_SAVED_QUERIES`` queries of this request's prompt so far for ``layer_idx``."""
-        per_layer = self.queries.setdefault(r.req_id, [None] * self.num_layers)
+        per_layer = self.queries.setdefault(r.req_id, [None] * self.shape.num_layers)
         current = query[r.q_start : r.q_start + r.q_len]
         saved = per_layer[layer_idx]
         if saved is not None and current.shape[0] < MAX_SAVED_QUERIES:
@@ -134,13 +111,9 @@ class ChunkEviction:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """([H, L] int64 one-head-view slots, [H, L] int64 positions) of what each head of ``layer_idx``
         holds after this step's chunk was written (every head holds the same count L)."""
-        bs, heads = self.block_size, self.num_kv_heads
-        device = block_row.device
-        head = torch.arange(heads, device=device)[:, None]
+        bs, heads = self.shape.block_size, self.shape.num_kv_heads
         if not r.compacted:
-            j = torch.arange(r.seq_len, device=device)
-            block = block_row.to(torch.int64)[j // bs][None, :]
-            return (block * heads + head) * bs + j % bs, j.expand(heads, r.seq_len).clone()
+            return standard_entries(block_row, r.seq_len, heads, bs)
         store = self.tables.store
         held = self.positions[r.req_id][layer_idx] if r.req_id in self.positions else None
         if store is None or held is None:
@@ -150,10 +123,8 @@ class ChunkEviction:
         group = self.tables.group_of(layer_idx)
         since = self.held_end[r.req_id]
         width = held.shape[1] + r.seq_len - since
-        j = torch.arange(width, device=device)
-        table = store.tables[group, r.slot].to(torch.int64)
-        slots = table[:, (j // bs).clamp(max=table.shape[1] - 1)] * bs + j % bs
-        new = torch.arange(since, r.seq_len, device=device).expand(heads, r.seq_len - since)
+        slots = subblock_slots(store.tables[group, r.slot], width, bs)
+        new = torch.arange(since, r.seq_len, device=block_row.device).expand(heads, r.seq_len - since)
         if check and bool((store.lengths[group, r.slot] != width).any()):  # a device read: CPU only
             raise RuntimeError(
                 f"request {r.req_id} layer {layer_idx}: heads hold {store.lengths[group, r.slot].tolist()} "
@@ -167,28 +138,26 @@ class ChunkEviction:
         rescores: list[ChunkRescore],
         block_table: torch.Tensor,
         query: torch.Tensor,
-        read_rows: RowReader,
+        rows: CacheRows,
         o_proj: torch.Tensor | None,
+        timer: StepTimer,
         check: bool,
-    ) -> tuple[ChunkMoves | None, list[LayerResult | None]]:
+    ) -> tuple[Moves | None, list[KeptTokens | None]]:
         """Re-score ``layer_idx`` of every request in ``rescores`` and commit their new tables (at the last
         layer of a table group); query [T, Hq, D] holds the step's queries. Returns the moves to make in the
-        layer's cache and what each request kept."""
-        sources, targets, results = [], [], []
+        layer's cache and what each request holds now (positions [H, M] -1 padded, counts [H])."""
+        moves, results = [], []
         for r in rescores:
             result = None
             if r.evicts:
-                src, dst, result = self._rescore(
-                    layer_idx, r, block_table[r.slot], query, read_rows, o_proj, check
+                move, result = self._rescore(
+                    layer_idx, r, block_table[r.slot], query, rows, o_proj, timer, check
                 )
-                sources.append(src)
-                targets.append(dst)
+                moves.append(move)
             results.append(result)
             if not r.final:
                 self.save_queries(layer_idx, r, query)
-        if not sources:
-            return None, results
-        return ChunkMoves(torch.cat(sources), torch.cat(targets)), results
+        return Moves.join(moves), results
 
     def _rescore(
         self,
@@ -196,15 +165,15 @@ class ChunkEviction:
         r: ChunkRescore,
         block_row: torch.Tensor,
         query: torch.Tensor,
-        read_rows: RowReader,
+        rows: CacheRows,
         o_proj: torch.Tensor | None,
+        timer: StepTimer,
         check: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, LayerResult]:
-        plan, heads, bs = r.plan, self.num_kv_heads, self.block_size
+    ) -> tuple[Moves, KeptTokens]:
+        plan, heads, bs = r.plan, self.shape.num_kv_heads, self.shape.block_size
         slots, positions = self.held_entries(layer_idx, r, block_row, check)
-        width = slots.shape[1]
-        scored = width - r.trailing  # the prompt's entries; trailing tokens are kept after them
-        keys, values = read_rows(slots[:, :scored].reshape(-1))
+        scored = slots.shape[1] - r.trailing  # the prompt's entries; trailing tokens are kept after them
+        keys, values = rows.read(slots[:, :scored].reshape(-1))
         keys = keys.view(heads, scored, -1)
         values = values.view(heads, scored, -1)
         prompt_end = r.q_start + (plan.prompt_len - r.computed if r.final else r.q_len)
@@ -216,18 +185,18 @@ class ChunkEviction:
             values=values.to(keys.dtype),
             queries=self.observation(layer_idx, r, query, prompt_end, window).to(keys.dtype),
             layer_idx=layer_idx,
-            num_layers=self.num_layers,
+            num_layers=self.shape.num_layers,
             o_proj=o_proj,
         )
-        kept = self._select(policy, layer, min(budget, scored), r, uniform=not r.final)
-        counts = kept.counts.to(device=slots.device, dtype=torch.int64)
-        per_head = counts + r.trailing
-        total = int(per_head.sum())
+        with timer.phase("selection"):
+            kept = select_kept(policy, layer, min(budget, scored), r.req_id, uniform=not r.final)
+        total = int(kept.counts.sum()) + r.trailing * heads
+        placed = place(kept, r.trailing, scored, total, slots.device)
         first_block = plan.blocks_freed_at(r.seq_len)
         store = self.tables.store
         assert store is not None
         table = store.assign(
-            counts,
+            placed.per_head - r.trailing,
             block_row,
             first_block,
             r.trailing,
@@ -235,61 +204,23 @@ class ChunkEviction:
             num_blocks=cdiv(r.seq_len, bs),
             check=check,
         )
-        head_of, index = head_token_index(per_head, total)
-        count_of = counts[head_of]
-        indices = kept.indices.to(device=slots.device, dtype=torch.int64)
-        kept_index = (
-            indices[head_of, index.clamp(max=max(1, indices.shape[1]) - 1)] if indices.numel() else index
+        kept_positions = torch.full(
+            (heads, int(placed.per_head.max())), -1, dtype=torch.int64, device=slots.device
         )
-        chosen = torch.where(index < count_of, kept_index, scored + index - count_of)
-        src = slots[head_of, chosen]
-        dst = table.token_slots(bs, head_of, index)
-        kept_positions = torch.full((heads, int(per_head.max())), -1, dtype=torch.int64, device=slots.device)
-        kept_positions[head_of, index] = positions[head_of, chosen]
+        kept_positions[placed.heads, placed.index] = positions[placed.heads, placed.chosen]
         self._commit(layer_idx, r, table, first_block, kept_positions)
-        return src, dst, LayerResult(kept_positions, per_head)
-
-    def _select(
-        self, policy: EvictionPolicy, layer: LayerKV, budget: int, r: ChunkRescore, uniform: bool
-    ) -> KeptTokens:
-        """The policy's kept entries (exactly H x budget; the same count per head between chunks). A failing
-        policy keeps each head's newest ``budget`` entries (logged, counted): the scheduler frees anyway."""
-        heads, n = layer.num_kv_heads, layer.num_tokens
-        try:
-            kept = guarded_select(policy, layer, budget)
-            if kept.total != heads * budget:
-                problem = f"kept {kept.counts.tolist()} entries per head, the rule needs {budget} on average"
-            elif uniform and bool((kept.counts != budget).any()):
-                problem = f"kept {kept.counts.tolist()} entries per head between chunks, needs {budget} each"
-            else:
-                return kept
-            metrics.record_policy_fallback(policy.name or r.policy.name, "wrong_counts")
-        except PolicyFault as exc:
-            problem = str(exc)
-        logger.error(
-            "policy %r failed on request %s layer %d between chunks (%s); keeping its newest %d entries "
-            "per head",
-            r.policy.name,
-            r.req_id,
-            layer.layer_idx,
-            problem,
-            budget,
-        )
-        recent = torch.arange(n - budget, n, device=layer.keys.device)
-        return KeptTokens(
-            indices=recent.expand(heads, budget).contiguous(),
-            counts=torch.full((heads,), budget, dtype=torch.int64, device=layer.keys.device),
-        )
+        moves = Moves(slots[placed.heads, placed.chosen], placed.destinations(table, bs))
+        return moves, KeptTokens(kept_positions, placed.per_head)
 
     def _commit(
         self, layer_idx: int, r: ChunkRescore, table: TableRows, first_block: int, kept: torch.Tensor
     ) -> None:
         """Record the layer's held positions (read only by this layer's next re-score); the table becomes the
         request's rows once no later layer of its group reads the old ones."""
-        per_layer = self.positions.setdefault(r.req_id, [None] * self.num_layers)
+        per_layer = self.positions.setdefault(r.req_id, [None] * self.shape.num_layers)
         per_layer[layer_idx] = kept
         if self.tables.last_layer_of_group(layer_idx):
             self.tables.commit(layer_idx, r.slot, table, first_block)
-        if layer_idx == self.num_layers - 1:
+        if layer_idx == self.shape.num_layers - 1:
             self.held_end[r.req_id] = r.seq_len
             self.tables.mark_compacted(r.slot)

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 
 import torch
 
+from vllm_kvevict import metrics
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
-from vllm_kvevict.vllm_adapter import metrics
 
 FAULT_INJECTION_ENV = "KVEVICT_FAULT_INJECTION"
 INJECTABLE = ("raise", "wrong_counts", "nan")

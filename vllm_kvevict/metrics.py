@@ -28,11 +28,13 @@ STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 #: B_h / B: one KV head's kept entries over the layer's mean per head (1.0 = uniform budgets).
 HEAD_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
-#: why a policy's selection was replaced by the most recent tokens (vllm_adapter/policy_guard.py).
+#: why a policy's selection was replaced by the most recent tokens (datapath/policy_guard.py).
 FALLBACK_REASONS = ("raised", "wrong_counts", "nan_scores")
-#: phases an eviction step's time is reported for. Only the total is measured (scoring, selection and
-#: compaction planning of all layers together); the dashboard shows exactly these (test_deploy_files.py).
-STEP_PHASES = ("total",)
+#: phases an eviction step's host time is reported for (datapath/records.py ``StepTimer``): ``selection`` =
+#: the policies' scoring and selection, ``total`` = all of the datapath's work after attention (selection,
+#: held entries, sub-block assignment and the moves' slots); the dashboard shows exactly these
+#: (test_deploy_files.py).
+STEP_PHASES = ("total", "selection")
 
 
 class EvictionMetrics:
@@ -66,7 +68,8 @@ class EvictionMetrics:
         )
         self.step_seconds = Histogram(
             PREFIX + "eviction_step_seconds",
-            "Time of the eviction work in one engine step (phase=total: scoring, selection, planning).",
+            "Time of the eviction work in one engine step (phase: total, or selection = the policies' "
+            "scoring and selection).",
             ["phase"], buckets=STEP_SECONDS_BUCKETS, registry=registry,
         )
         self.head_budget_ratio = Histogram(

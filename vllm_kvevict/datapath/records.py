@@ -1,0 +1,161 @@
+"""What the worker publishes about eviction: the plans of compacted requests, their resident entries per
+KV head (metrics), the step time by phase, and the optional debug dump of kept indices
+(``KVEVICT_DEBUG_DUMP_DIR``). A collaborator of ``EvictionWorker``; the datapath's modes report to it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_kvevict import metrics
+from vllm_kvevict.datapath.step_inputs import StepRequest
+from vllm_kvevict.layout.accounting import RequestPlan
+from vllm_kvevict.policies.base import KeptTokens
+
+#: When set, the worker saves each compacted request's kept indices per layer/head there (off by default).
+DEBUG_DUMP_ENV = "KVEVICT_DEBUG_DUMP_DIR"
+
+
+class StepTimer:
+    """Host time of one step's eviction work by phase (``metrics.STEP_PHASES``): ``selection`` is the
+    policies' scoring and selection, ``total`` every datapath call after attention (selection, held
+    entries, sub-block assignment and the moves' slots)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+
+class EvictionRecords:
+    """Per-request records of one worker: plans of compacted requests, kept entries for the metrics, and
+    (debug dump only) what each layer kept."""
+
+    def __init__(self, num_kv_heads: int) -> None:
+        self.num_kv_heads = num_kv_heads
+        self.requests: dict[str, RequestPlan] = {}  # compacted requests
+        self.kept_tokens: dict[str, float] = {}  # req -> mean kept prompt entries per KV head (metrics)
+        self.kept_by_slot = np.zeros(0)  # [R] kept_tokens of each batch slot (nan: not compacted)
+        self._slot_ids: list[str] | None = None
+        self.chunk_history: dict[str, list] = {}  # req -> held sets after each chunk (debug dump only)
+        dump = os.environ.get(DEBUG_DUMP_ENV)
+        self.dump_dir = Path(dump) if dump else None
+
+    # ----- batch membership -----------------------------------------------------------------------------
+    def align(self, req_ids: list[str]) -> None:
+        """Index the kept entries by this step's batch slots (rebuilt only when the batch changed)."""
+        if req_ids != self._slot_ids:
+            self.kept_by_slot = np.array([self.kept_tokens.get(r, np.nan) for r in req_ids])
+            self._slot_ids = list(req_ids)
+
+    def restart(self, slot: int, req_id: str) -> None:
+        """A request computing from token 0 again (new, or recomputed after preemption)."""
+        self.requests.pop(req_id, None)
+        self.kept_tokens.pop(req_id, None)
+        self.chunk_history.pop(req_id, None)
+        self.kept_by_slot[slot] = np.nan
+
+    def drop(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        self.kept_tokens.pop(req_id, None)
+        self.chunk_history.pop(req_id, None)
+        self._slot_ids = None
+
+    def _set_kept(self, req_id: str, slot: int, kept: float) -> None:
+        self.kept_tokens[req_id] = kept
+        self.kept_by_slot[slot] = kept
+
+    # ----- what the modes report ------------------------------------------------------------------------
+    def compacted(self, req: StepRequest, kept_per_head: list[list[int]]) -> None:
+        """A prompt was compacted in its own step: kept counts [layer][kv head], blocks freed."""
+        assert req.plan is not None and req.policy is not None
+        kept = sum(map(sum, kept_per_head)) / (len(kept_per_head) * self.num_kv_heads)
+        if req.decode is not None:  # compacted straight to its decode cap: a(t) resident
+            generated = req.seq_len - req.prompt_len
+            kept = float(req.plan.kept_length(generated) - generated)
+        self._set_kept(req.req_id, req.index, kept)
+        self.requests[req.req_id] = req.plan
+        metrics.record_kept_per_head(req.policy.name, req.prompt_len, kept_per_head, req.plan.blocks_to_free)
+
+    def chunk_evicted(
+        self,
+        req: StepRequest,
+        plan: RequestPlan,
+        final: bool,
+        kept: list[KeptTokens] | None,
+        trailing: int,
+        method: str,
+    ) -> None:
+        """Every layer of a prompt evicted between chunks was re-scored after this step's chunk."""
+        if not final:
+            if kept is not None:  # debug dump: what each head holds after this chunk
+                history = self.chunk_history.setdefault(req.req_id, [])
+                history.append((req.seq_len, [(k.indices.cpu(), k.counts.cpu()) for k in kept]))
+            held = plan.kept_length_at(req.seq_len)
+            # resident = kept + (seq_len - prompt_len) in publish_step: the held entries here.
+            self._set_kept(req.req_id, req.index, float(held + plan.prompt_len - req.seq_len))
+            return
+        assert kept is not None
+        prompt_counts = [(k.counts - trailing).tolist() for k in kept]
+        self._set_kept(
+            req.req_id, req.index, sum(map(sum, prompt_counts)) / (len(prompt_counts) * self.num_kv_heads)
+        )
+        self.requests[req.req_id] = plan
+        metrics.record_kept_per_head(method, plan.prompt_len, prompt_counts, plan.blocks_to_free)
+        if self.dump_dir is not None:
+            self.dump_prompt(req, [KeptTokens(k.indices.cpu(), k.counts.cpu()) for k in kept])
+
+    def rescored(self, req_id: str, slot: int, plan: RequestPlan, generated: int) -> None:
+        """Every layer of a capped request was re-scored: its resident entries per head are now a(t)."""
+        self.requests[req_id] = plan
+        # resident = kept + generated (see publish_step): a(t) after the re-score.
+        self._set_kept(req_id, slot, float(plan.kept_length(generated) - generated))
+
+    def publish_step(
+        self, num_reqs: int, seq_lens: np.ndarray, prompt_lens: np.ndarray, seconds: dict[str, float]
+    ) -> None:
+        """The step's eviction time by phase and the batch's resident entries per KV head."""
+        if seconds.get("total", 0.0) > 0:
+            for phase, value in seconds.items():
+                metrics.observe_eviction_step(value, phase)
+        resident = np.nansum(self.kept_by_slot[:num_reqs] + seq_lens - prompt_lens)
+        metrics.set_kv_tokens_resident(float(resident))
+
+    # ----- debug dump -----------------------------------------------------------------------------------
+    def dump_prompt(self, req: StepRequest, kept: list[KeptTokens] | None) -> None:
+        """Save what every layer of a compacted prompt kept, and (evicted between chunks) what each head held
+        after each chunk: (computed tokens, per layer (positions [H, M] -1 padded, counts [H]))."""
+        history = self.chunk_history.pop(req.req_id, [])
+        if self.dump_dir is None or kept is None:
+            return
+        record = {
+            "req_id": req.req_id,
+            "prompt_len": req.prompt_len,
+            "indices": [k.indices.cpu() for k in kept],
+            "counts": [k.counts.cpu() for k in kept],
+            "chunks": history,
+        }
+        self._save(req.req_id, ".pt", record)
+
+    def dump_decode(self, req_id: str, record: dict | None) -> None:
+        """Save a finished capped request's per-head lengths before each re-score."""
+        if self.dump_dir is not None and record is not None:
+            self._save(req_id, ".decode.pt", record)
+
+    def _save(self, req_id: str, suffix: str, record: dict) -> None:
+        assert self.dump_dir is not None
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in req_id)
+        torch.save(record, self.dump_dir / f"{safe}{suffix}")

@@ -1,0 +1,223 @@
+"""One engine step of eviction, shared by every attention layer of the step: the head-as-sequence view of
+the batch, and the one call a backend makes after each layer's attention (``after_attention``), which runs
+the three eviction modes of that layer and hands their moves to the backend's cache rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
+from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.decode_schedule import Rescore
+from vllm_kvevict.datapath.moves import CacheRows, Moves
+from vllm_kvevict.datapath.prompt_eviction import PromptEviction
+from vllm_kvevict.datapath.query_ring import RingWrites
+from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
+from vllm_kvevict.datapath.step_inputs import CacheShape, StepRequest
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks, StepLayout
+from vllm_kvevict.policies.base import KeptTokens
+
+
+@dataclass
+class HeadSequenceBatch:
+    """The step's batch as (request, KV head) sequences for one group of layers sharing sub-block tables.
+
+    block_table:     [R*H, max_subblocks] int32 sub-block ids of sequence r*H + h.
+    seq_lens:        [R*H] int32 KV length of each sequence after this step.
+    query_start_loc: [R*H + 1] int32 query rows of each sequence in the gathered query.
+    slot_mapping:    [T*H] int64 one-head-view slot of (token t, head h) at t*H + h (-1: skip).
+    kernel_metadata: backend-specific data built once for this batch (e.g. CPU scheduler metadata).
+    """
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    kernel_metadata: object | None = None
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """Host-known sizes of the step: requests, tokens, the longest sequence and query (kernels that take
+    them as ints read no device), and per request [R] the lengths after the step and the prompt lengths."""
+
+    num_reqs: int
+    num_tokens: int
+    max_seq_len: int
+    max_query_len: int
+    seq_lens: np.ndarray
+    prompt_lens: np.ndarray
+
+
+class EvictionStep:
+    """Per-step eviction data and work, built once per step by the worker's planner with its collaborators.
+
+    Python work here is per compacting request (a prefill) and per layer, never per decoding request or
+    head: the head-as-sequence metadata are views of the sub-block tensors (``BatchSubBlocks``).
+    """
+
+    def __init__(
+        self,
+        sizes: StepSizes,
+        shape: CacheShape,
+        tables: BatchSubBlocks,
+        layout: StepLayout | None,
+        block_table: torch.Tensor,
+        prompts: PromptEviction,
+        chunks: ChunkEviction,
+        chunk_rescores: list[ChunkRescore],
+        decode: DecodeEviction | None,
+        ring_writes: RingWrites | None,
+        rescores: list[Rescore],
+        records: EvictionRecords,
+        o_proj: dict[int, torch.Tensor],
+        timer: StepTimer,
+        check: bool,
+    ) -> None:
+        self.sizes = sizes
+        self.num_tokens = sizes.num_tokens
+        self.shape = shape
+        self.tables = tables
+        self.compacting: list[StepRequest] = prompts.requests
+        self.chunks = chunk_rescores
+        self.ring_writes = ring_writes
+        self.rescores = rescores
+        self.timer = timer
+        self._layout = layout
+        self._block_table = block_table
+        self._prompts = prompts
+        self._chunk_eviction = chunks
+        self._decode = decode
+        self._records = records
+        self._o_proj = o_proj
+        self._check = check
+        self._per_layer: list[HeadSequenceBatch] | None = None  # built at the first head_batch call
+        self._chunk_kept: dict[str, list[KeptTokens]] = {}  # req -> per layer (final; all when dumping)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.sizes.max_seq_len
+
+    @property
+    def max_query_len(self) -> int:
+        return self.sizes.max_query_len
+
+    @property
+    def has_compacted(self) -> bool:
+        """True when some request reads a compacted cache: the whole batch then runs head-as-sequence."""
+        return self._layout is not None
+
+    # ----- head as sequence -----------------------------------------------------------------------------
+    def sequence_rows(self) -> torch.Tensor | None:
+        """[T*H] int64 ``token * H + head`` of each row of the head-as-sequence query (sequence r*H + h, then
+        the request's tokens), indexing ``query.reshape(T*H, g, D)``; None when every request has one token
+        this step (pure decode): the order is then the identity and no gather is needed."""
+        assert self._layout is not None, "sequence_rows is only defined when the batch runs head-as-sequence"
+        return self._layout.sequence_rows
+
+    def head_batch(self, layer_idx: int) -> HeadSequenceBatch:
+        """The head-as-sequence view of the batch for ``layer_idx`` (shared by the layers of its group)."""
+        if self._per_layer is None:
+            layout, store = self._layout, self.tables.store
+            assert layout is not None and store is not None, "head_batch needs a head-as-sequence batch"
+            # Every group's views in three calls, one small object per group, then a list lookup per layer.
+            num_reqs = self.sizes.num_reqs
+            block_tables = store.block_tables(num_reqs).unbind(0)
+            seq_lens = store.all_seq_lens(num_reqs).unbind(0)
+            slots = layout.token_slots.view(store.num_groups, -1).unbind(0)
+            groups = [
+                HeadSequenceBatch(block_tables[g], seq_lens[g], layout.query_start_loc, slots[g])
+                for g in range(store.num_groups)
+            ]
+            self._per_layer = [groups[self.tables.group_of(layer)] for layer in range(self.shape.num_layers)]
+        return self._per_layer[layer_idx]
+
+    # ----- after a layer's attention: the one call a backend makes ----------------------------------------
+    def after_attention(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: CacheRows
+    ) -> None:
+        """The layer's eviction work: keep the queries a decode cap needs, compact prompts completing now,
+        re-score prompts evicted between chunks and capped requests, and move their kept rows through
+        ``rows``. query [T, Hq, D], key/value [T, H, D]: this step's rows, post-RoPE."""
+        if self.ring_writes is not None:
+            self.record_queries(layer_idx, query)
+        for moves in (
+            self.compact_layer(layer_idx, query, key, value),
+            self.rescore_chunks(layer_idx, query, rows),
+            self.rescore_layer(layer_idx, rows),
+        ):
+            if moves is not None and moves.slots.numel():
+                rows.move(moves)
+
+    def record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Keep the queries [T, Hq, D] of capped decoding requests (one batched write per layer)."""
+        if self.ring_writes is not None and self._decode is not None:
+            self._decode.record_queries(layer_idx, query, self.ring_writes)
+
+    def compact_layer(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> Moves | None:
+        """Whole-prompt eviction of ``layer_idx`` (``PromptEviction.compact_layer``)."""
+        if not self.compacting:
+            return None
+        with self.timer.phase("total"):
+            return self._prompts.compact_layer(layer_idx, query, key, value)
+
+    def rescore_chunks(self, layer_idx: int, query: torch.Tensor, rows: CacheRows) -> Moves | None:
+        """Re-score ``layer_idx`` of the requests whose prompt chunk evicts in this step (and keep the queries
+        of the other prefilling ones for a later window). query [T, Hq, D]; runs after the layer's
+        attention (the chunk is cached)."""
+        if not self.chunks:
+            return None
+        with self.timer.phase("total"):
+            moves, results = self._chunk_eviction.rescore_layer(
+                layer_idx,
+                self.chunks,
+                self._block_table,
+                query,
+                rows,
+                self._o_proj.get(layer_idx),
+                self.timer,
+                self._check,
+            )
+            dumping = self._records.dump_dir is not None
+            for r, result in zip(self.chunks, results, strict=True):
+                if result is None or not (r.final or dumping):
+                    continue
+                self._chunk_kept.setdefault(r.req_id, []).append(result)
+                record = self._decode.records.get(r.req_id) if self._decode is not None else None
+                if (
+                    r.final and record is not None and not r.trailing
+                ):  # the decode cap starts from the prompt's
+                    record.positions[layer_idx] = result.indices
+            if layer_idx == self.shape.num_layers - 1:
+                for r in self.chunks:
+                    if r.evicts:
+                        kept = self._chunk_kept.pop(r.req_id, None)
+                        self._records.chunk_evicted(
+                            r.as_request(), r.plan, r.final, kept, r.trailing, r.policy.name
+                        )
+            return moves
+
+    def rescore_layer(self, layer_idx: int, rows: CacheRows) -> Moves | None:
+        """Re-score ``layer_idx`` of the requests whose decode cap re-scores in this step. Runs after the
+        layer's attention (this step's token is cached)."""
+        if not self.rescores or self._decode is None:
+            return None
+        with self.timer.phase("total"):
+            moves = self._decode.rescore_layer(
+                layer_idx, self.rescores, self._block_table, rows, self.timer, self._check
+            )
+            if layer_idx == self.shape.num_layers - 1:
+                for r in self.rescores:
+                    self._records.rescored(r.req_id, r.slot, r.record.plan, r.generated)
+            return moves
+
+    def publish(self) -> None:
+        """The step is over: its eviction time by phase and the batch's resident entries (metrics)."""
+        self._records.publish_step(
+            self.sizes.num_reqs, self.sizes.seq_lens, self.sizes.prompt_lens, self.timer.seconds
+        )

@@ -1,0 +1,50 @@
+"""What the model runner knows about one engine step (request ids, prompt lengths, token counts), the
+requests of the step as the datapath sees them, and the cache geometry every mode shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm_kvevict.layout.accounting import RequestPlan
+from vllm_kvevict.policies.base import EvictionPolicy
+
+if TYPE_CHECKING:
+    from vllm_kvevict.datapath.decode_schedule import DecodeRecord
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the model runner knows about this step's batch, in batch order (one entry per request)."""
+
+    req_ids: list[str]
+    prompt_lens: np.ndarray  # [R] prompt tokens
+    computed: np.ndarray  # [R] tokens already in the cache before this step
+    scheduled: np.ndarray  # [R] tokens computed in this step
+    extra_args: list[dict | None] | None = None  # [R] SamplingParams.extra_args (per-request settings)
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The model's eviction geometry: layers, KV heads per layer, tokens per block."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+
+
+@dataclass
+class StepRequest:
+    """One request of the step. Its tokens are rows [q_start, q_start + q_len) of the step's tensors."""
+
+    index: int
+    req_id: str
+    q_start: int
+    q_len: int
+    seq_len: int  # computed + q_len
+    prompt_len: int
+    plan: RequestPlan | None = None  # compacts in this step
+    policy: EvictionPolicy | None = None  # the request's policy when it compacts in this step
+    decode: DecodeRecord | None = None  # its decode cap already applies in this step (a recomputed request)

@@ -1,0 +1,215 @@
+"""Planning one engine step: from what the model runner knows (request ids, prompt lengths, token counts)
+to which requests compact their whole prompt, which are re-scored after a chunk, which decode caps
+re-score, and whether the batch runs head-as-sequence. Python work is O(1) in the batch for decoding
+requests; requests whose prompt completes or arrives in chunks are handled one by one (they are prefills).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vllm_kvevict import metrics
+from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
+from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.prompt_eviction import PromptEviction
+from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
+from vllm_kvevict.datapath.step import EvictionStep, StepSizes
+from vllm_kvevict.datapath.step_inputs import CacheShape, StepInputs, StepRequest
+from vllm_kvevict.layout.accounting import RequestPlan
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.policies.base import EvictionPolicy, ScoredPolicy
+
+if TYPE_CHECKING:
+    from vllm_kvevict.settings.request_settings import ResolvedSetting
+
+#: (plan, per-request setting or None) of the request in a batch slot, given its prompt length.
+SettingOf = Callable[[StepInputs, int, int], "tuple[RequestPlan, ResolvedSetting | None]"]
+
+
+class StepPlanner:
+    """Builds each step's ``EvictionStep`` from the worker's collaborators (it owns no state of its own)."""
+
+    def __init__(
+        self,
+        shape: CacheShape,
+        policy: EvictionPolicy,
+        tables: BatchSubBlocks,
+        chunks: ChunkEviction,
+        decode: DecodeEviction | None,
+        records: EvictionRecords,
+        setting_plan: SettingOf,
+    ) -> None:
+        self.shape = shape
+        self.policy = policy
+        self.tables = tables
+        self.chunks = chunks
+        self.decode = decode
+        self.records = records
+        self.setting_plan = setting_plan
+
+    def plan(
+        self,
+        inputs: StepInputs,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        o_proj: dict[int, torch.Tensor],
+    ) -> EvictionStep:
+        """The step's eviction data. block_table [R', W] / slot_mapping [T'] are vLLM's tensors on the cache's
+        device (only read there); plans and pools are checked where reading the device is free (CPU)."""
+        check = block_table.device.type == "cpu"
+        num_reqs = len(inputs.req_ids)
+        computed = np.asarray(inputs.computed, dtype=np.int64)
+        q_lens = np.asarray(inputs.scheduled, dtype=np.int64)
+        prompt_lens = np.asarray(inputs.prompt_lens, dtype=np.int64)
+        seq_lens = computed + q_lens
+        self.tables.begin(inputs.req_ids, computed, block_table)
+        self.records.align(inputs.req_ids)
+        for slot in np.flatnonzero(computed == 0):
+            self._restart(int(slot), inputs.req_ids[slot])
+        compacted = self.tables.compacted(num_reqs).copy()
+        ring_writes, rescores = None, []
+        if self.decode is not None:
+            ring_writes, rescores = self.decode.plan_step(
+                inputs.req_ids,
+                computed,
+                q_lens,
+                compacted,
+                lambda slot: self.setting_plan(inputs, slot, int(prompt_lens[slot]))[0],
+                block_table.device,
+            )
+        q_start = np.cumsum(q_lens) - q_lens
+        whole = ~compacted & (computed == 0) & (prompt_lens <= seq_lens)
+        prefilling = np.flatnonzero(~whole & (computed < prompt_lens))
+        chunks = [
+            self._chunk_rescore(inputs, int(i), compacted, computed, seq_lens, q_start, q_lens)
+            for i in prefilling.tolist()
+        ]
+        compacting = [
+            self._compacting(inputs, int(i), q_start, q_lens, seq_lens) for i in np.flatnonzero(whole)
+        ]
+        layout = None
+        if compacted.any():
+            layout = self.tables.layout(computed, q_lens, block_table, check)
+        else:
+            self.tables.skip(num_reqs)
+        sizes = StepSizes(
+            num_reqs,
+            int(q_lens.sum()),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            max_query_len=int(q_lens.max(initial=0)),
+            seq_lens=seq_lens,
+            prompt_lens=prompt_lens,
+        )
+        timer = StepTimer()
+        prompts = PromptEviction(
+            [r for r in compacting if r is not None],
+            self.shape,
+            self.tables,
+            block_table,
+            slot_mapping,
+            o_proj,
+            self.decode,
+            self.records,
+            timer,
+            check,
+        )
+        return EvictionStep(
+            sizes,
+            self.shape,
+            self.tables,
+            layout,
+            block_table,
+            prompts,
+            self.chunks,
+            [c for c in chunks if c is not None],
+            self.decode,
+            ring_writes,
+            rescores,
+            self.records,
+            o_proj,
+            timer,
+            check,
+        )
+
+    def _restart(self, slot: int, req_id: str) -> None:
+        """A request starting from scratch (new, or recomputed after preemption) has no old layout."""
+        self.records.restart(slot, req_id)
+        self.chunks.drop(req_id)
+        if self.decode is not None:
+            self.decode.restart(req_id)
+
+    def _compacting(
+        self, inputs: StepInputs, index: int, q_start: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray
+    ) -> StepRequest | None:
+        """A request whose whole prompt is computed in this step, when its plan evicts (else None)."""
+        req_id, prompt_len = inputs.req_ids[index], int(inputs.prompt_lens[index])
+        req = StepRequest(
+            index, req_id, int(q_start[index]), int(q_lens[index]), int(seq_lens[index]), prompt_len
+        )
+        plan, setting = self.setting_plan(inputs, index, prompt_len)
+        req.policy = setting.policy if setting else self.policy
+        generated = int(seq_lens[index]) - prompt_len
+        record = self.decode.admit(req_id, plan) if self.decode is not None else None
+        if record is not None and plan.offset(generated) != plan.offset0:
+            # Recomputed after preemption with its decode cap already applied: evict to a(t) now.
+            req.plan, req.decode = plan, record
+            self.tables.split()
+            return req
+        if not plan.compacts:
+            metrics.record_request_skipped(setting.method if setting else self.policy.name)
+            return None
+        req.plan = plan
+        if not shares_tables(req.policy):
+            self.tables.split()
+        return req
+
+    def _chunk_rescore(
+        self,
+        inputs: StepInputs,
+        index: int,
+        compacted: np.ndarray,
+        computed: np.ndarray,
+        seq_lens: np.ndarray,
+        q_start: np.ndarray,
+        q_lens: np.ndarray,
+    ) -> ChunkRescore | None:
+        """A request prefilling without its whole prompt in this step (a later chunk, or a first step that
+        does not start at token 0), when its plan compacts: after a chunk that moves the offset it evicts,
+        after the others only its queries are kept."""
+        prompt_len = int(inputs.prompt_lens[index])
+        plan, setting = self.setting_plan(inputs, index, prompt_len)
+        n0, n1 = int(computed[index]), int(seq_lens[index])
+        completes = n1 >= prompt_len
+        if not plan.compacts:
+            if completes:
+                metrics.record_request_skipped(setting.method if setting else self.policy.name)
+            return None
+        policy = setting.policy if setting else self.policy
+        assert policy is not None
+        if completes and not shares_tables(policy):
+            self.tables.split()
+        if completes and self.decode is not None:
+            self.decode.admit(inputs.req_ids[index], plan)
+        evicts = completes or plan.chunk_rescores(n0, n1)
+        return ChunkRescore(
+            index,
+            inputs.req_ids[index],
+            int(q_start[index]),
+            int(q_lens[index]),
+            n0,
+            n1,
+            plan,
+            policy,
+            bool(compacted[index]),
+            evicts,
+        )
+
+
+def shares_tables(policy: EvictionPolicy | None) -> bool:
+    """True when every layer of a request keeps the same count per head (uniform top-k per head with the
+    default per-layer budget), so one sub-block table serves all its layers."""
+    return isinstance(policy, ScoredPolicy) and type(policy).layer_budget is EvictionPolicy.layer_budget

@@ -1,0 +1,149 @@
+"""The one owner of eviction state in a worker process: the policy and per-request settings, the sub-block
+tables, the per-chunk and decode-time state, the records, and CriticalKV's o_proj weights. The model-runner
+hooks hand it each step's request ids and token counts (``begin_step``/``end_step``/``drop``); the attention
+metadata builder asks it for the step (``make_step``), which every attention layer of that step reads."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
+from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.records import EvictionRecords
+from vllm_kvevict.datapath.step import EvictionStep
+from vllm_kvevict.datapath.step_inputs import CacheShape, StepInputs
+from vllm_kvevict.datapath.step_plan import StepPlanner, shares_tables
+from vllm_kvevict.layout.accounting import RequestPlan
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.subblock_table import SubBlockTable
+from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.settings.config import EvictionConfig
+from vllm_kvevict.settings.request_settings import RequestSettings, ResolvedSetting, decode_policy
+
+
+class EvictionWorker:
+    """The one owner of eviction state in a worker process."""
+
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        budget: int | float,
+        num_layers: int,
+        num_kv_heads: int,
+        block_size: int,
+        config: EvictionConfig | None = None,
+        max_num_seqs: int = 0,
+    ) -> None:
+        self.policy = policy
+        self.budget = budget
+        self.shape = CacheShape(num_layers, num_kv_heads, block_size)
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        server = config if config is not None else EvictionConfig(policy.name, budget)
+        # A decode cap re-scores each layer on its own: ragged across layers, one table group per layer.
+        shared = shares_tables(policy) and server.decode is None
+        self.tables = BatchSubBlocks(num_layers, num_kv_heads, block_size, shared, max_num_seqs)
+        self.chunks = ChunkEviction(self.shape, self.tables, server.between_rule)
+        self.decode: DecodeEviction | None = None
+        if server.decode is not None:
+            self.decode = DecodeEviction(
+                decode_policy(server.decode),
+                server.decode.allocation,
+                self.shape,
+                self.tables,
+                server.decode.interval,
+            )
+        self.records = EvictionRecords(num_kv_heads)
+        if self.decode is not None:
+            self.decode.dump = self.records.dump_dir is not None
+        self.o_proj: dict[int, torch.Tensor] = {}
+        self.o_proj_collected = False  # collected once, after the model is loaded (empty unless CriticalKV)
+        self.pending: StepInputs | None = None
+        self._step: EvictionStep | None = None
+        # Per-request settings (vllm_xargs), resolved exactly like the scheduler's manager does.
+        self.settings = RequestSettings(server, block_size, num_layers)
+        self.plan_for = self.settings.plan_for
+
+    @property
+    def requests(self) -> dict[str, RequestPlan]:
+        """Plans of the compacted requests."""
+        return self.records.requests
+
+    @property
+    def kept_tokens(self) -> dict[str, float]:
+        """Mean kept prompt entries per KV head of each compacted request (metrics)."""
+        return self.records.kept_tokens
+
+    # ----- called by the runner hooks -------------------------------------------------------------------
+    def begin_step(self, inputs: StepInputs) -> None:
+        self.pending = inputs
+        self._step = None
+
+    def end_step(self) -> None:
+        if self._step is not None:
+            self._step.publish()
+        self.pending = None
+        self._step = None
+
+    def drop(self, req_ids: set[str] | list[str] | None) -> None:
+        """Forget finished, aborted or preempted requests (their blocks go back through the scheduler)."""
+        for req_id in req_ids or ():
+            self.records.drop(req_id)
+            self.tables.forget(req_id)
+            self.chunks.drop(req_id)
+            if self.decode is not None:
+                self.records.dump_decode(req_id, self.decode.dump_record(req_id))
+                self.decode.drop(req_id)
+
+    # ----- called by the metadata builder ---------------------------------------------------------------
+    def make_step(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> EvictionStep | None:
+        """The step's eviction data, or None when the batch is not a real scheduled step (dummy runs). Built
+        once per step, however many builders ask. block_table [R', W] / slot_mapping [T'] are vLLM's tensors
+        on the cache's device."""
+        inputs = self.pending
+        if inputs is None or len(inputs.req_ids) != num_reqs or int(inputs.scheduled.sum()) != num_tokens:
+            return None
+        if self._step is None:
+            planner = StepPlanner(
+                self.shape,
+                self.policy,
+                self.tables,
+                self.chunks,
+                self.decode,
+                self.records,
+                self._setting_plan,
+            )
+            self._step = planner.plan(inputs, block_table, slot_mapping, self.o_proj)
+        return self._step
+
+    def _setting_plan(
+        self, inputs: StepInputs, slot: int, prompt_len: int
+    ) -> tuple[RequestPlan, ResolvedSetting | None]:
+        """(plan, per-request setting or None) of the request in ``slot``."""
+        setting = self.settings.resolve(inputs.extra_args[slot] if inputs.extra_args else None)
+        return (setting.plan_for if setting else self.plan_for)(prompt_len), setting
+
+    def layer_table(self, req_id: str, layer_idx: int) -> SubBlockTable:
+        """A compacted request's table for ``layer_idx`` as the reference model (inspection and tests)."""
+        return self.tables.table_of(req_id, layer_idx)
+
+
+_WORKER: EvictionWorker | None = None
+
+
+def current_worker() -> EvictionWorker | None:
+    """This process's eviction worker (None until a builder with eviction on created it)."""
+    return _WORKER
+
+
+def set_worker(worker: EvictionWorker | None) -> None:
+    global _WORKER
+    _WORKER = worker

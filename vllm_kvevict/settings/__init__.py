@@ -1,0 +1,1 @@
+"""Eviction settings without vLLM: the server's configuration, per-request overrides, and their parsing."""

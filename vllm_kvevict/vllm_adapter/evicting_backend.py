@@ -1,0 +1,253 @@
+"""What every evicting attention backend shares, so a backend implements only its platform's cache rows
+(read, move, write tokens) and its attention call: the worker's creation with every refusal, its log line
+and config metrics; the step lookup and layer index; the head-as-sequence gather and scatter; and the
+forward dispatch, which after attention makes one call into the step per layer.
+
+A backend class mixes ``EvictingBuilder`` into vLLM's metadata builder and ``EvictingImpl`` into vLLM's
+attention impl (the mixin first), and implements ``EvictingImpl``'s three platform methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_kvevict import metrics
+from vllm_kvevict.datapath.moves import CacheRows
+from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
+from vllm_kvevict.datapath.worker import EvictionWorker, current_worker, set_worker
+from vllm_kvevict.settings.config import EvictionConfigError, get_eviction_config
+from vllm_kvevict.vllm_adapter import model_support
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec
+
+logger = init_logger("vllm.kvevict.backend")
+
+
+def eviction_worker(
+    spec: EvictingAttentionSpec, vllm_config: Any, window_size: int | None = None
+) -> EvictionWorker:
+    """The process's EvictionWorker, created by the first builder (one KV cache group holds every layer),
+    after the refusals of a model or configuration no backend can evict correctly."""
+    refusal = model_support.eviction_refusal(vllm_config)
+    if refusal is None and window_size not in (None, -1):
+        refusal = model_support.attention_layer_refusal(
+            "(all)", is_decoder=True, alibi_slopes=None, sinks=None, sliding_window=window_size
+        )
+    if refusal is not None:
+        raise EvictionConfigError(refusal)
+    worker = current_worker()
+    if worker is None:
+        config = spec.eviction_config()
+        worker = EvictionWorker(
+            policy=config.build_policy(),
+            budget=config.budget,
+            num_layers=spec.num_model_layers,
+            num_kv_heads=spec.num_kv_heads,
+            block_size=spec.block_size,
+            config=config,
+            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        )
+        set_worker(worker)
+        logger.info(
+            "kv eviction worker: %s, %d layers x %d KV heads, block size %d",
+            config.describe(),
+            spec.num_model_layers,
+            spec.num_kv_heads,
+            spec.block_size,
+        )
+        metrics.record_eviction_config(config.method, config.budget, config.params)
+        if config.decode is not None:
+            metrics.record_decode_config(config.decode.method)
+    return worker
+
+
+def step_of(layer: torch.nn.Module) -> EvictionStep | None:
+    """This step's eviction data for ``layer`` (from the forward context vLLM set for the step)."""
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, dict):
+        metadata = metadata.get(layer.layer_name)
+    return getattr(metadata, "eviction", None)
+
+
+class EvictingBuilder:
+    """Mixed into vLLM's metadata builder: creates the worker (eviction on) and attaches the step's
+    ``EvictionStep`` to the metadata, as ``evicting_metadata(**vLLM's fields, eviction=step)``."""
+
+    evicting_metadata: type  # vLLM's metadata class plus an ``eviction`` field
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)  # type: ignore[call-arg]
+        self.worker: EvictionWorker | None = None
+        if isinstance(kv_cache_spec, EvictingAttentionSpec):
+            window = getattr(self, "window_size", None)
+            self.worker = eviction_worker(kv_cache_spec, vllm_config, window)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)  # type: ignore[misc]
+        if self.worker is None:
+            return metadata
+        cm = common_attn_metadata
+        step = self.worker.make_step(
+            cm.num_reqs, cm.num_actual_tokens, cm.seq_lens, cm.block_table_tensor, cm.slot_mapping
+        )
+        if step is None:
+            return metadata
+        values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
+        return self.evicting_metadata(**values, eviction=step)
+
+
+class EvictingImpl:
+    """Mixed into vLLM's attention impl. With eviction off every call falls through to vLLM's impl; with
+    eviction on a batch without compacted requests runs vLLM's own write and kernel, a batch with compacted
+    requests writes and attends "head as sequence", and after attention the step evicts what it must.
+
+    A backend implements ``write_head_tokens``, ``head_attention`` and ``cache_rows``."""
+
+    _layer_idx: int | None = None
+
+    # vLLM impl attributes this mixin reads
+    num_kv_heads: int
+    num_heads: int
+    num_queries_per_kv: int
+    head_size: int
+    attn_type: str
+    kv_cache_dtype: str
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        config = get_eviction_config(get_current_vllm_config_or_none())
+        if config is None:
+            return
+        refusal = model_support.attention_layer_refusal(
+            "(impl)",
+            is_decoder=self.attn_type == AttentionType.DECODER,
+            alibi_slopes=getattr(self, "alibi_slopes", None),
+            sinks=getattr(self, "sinks", None),
+            sliding_window=getattr(self, "sliding_window", None),
+        ) or model_support.cache_refusal(self.kv_cache_dtype, config.decode is not None)
+        if refusal is not None:
+            raise EvictionConfigError(refusal)
+
+    # ----- platform methods -----------------------------------------------------------------------------
+    def write_head_tokens(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Write key/value [T*H, 1, D] to the one-head view of ``kv_cache`` at ``slots`` [T*H]."""
+        raise NotImplementedError
+
+    def head_attention(
+        self,
+        layer: torch.nn.Module,
+        step: EvictionStep,
+        batch: HeadSequenceBatch,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of (request, KV head) sequences: query/out [T*H, g, D] in sequence order."""
+        raise NotImplementedError
+
+    def cache_rows(
+        self, layer: torch.nn.Module, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> CacheRows:
+        """The layer's cache rows for this step (key/value [T, H, D]: this step's rows)."""
+        raise NotImplementedError
+
+    # ----- shared ---------------------------------------------------------------------------------------
+    def layer_index(self, layer: torch.nn.Module) -> int:
+        if self._layer_idx is None:
+            self._layer_idx = extract_layer_index(layer.layer_name)
+        return self._layer_idx
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        step = None if self.attn_type != AttentionType.DECODER else step_of(layer)
+        if step is None or not step.has_compacted:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[misc]
+        # A compacted request's new token goes to the end of each head's own sub-block, not to vLLM's slot
+        # (which lies inside sub-blocks holding kept entries): write every token per head on the 1-head view.
+        tokens = step.num_tokens
+        self.write_head_tokens(
+            layer,
+            key[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
+            value[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
+            kv_cache,
+            step.head_batch(self.layer_index(layer)).slot_mapping,
+        )
+
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ):
+        step = getattr(attn_metadata, "eviction", None)
+        args = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        if step is None or self.attn_type != AttentionType.DECODER:
+            return super().forward(*args)  # type: ignore[misc]
+        layer_idx = self.layer_index(layer)
+        if step.has_compacted:
+            self._head_sequence_attention(layer, step, step.head_batch(layer_idx), query, kv_cache, output)
+        else:
+            super().forward(*args)  # type: ignore[misc]
+        tokens = step.num_tokens
+        step.after_attention(
+            layer_idx,
+            query[:tokens].view(tokens, self.num_heads, self.head_size),
+            key[:tokens],
+            value[:tokens],
+            self.cache_rows(layer, kv_cache, key[:tokens], value[:tokens]),
+        )
+        return output
+
+    def _head_sequence_attention(
+        self,
+        layer,
+        step: EvictionStep,
+        batch: HeadSequenceBatch,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention of the whole batch with each (request, KV head) as one sequence.
+
+        query [T, Hq, D] -> [T*H, g, D] in sequence order (a plain reshape for decode-only batches, a row
+        gather otherwise); the result lands in output [T, Hq, D] the same way."""
+        tokens, heads, group = step.num_tokens, self.num_kv_heads, self.num_queries_per_kv
+        rows = step.sequence_rows()
+        grouped = query[:tokens].reshape(tokens * heads, group, self.head_size)
+        if rows is not None:
+            grouped = grouped.index_select(0, rows)
+        target = output[:tokens]
+        direct = rows is None and target.is_contiguous() and target.dtype == grouped.dtype
+        result = target.view(tokens * heads, group, -1) if direct else torch.empty_like(grouped)
+        self.head_attention(layer, step, batch, grouped, kv_cache, result)
+        if direct:
+            return
+        flat = target.reshape(tokens * heads, group, -1)
+        if rows is None:
+            flat.copy_(result)
+        else:
+            flat.index_copy_(0, rows, result.to(output.dtype))
+        if flat.data_ptr() != target.data_ptr():
+            target.copy_(flat.view_as(target))
