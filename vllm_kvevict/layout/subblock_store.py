@@ -131,21 +131,14 @@ class SubBlockStore:
         self.num_groups = num_groups
 
     # ----- views for the kernels --------------------------------------------------------------------------
-    def block_table(self, group: int, num_slots: int) -> torch.Tensor:
-        """[num_slots * H, W] int32 view: sequence ``slot * H + h`` is head h of the request in ``slot``."""
-        return self.tables[group, :num_slots].view(num_slots * self.num_kv_heads, self.width)
-
     def block_tables(self, num_slots: int) -> torch.Tensor:
-        """[G, num_slots * H, W] int32 view: ``block_table`` of every group."""
+        """[G, num_slots * H, W] int32 view: sequence ``slot * H + h`` of group g is head h of the request in
+        ``slot``."""
         return self.tables[:, :num_slots].view(self.num_groups, num_slots * self.num_kv_heads, self.width)
 
     def all_seq_lens(self, num_slots: int) -> torch.Tensor:
-        """[G, num_slots * H] int32 view: ``seq_lens`` of every group."""
+        """[G, num_slots * H] int32 view of every group's head lengths."""
         return self.lengths[:, :num_slots].view(self.num_groups, num_slots * self.num_kv_heads)
-
-    def seq_lens(self, group: int, num_slots: int) -> torch.Tensor:
-        """[num_slots * H] int32 view of the heads' lengths."""
-        return self.lengths[group, :num_slots].view(num_slots * self.num_kv_heads)
 
     # ----- per step -------------------------------------------------------------------------------------
     def refresh_standard(self, slots: torch.Tensor, block_rows: torch.Tensor, lengths: torch.Tensor) -> None:

@@ -12,10 +12,10 @@ import random
 
 import pytest
 import torch
+from compaction_reference import plan_compaction
 from layout_cases import ragged_counts
 
 from vllm_kvevict.layout.accounting import cdiv, plan_request
-from vllm_kvevict.layout.compaction import plan_compaction
 from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockPoolExhausted, SubBlockTable
 from vllm_kvevict.policies.registry import build_policy
 

@@ -1,4 +1,5 @@
-"""Compaction plan: which kept (head, token) of one layer goes to which sub-block slot. No vLLM import.
+"""Reference compaction plan for the layout tests (off the serving path): which kept (head, token) of
+one layer goes to which sub-block slot of a ``SubBlockTable``, planned head by head.
 
 The caller holds the layer's prompt keys/values in hand (the prompt was computed in this very step), so the
 plan gathers from those tensors and scatters into the request's sub-blocks: no source is ever read from the
