@@ -6,6 +6,7 @@ https://arxiv.org/abs/2502.03805
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -25,6 +26,9 @@ class CriticalKV(EvictionPolicy):
     safeguard tokens are always kept, so stage 1 is at least the safeguard there).
     Needs ``LayerKV.o_proj``.
     """
+
+    #: the registry asks this: the worker collects the o_proj weights only for a method that reads them.
+    needs_o_proj: ClassVar[bool] = True
 
     inner: ScoredPolicy | AdaKV
     first_stage_ratio: float = 0.5

@@ -26,11 +26,18 @@ _WRAPPED_FIELDS = frozenset({"inner"})
 
 @dataclass(frozen=True)
 class MethodInfo:
-    """One registered method: its user name, a one-line description and its parameters with defaults."""
+    """One registered method: its user name, a one-line description and its parameters with defaults.
+
+    needs_o_proj: it reads each layer's o_proj weight (``LayerKV.o_proj``), which the worker must collect.
+    implies_decode_cap: its paper defines it at decode time, so the method alone caps every head while
+        generating too (at its prefill budget).
+    """
 
     name: str
     description: str
     params: dict[str, Any]
+    needs_o_proj: bool = False
+    implies_decode_cap: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,18 +45,29 @@ class _Method:
     description: str
     parts: tuple[type, ...]
     compose: Callable[..., EvictionPolicy]
+    implies_decode_cap: bool = False
+
+    @property
+    def needs_o_proj(self) -> bool:
+        return any(getattr(part, "needs_o_proj", False) for part in self.parts)
 
 
 _METHODS: dict[str, _Method] = {}
 
 
-def _register(name: str, description: str, compose: Callable[..., EvictionPolicy], *parts: type) -> None:
+def _register(
+    name: str,
+    description: str,
+    compose: Callable[..., EvictionPolicy],
+    *parts: type,
+    implies_decode_cap: bool = False,
+) -> None:
     """``compose`` gets one keyword dict per part, in order, holding that part's parameters; a single
-    class may be given as ``compose`` for a one-part method."""
+    class may be given as ``compose`` for a one-part method. ``implies_decode_cap``: see ``MethodInfo``."""
     if isinstance(compose, type):
         single = compose
         compose = lambda params: single(**params)  # noqa: E731
-    _METHODS[name] = _Method(description, parts, compose)
+    _METHODS[name] = _Method(description, parts, compose, implies_decode_cap)
 
 
 def _params(part: type) -> dict[str, Any]:
@@ -101,10 +119,15 @@ _register(
     "first tokens (attention sinks) plus the most recent ones",
     lambda s: StreamingLLM(**s),
     StreamingLLM,
+    implies_decode_cap=True,
 )
 
 _register(
-    "h2o", "heavy hitters by attention accumulated over all prompt queries, plus recent tokens", H2O, H2O
+    "h2o",
+    "heavy hitters by attention accumulated over all prompt queries, plus recent tokens",
+    H2O,
+    H2O,
+    implies_decode_cap=True,
 )
 _register(
     "nacl", "proxy-token (window) attention top-k plus seeded per-head random sampling by score", NaCl, NaCl
@@ -124,7 +147,13 @@ _register(
     ExpectedAttention,
     AdaKV,
 )
-_register("roco", "mean attention received, most volatile (high std) tokens kept, plus recent", RoCo, RoCo)
+_register(
+    "roco",
+    "mean attention received, most volatile (high std) tokens kept, plus recent",
+    RoCo,
+    RoCo,
+    implies_decode_cap=True,
+)
 
 
 def available_methods() -> list[MethodInfo]:
@@ -134,12 +163,27 @@ def available_methods() -> list[MethodInfo]:
         params: dict[str, Any] = {}
         for part in method.parts:
             params.update(_params(part))
-        infos.append(MethodInfo(name, method.description, params))
+        infos.append(
+            MethodInfo(name, method.description, params, method.needs_o_proj, method.implies_decode_cap)
+        )
     return infos
 
 
 def method_names() -> list[str]:
     return list(_METHODS)
+
+
+def method_needs_o_proj(name: str) -> bool:
+    """True when the method registered as ``name`` reads the o_proj weights (False for an unknown name)."""
+    method = _METHODS.get(name) if isinstance(name, str) else None
+    return method is not None and method.needs_o_proj
+
+
+def method_implies_decode_cap(name: str) -> bool:
+    """True when the method registered as ``name`` alone implies a decode-time cap (False for an unknown
+    name: validation names it)."""
+    method = _METHODS.get(name) if isinstance(name, str) else None
+    return method is not None and method.implies_decode_cap
 
 
 def build_policy(name: str, **params: Any) -> EvictionPolicy:

