@@ -1,0 +1,77 @@
+"""Every refusal of an attention layer fires through the shared backend part, on the CPU backend and on the
+GPU (Triton) backend alike: a model or cache feature no backend can evict correctly stops the engine at
+start-up with one line, before any request is served."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_kvevict.vllm_adapter import evicting_backend  # noqa: E402
+from vllm_kvevict.vllm_adapter.backend_cpu import EvictingCPUAttentionImpl  # noqa: E402
+from vllm_kvevict.vllm_adapter.backend_cuda import EvictingTritonAttentionImpl  # noqa: E402
+from vllm_kvevict.vllm_adapter.config import EvictionConfig, EvictionConfigError  # noqa: E402
+
+BACKENDS = [EvictingCPUAttentionImpl, EvictingTritonAttentionImpl]
+PLAIN = dict(alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto", sinks=None)
+CASES = {
+    "ALiBi slopes": dict(alibi_slopes=[0.5, 0.25]),
+    "a sliding window": dict(sliding_window=4096),
+    "attention sinks": dict(sinks=torch.zeros(2)),
+}
+
+
+def make_impl(cls, **features):
+    args = PLAIN | features
+    return cls(
+        num_heads=2, head_size=64, scale=0.125, num_kv_heads=1, alibi_slopes=args["alibi_slopes"],
+        sliding_window=args["sliding_window"], kv_cache_dtype=args["kv_cache_dtype"], sinks=args["sinks"],
+    )
+
+
+@pytest.fixture
+def eviction_on(monkeypatch):
+    from vllm.v1.attention.backends import cpu_attn
+
+    # vLLM's CPU impl reads the model dtype of the config it is built under
+    model = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: model)
+
+    def configure(config: dict) -> None:
+        monkeypatch.setattr(evicting_backend, "get_eviction_config", lambda _: EvictionConfig.from_dict(config))
+
+    configure({"method": "snapkv", "budget": 256})
+    return configure
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("feature", list(CASES))
+def test_an_attention_feature_the_head_as_sequence_call_cannot_pass_is_refused(cls, feature, eviction_on):
+    with pytest.raises(EvictionConfigError, match=f"kv eviction refused: .*{feature}"):
+        make_impl(cls, **CASES[feature])
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
+def test_a_quantised_cache_with_a_decode_cap_is_refused(cls, eviction_on):
+    eviction_on({"method": "h2o", "budget": 256})
+    with pytest.raises(EvictionConfigError, match="fp8"):
+        make_impl(cls, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
+def test_a_plain_layer_is_served_and_eviction_off_refuses_nothing(cls, eviction_on, monkeypatch):
+    assert make_impl(cls).num_kv_heads == 1
+    monkeypatch.setattr(evicting_backend, "get_eviction_config", lambda _: None)
+    assert make_impl(cls, sliding_window=4096) is not None  # plain vLLM: not ours to refuse
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
+def test_both_backends_take_every_shared_step_from_the_shared_part(cls):
+    """The dispatch, head-as-sequence gather/scatter and refusals are inherited, not copied."""
+    for name in ("forward", "do_kv_cache_update", "_head_sequence_attention", "layer_index", "__init__"):
+        assert name not in vars(cls), f"{cls.__name__} redefines the shared {name}"
+        assert getattr(cls, name) is getattr(evicting_backend.EvictingImpl, name)
