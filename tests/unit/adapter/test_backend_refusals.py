@@ -42,7 +42,8 @@ def eviction_on(monkeypatch):
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: model)
 
     def configure(config: dict) -> None:
-        monkeypatch.setattr(evicting_backend, "get_eviction_config", lambda _: EvictionConfig.from_dict(config))
+        config_of = EvictionConfig.from_dict(config)
+        monkeypatch.setattr(evicting_backend, "get_eviction_config", lambda _: config_of)
 
     configure({"method": "snapkv", "budget": 256})
     return configure

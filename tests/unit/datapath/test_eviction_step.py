@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.policies.registry import available_methods, build_policy
-from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 
 HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 16, 32, 4
 PROMPT, BUDGET = 300, 64  # B' = 64 + (300 - 64) % 32 = 76, s = (300 - 76) / 32 - 1 = 6 blocks freed
