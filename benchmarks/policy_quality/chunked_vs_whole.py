@@ -8,7 +8,13 @@ each (method, kept fraction), both with the server's plan (``layout.accounting``
   ``prefill: whole``);
 - ``chunked@I``: the prompt is prefilled in ``--chunk`` token chunks with ``hf_reference.chunked_prefill`` —
   after each chunk whose rule evicts, every layer keeps a(n) entries per head (``between_chunks``), the last
-  chunk keeps the layer budgets — with the intermediate budget ``chunk_budget = I`` (a multiple of B').
+  chunk keeps the layer budgets — with the intermediate budget ``chunk_budget = I`` (a multiple of B');
+  ``--chunk-budgets none`` runs no such row;
+- ``chunked tw=W``: FastKVzip's rule instead of a(n) (``--trailing-windows``): after every chunk the tokens
+  before the prompt's last W are held at r' = (B - W) / (L - W), the arrived part of the last W whole.
+
+Methods that read every prompt query (Expected Attention, H2O) get them all in the whole-prompt prefill;
+per chunk, Expected Attention's query statistics are carried across chunks.
 
 Each kept set is decoded greedily (masks, true positions) and scored like ``eval``. Prints a markdown table:
 mean score over prompts per (variant, fraction, length).
@@ -41,8 +47,8 @@ from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # no
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
 from vllm_kvevict.policies.between_chunks import (  # noqa: E402
     BETWEEN_KINDS,
+    BETWEEN_SCORERS,
     DEFAULT_BETWEEN,
-    KEY_SCORERS,
     BetweenRule,
 )
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
@@ -71,14 +77,25 @@ def chunk_budget_arg(text: str) -> int | float:
 
 
 def rows_for_prompt(
-    model, tokenizer, sample, methods, fractions, chunk_budgets, chunk: int, batch_bytes, betweens,
+    model,
+    tokenizer,
+    sample,
+    methods,
+    fractions,
+    chunk_budgets,
+    chunk: int,
+    batch_bytes,
+    betweens,
     references: bool = True,
+    trailing_windows=(),
 ):
     """Every (variant, fraction) row of one prompt, decoded and scored; ``references``: with the full-cache
     and whole-prompt rows (they depend on neither the chunk budget nor the between rule)."""
     ids = torch.tensor(sample.token_ids)
     n = len(sample.token_ids)
-    whole = prefill(model, ids, query_window=QUERY_WINDOW) if references else None
+    needs_all = any(build_policy(method).query_window(n) > QUERY_WINDOW for method in methods)
+    window = None if needs_all else QUERY_WINDOW  # None: every query (Expected Attention, H2O)
+    whole = prefill(model, ids, query_window=window) if references else None
     num_layers = model.config.num_hidden_layers
     new_tokens, finished = decode_limits(sample, tokenizer)
     stops = [tokenizer.eos_token_id]
@@ -99,6 +116,11 @@ def rows_for_prompt(
                 for between in betweens:
                     chunked = chunked_prefill(model, ids, policy, chunk_plan, chunk, between)
                     label = f"{method} chunked@{factor:g}" + variant_suffix(between)
+                    runs.append((label, fraction, chunked.prompt, chunked.kept))
+            for trailing in trailing_windows:
+                for between in betweens:
+                    chunked = chunked_prefill(model, ids, policy, plan, chunk, between, trailing)
+                    label = f"{method} chunked tw={trailing}" + variant_suffix(between)
                     runs.append((label, fraction, chunked.prompt, chunked.kept))
     rows = []
     for label, fraction, prompt, kept in runs:
@@ -129,7 +151,12 @@ def main() -> None:
     parser.add_argument(
         "--chunk-budgets",
         default="1.5",
-        help="intermediate budgets I: multiples of B' (1.5) or tokens per KV head (768)",
+        help="intermediate budgets I: multiples of B' (1.5) or tokens per KV head (768); none: no such row",
+    )
+    parser.add_argument(
+        "--trailing-windows",
+        default="",
+        help="comma list of W: per-chunk rows with FastKVzip's trailing-window rule (none by default)",
     )
     parser.add_argument(
         "--between",
@@ -139,7 +166,9 @@ def main() -> None:
     parser.add_argument("--between-share", type=float, default=BetweenRule.share, help="blend: method share")
     parser.add_argument("--between-span", type=int, default=BetweenRule.span_after, help="key score span")
     parser.add_argument(
-        "--between-scorer", default=BetweenRule.scorer, help=f"blend's key score: {', '.join(KEY_SCORERS)}"
+        "--between-scorer",
+        default=BetweenRule.scorer,
+        help=f"blend's second score: {', '.join(BETWEEN_SCORERS)}",
     )
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size (max_num_batched_tokens)")
     parser.add_argument("--seed", type=int, default=0)
@@ -177,7 +206,7 @@ def main() -> None:
                 sample,
                 args.methods.split(","),
                 [float(f) for f in args.fractions.split(",")],
-                [chunk_budget_arg(c) for c in args.chunk_budgets.split(",")],
+                [chunk_budget_arg(c) for c in args.chunk_budgets.split(",") if c not in ("", "none")],
                 args.chunk,
                 args.batch_bytes,
                 [
@@ -186,6 +215,7 @@ def main() -> None:
                     for scorer in args.between_scorer.split(",")
                 ],
                 references=not args.no_references,
+                trailing_windows=[int(w) for w in args.trailing_windows.split(",") if w],
             )
             with args.out.open("a") as out:
                 for row in rows:

@@ -45,6 +45,7 @@ from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
 from vllm_kvevict.evaluation.sample import Sample  # noqa: E402
 from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
 from vllm_kvevict.evaluation.tasks import get_task  # noqa: E402
+from vllm_kvevict.evaluation.tasks.question_first import PREFIX as QUESTION_FIRST_PREFIX  # noqa: E402
 from vllm_kvevict.hf_reference import (  # noqa: E402
     kept_per_layer,
     kvpress_kept_count,
@@ -65,7 +66,11 @@ NEEDLE_NEW_TOKENS = 12
 
 def decode_limits(sample: Sample, tokenizer) -> tuple[int, Callable[[list[int]], bool] | None]:
     """(new tokens, ``finished`` callback) for decoding ``sample``: a single-number answer decodes
-    ``NEEDLE_NEW_TOKENS`` and stops once its digits are decided; any other its task's ``max_new_tokens``."""
+    ``NEEDLE_NEW_TOKENS`` and stops once its digits are decided; any other its task's ``max_new_tokens``,
+    and so does a question-first sample (no answer prefix: the model writes its own words before the
+    number)."""
+    if sample.task.startswith(QUESTION_FIRST_PREFIX):
+        return sample.max_new_tokens, None
     if len(sample.answers) == 1 and sample.answers[0].isdigit():
         return NEEDLE_NEW_TOKENS, answer_decided(sample.answers[0], tokenizer)
     return sample.max_new_tokens, None

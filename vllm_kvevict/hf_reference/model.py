@@ -50,5 +50,7 @@ def rope_inv_freq(model: PreTrainedModel) -> torch.Tensor:
     take RoPE out of the post-RoPE queries (Expected Attention)."""
     rotary = model.model.rotary_emb
     if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
-        raise ValueError("RoPE with an attention scaling (YaRN-style) is not modelled by the reference runner")
+        raise ValueError(
+            "RoPE with an attention scaling (YaRN-style) is not modelled by the reference runner"
+        )
     return rotary.inv_freq.detach().float().cpu().clone()

@@ -4,8 +4,8 @@ following..." prompts). Methods that judge the prompt by its last window of quer
 
 Each task draws the same needles and haystack as the task it wraps (same seeds, ``seed_name``); only the
 order of the parts and the wording that placed the question after the text change. The answer prefix of
-the wrapped task repeats the question's key, which would hand the last window the question again, so it is
-replaced by a bare one.
+the wrapped task repeats the question (its key), which would hand the last window the question again, so
+the assistant turn starts empty, as in a plain chat request.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from vllm_kvevict.evaluation.tasks.base import Metric, Task, TaskParts
 INSTRUCTION = (
     "Some special magic numbers are hidden within the text below. Read it, then answer this question."
 )
-#: The assistant turn's start: it names no key, so the prompt's end holds no part of the question.
-ANSWER_PREFIX = "Answer:"
+#: The assistant turn's start: empty, so the prompt's end holds no part of the question.
+ANSWER_PREFIX = ""
 #: The family's name prefix.
 PREFIX = "qfirst_"
 
