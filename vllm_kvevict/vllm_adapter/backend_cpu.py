@@ -29,13 +29,11 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
 from vllm_kvevict.layout.kernels import dispatch
-from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBuilder, EvictingImpl
-from vllm_kvevict.vllm_adapter.kv_spec import evicting_spec_from
+from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cpu.EvictingCPUAttentionBackend"
 
@@ -43,22 +41,6 @@ BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cpu.EvictingCPUAttentionBacken
 def register_cpu_backend() -> None:
     """Make vLLM's CPU_ATTN resolve to the evicting backend (every process; harmless when eviction is off)."""
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-
-
-class EvictingCPUAttentionBackend(CPUAttentionBackend):
-    """``CPU_ATTN`` with per-head eviction; ``get_name()`` stays ``"CPU_ATTN"``."""
-
-    @staticmethod
-    def get_impl_cls() -> type[EvictingCPUAttentionImpl]:
-        return EvictingCPUAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[EvictingCPUAttentionMetadataBuilder]:
-        return EvictingCPUAttentionMetadataBuilder
-
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        return evicting_spec_from(super().customize_spec(spec))
 
 
 @dataclass
@@ -176,9 +158,10 @@ class CPUCacheRows:
         layouts = self.layouts
         if layouts is None:  # reading the held rows needs them in the cache: the step's tensors lack them
             raise RuntimeError(
-                f"eviction cannot read or move rows of this CPU cache (ISA {self.isa}, {self.kv_cache.dtype}, "
-                f"--kv-cache-dtype {self.kv_cache_dtype}) for a decode-time cap or a prompt computed in "
-                "several steps; start without --kv-decode-eviction and with --no-enable-chunked-prefill"
+                f"eviction cannot read or move rows of this CPU cache (ISA {self.isa}, "
+                f"{self.kv_cache.dtype}, --kv-cache-dtype {self.kv_cache_dtype}) for a decode-time cap or a "
+                "prompt computed in several steps; start without --kv-decode-eviction and with "
+                "--no-enable-chunked-prefill"
             )
         return (
             (part_view(self.kv_cache, 0, layouts[0]), layouts[0]),
@@ -282,3 +265,10 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
             v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype,
         )
+
+
+class EvictingCPUAttentionBackend(EvictingBackend, CPUAttentionBackend):
+    """``CPU_ATTN`` with per-head eviction; ``get_name()`` stays ``"CPU_ATTN"``."""
+
+    evicting_impl = EvictingCPUAttentionImpl
+    evicting_builder = EvictingCPUAttentionMetadataBuilder

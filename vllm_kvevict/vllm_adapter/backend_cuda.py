@@ -29,13 +29,11 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 from vllm.v1.attention.ops.triton_unified_attention import unified_attention
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
 from vllm_kvevict.layout.kernels import dispatch
-from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBuilder, EvictingImpl
-from vllm_kvevict.vllm_adapter.kv_spec import evicting_spec_from
+from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cuda.EvictingTritonAttentionBackend"
 
@@ -75,26 +73,6 @@ class GPUCacheRows:
 
     def move(self, moves: Moves) -> str:
         return dispatch.compact_subblocks(self.subblocks, moves.src_slots, moves.slots, validate=False)
-
-
-class EvictingTritonAttentionBackend(TritonAttentionBackend):
-    """vLLM's Triton attention with per-head eviction, registered as ``CUSTOM``."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"
-
-    @staticmethod
-    def get_impl_cls() -> type[EvictingTritonAttentionImpl]:
-        return EvictingTritonAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[EvictingTritonAttentionMetadataBuilder]:
-        return EvictingTritonAttentionMetadataBuilder
-
-    @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        return evicting_spec_from(super().customize_spec(spec))
 
 
 @dataclass
@@ -151,3 +129,14 @@ class EvictingTritonAttentionImpl(EvictingImpl, TritonAttentionImpl):
             k_descale=layer._k_scale.expand(sequences, 1),
             v_descale=layer._v_scale.expand(sequences, 1),
         )
+
+
+class EvictingTritonAttentionBackend(EvictingBackend, TritonAttentionBackend):
+    """vLLM's Triton attention with per-head eviction, registered as ``CUSTOM``."""
+
+    evicting_impl = EvictingTritonAttentionImpl
+    evicting_builder = EvictingTritonAttentionMetadataBuilder
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"

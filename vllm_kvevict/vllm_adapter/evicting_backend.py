@@ -3,8 +3,9 @@
 and config metrics; the step lookup and layer index; the head-as-sequence gather and scatter; and the
 forward dispatch, which after attention makes one call into the step per layer.
 
-A backend class mixes ``EvictingBuilder`` into vLLM's metadata builder and ``EvictingImpl`` into vLLM's
-attention impl (the mixin first), and implements ``EvictingImpl``'s three platform methods.
+A backend mixes ``EvictingBackend``, ``EvictingBuilder`` and ``EvictingImpl`` into vLLM's backend, metadata
+builder and attention impl classes (the mixin first) and implements ``EvictingImpl``'s three platform
+methods.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
 from vllm_kvevict.datapath.worker import EvictionWorker, current_worker, set_worker
 from vllm_kvevict.settings.config import EvictionConfigError, get_eviction_config
 from vllm_kvevict.vllm_adapter import model_support
-from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_spec_from
 
 logger = init_logger("vllm.kvevict.backend")
 
@@ -75,6 +76,26 @@ def step_of(layer: torch.nn.Module) -> EvictionStep | None:
     if isinstance(metadata, dict):
         metadata = metadata.get(layer.layer_name)
     return getattr(metadata, "eviction", None)
+
+
+class EvictingBackend:
+    """Mixed into vLLM's backend class: its impl and builder are the evicting ones, and its KV-cache spec is
+    the evicting spec (whose manager frees blocks by the accounting rule)."""
+
+    evicting_impl: type
+    evicting_builder: type
+
+    @classmethod
+    def get_impl_cls(cls) -> type:
+        return cls.evicting_impl
+
+    @classmethod
+    def get_builder_cls(cls) -> type:
+        return cls.evicting_builder
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        return evicting_spec_from(super().customize_spec(spec))  # type: ignore[misc]
 
 
 class EvictingBuilder:

@@ -20,8 +20,8 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict import metrics
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.vllm_adapter.config import EvictionConfig, eviction_config_from_json, get_eviction_config
 from vllm_kvevict.vllm_adapter.request_settings import RequestSettings
 
