@@ -11,8 +11,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from vllm_kvevict.policies.registry import available_methods
 from vllm_kvevict.metrics import EvictionMetrics
+from vllm_kvevict.policies.registry import available_methods
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD_PATH = DEPLOY / "grafana" / "vllm-kvevict.json"

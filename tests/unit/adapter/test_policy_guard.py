@@ -8,10 +8,10 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy
-from vllm_kvevict.policies.registry import build_policy
 from vllm_kvevict.datapath import policy_guard
 from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded_select
+from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy
+from vllm_kvevict.policies.registry import build_policy
 
 N, HEADS, BUDGET = 96, 2, 40
 

@@ -17,9 +17,9 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
 
+from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.vllm_adapter import runner_hooks
 from vllm_kvevict.vllm_adapter.config import EvictionConfig, EvictionConfigError
-from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, register_evicting_spec
 from vllm_kvevict.vllm_adapter.request_settings import RequestOverride, RequestSettings, parse_override
 from vllm_kvevict.vllm_adapter.request_validation import (
