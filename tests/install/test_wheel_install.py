@@ -57,6 +57,12 @@ def site_packages(prefix: Path) -> Path:
     return Path(sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)}))
 
 
+def server_model_dir() -> Path:
+    from vllm_kvevict.cli.prepare_model import prepared_model_dir
+
+    return prepared_model_dir()
+
+
 def is_plugin_entry(name: str) -> bool:
     return name.startswith(("vllm_kvevict", "__editable__")) or name == "__pycache__"
 
@@ -102,9 +108,7 @@ class FreshEnvServer(VLLMServer):
     """:class:`VLLMServer` running the fresh environment's ``vllm``, started from its temporary cwd."""
 
     def __init__(self, env: FreshEnv, args: tuple[str, ...]) -> None:
-        from vllm_kvevict.cli.prepare_model import prepared_model_dir
-
-        super().__init__(prepared_model_dir(), extra_args=(*SERVE_ARGS, *args), env=NO_CHECKOUT_ENV)
+        super().__init__(server_model_dir(), extra_args=(*SERVE_ARGS, *args), env=NO_CHECKOUT_ENV)
         self.fresh = env
 
     @property
@@ -160,7 +164,7 @@ def test_the_fresh_env_imports_the_wheel_not_the_checkout(fresh_env):
     assert Path(found["ada-snapkv"]) == ours / "vllm_kvevict" / "presets" / "ada-snapkv.yaml"
     assert [Path(d).parent for d in found["dists"]] == [ours], found
     assert found["plugins"] == ["vllm_kvevict.vllm_adapter.plugin:register"]
-    assert found["vllm"] == "0.32.0+cpu"
+    assert found["vllm"].split("+")[0] == "0.32.0"  # the release the extras pin
     from importlib.metadata import version
 
     for line in found["requires"]:
@@ -192,6 +196,13 @@ def test_uninstalling_the_plugin_leaves_plain_vllm_serve_working(fresh_env):
     found = fresh_env.probe()
     assert found["module"] is None and found["dists"] == [] and found["plugins"] == [], found
     assert not (site_packages(fresh_env.root) / "vllm_kvevict").exists()
+    # The flag is gone with the plugin: vLLM's own parser refuses it.
+    vllm = str(fresh_env.root / "bin" / "vllm")
+    command = [vllm, "serve", str(server_model_dir()), "--kv-eviction", "snapkv"]
+    refused = subprocess.run(command, cwd=fresh_env.workdir, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, **NO_CHECKOUT_ENV})
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "unrecognized arguments: --kv-eviction snapkv" in refused.stderr, refused.stderr[-2000:]
     with fresh_env.server() as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
         response = client.chat.completions.create(
