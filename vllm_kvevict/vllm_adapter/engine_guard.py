@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvevict.vllm_adapter.cli_args import add_request_validator, apply_guard_rails
-from vllm_kvevict.vllm_adapter.config import (
+from vllm_kvevict.settings.config import (
     ADDITIONAL_CONFIG_KEY,
     EvictionConfigError,
     eviction_config_from_additional,
 )
+from vllm_kvevict.vllm_adapter.cli_args import add_request_validator, apply_guard_rails
 
 #: Set on EngineArgs once the rails ran (the CLI path runs them in from_cli_args already).
 GUARDED_MARK = "_kvevict_guarded"

@@ -22,8 +22,8 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict import metrics
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
-from vllm_kvevict.vllm_adapter.config import EvictionConfig, eviction_config_from_json, get_eviction_config
-from vllm_kvevict.vllm_adapter.request_settings import RequestSettings
+from vllm_kvevict.settings.config import EvictionConfig, eviction_config_from_json, get_eviction_config
+from vllm_kvevict.settings.request_settings import RequestSettings
 
 logger = init_logger("vllm.kvevict")
 

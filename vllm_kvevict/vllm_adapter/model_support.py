@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from vllm_kvevict.policies.registry import method_needs_o_proj
+
 SUPPORTED = (
     "eviction supports decoder-only models whose every layer is full causal attention "
     "(MHA/GQA/MQA, any head size, QKV bias, QK-norm and fused QKV included)"
@@ -155,7 +157,7 @@ def attention_layer_refusal(
 def criticalkv_refusal(method: str, o_proj_layers: Iterable[int], num_layers: int) -> str | None:
     """CriticalKV weighs values by the layer's output projection: every attention layer needs an
     ``o_proj`` weight (``runner_hooks.o_proj_weights``), or the method would silently fall back."""
-    if not method.startswith("critical"):
+    if not method_needs_o_proj(method):
         return None
     missing = sorted(set(range(num_layers)) - set(o_proj_layers))
     if missing:
@@ -170,7 +172,7 @@ def criticalkv_refusal(method: str, o_proj_layers: Iterable[int], num_layers: in
 def eviction_refusal(vllm_config: Any) -> str | None:
     """The config-level checks together (model, KV-cache dtype with a decode cap); None when eviction is
     off or the model is supported."""
-    from vllm_kvevict.vllm_adapter.config import get_eviction_config
+    from vllm_kvevict.settings.config import get_eviction_config
 
     config = get_eviction_config(vllm_config)
     if config is None:

@@ -93,7 +93,7 @@ def install_eviction_if_configured(vllm_config: Any) -> bool:
     """Install the eviction machinery in this process when ``vllm_config`` asks for eviction; True if it
     is installed (now or before). A model or setting eviction cannot serve raises ValueError with one line
     (``model_support.eviction_refusal``) before any weight is loaded."""
-    from vllm_kvevict.vllm_adapter.config import get_eviction_config
+    from vllm_kvevict.settings.config import get_eviction_config
     from vllm_kvevict.vllm_adapter.model_support import eviction_refusal
 
     if get_eviction_config(vllm_config) is None:

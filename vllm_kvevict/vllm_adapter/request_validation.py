@@ -27,8 +27,8 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from vllm_kvevict.vllm_adapter.config import EvictionConfig, EvictionConfigError, eviction_config_from_json
-from vllm_kvevict.vllm_adapter.request_settings import parse_override
+from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError, eviction_config_from_json
+from vllm_kvevict.settings.request_settings import parse_override
 
 #: JSON of the server's EvictionConfig, read by the API server processes.
 SERVER_CONFIG_ENV = "KVEVICT_SERVER_EVICTION"

@@ -159,7 +159,7 @@ def _method_needs_o_proj() -> bool:
     from vllm.config import get_current_vllm_config_or_none
 
     from vllm_kvevict.policies.registry import method_needs_o_proj
-    from vllm_kvevict.vllm_adapter.config import get_eviction_config
+    from vllm_kvevict.settings.config import get_eviction_config
 
     config = get_eviction_config(get_current_vllm_config_or_none())
     return config is not None and method_needs_o_proj(config.method)

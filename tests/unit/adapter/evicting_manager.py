@@ -8,7 +8,7 @@ import json
 import torch
 from vllm.v1.core.block_pool import BlockPool
 
-from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager, EvictingAttentionSpec
 
 

@@ -11,10 +11,10 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError  # noqa: E402
 from vllm_kvevict.vllm_adapter import evicting_backend  # noqa: E402
 from vllm_kvevict.vllm_adapter.backend_cpu import EvictingCPUAttentionImpl  # noqa: E402
 from vllm_kvevict.vllm_adapter.backend_cuda import EvictingTritonAttentionImpl  # noqa: E402
-from vllm_kvevict.vllm_adapter.config import EvictionConfig, EvictionConfigError  # noqa: E402
 
 BACKENDS = [EvictingCPUAttentionImpl, EvictingTritonAttentionImpl]
 PLAIN = dict(alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto", sinks=None)

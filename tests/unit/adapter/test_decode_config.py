@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
+from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError
 from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args, eviction_config_from_args
-from vllm_kvevict.vllm_adapter.config import EvictionConfig, EvictionConfigError
 
 
 def config_of(argv: list[str]) -> EvictionConfig | None:
@@ -149,7 +149,7 @@ def test_an_unknown_decode_key_is_named():
 
 
 def test_a_per_request_decode_budget_needs_a_decode_method_on_the_server():
-    from vllm_kvevict.vllm_adapter.request_settings import RequestOverride, parse_override
+    from vllm_kvevict.settings.request_settings import RequestOverride, parse_override
 
     capped = EvictionConfig.from_dict({"method": "h2o", "budget": 512})
     assert parse_override({"kv_decode_budget": 1024}, capped) == RequestOverride("h2o", 512, 1024)

@@ -7,7 +7,7 @@ from evicting_manager import evicting_manager
 from vllm.v1.core.block_pool import BlockPool
 
 from vllm_kvevict.layout.accounting import cdiv
-from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager
 
 BLOCK_SIZE = 16

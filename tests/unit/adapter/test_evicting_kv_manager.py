@@ -11,7 +11,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.layout.accounting import CHUNK_BUDGET_FLOOR, cdiv
-from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.vllm_adapter.kv_spec import (
     EvictingAttentionManager,
     EvictingAttentionSpec,

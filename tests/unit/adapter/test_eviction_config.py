@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args, eviction_config_from_args
-from vllm_kvevict.vllm_adapter.config import (
+from vllm_kvevict.settings.config import (
     EvictionConfig,
     EvictionConfigError,
     eviction_config_from_additional,
     parse_budget,
 )
+from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args, eviction_config_from_args
 from vllm_kvevict.vllm_adapter.request_validation import MIDDLEWARE_PATH, SERVER_CONFIG_ENV, VALIDATOR_FQCN
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"

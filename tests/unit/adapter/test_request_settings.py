@@ -18,10 +18,10 @@ from vllm.v1.request import Request
 from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
 
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
+from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.settings.request_settings import RequestOverride, RequestSettings, parse_override
 from vllm_kvevict.vllm_adapter import runner_hooks
-from vllm_kvevict.vllm_adapter.config import EvictionConfig, EvictionConfigError
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, register_evicting_spec
-from vllm_kvevict.vllm_adapter.request_settings import RequestOverride, RequestSettings, parse_override
 from vllm_kvevict.vllm_adapter.request_validation import (
     SERVER_CONFIG_ENV,
     VALIDATOR_FQCN,
@@ -106,7 +106,7 @@ def test_kv_prefill_chooses_eviction_between_chunks_for_one_request():
 
 
 def test_a_server_with_a_decode_cap_refuses_chunked_prompts():
-    from vllm_kvevict.vllm_adapter.config import DecodeConfig
+    from vllm_kvevict.settings.config import DecodeConfig
 
     capped = EvictionConfig("ada-snapkv", 64, decode=DecodeConfig("roco", 256))
     whole = RequestOverride("ada-snapkv", 64, prefill="whole")

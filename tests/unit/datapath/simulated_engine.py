@@ -12,7 +12,7 @@ from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.kernels import dispatch
-from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.settings.config import EvictionConfig
 
 HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 8, 16, 3
 NUM_BLOCKS = 400

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from simulated_engine import HEADS, LAYERS, SimulatedEngine
 
-from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.settings.config import EvictionConfig
 
 PROMPT = 400
 CHUNK = 96  # chunks end at 96, 192, 288, 384, then 400

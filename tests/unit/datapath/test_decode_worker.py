@@ -6,7 +6,7 @@ import pytest
 from simulated_engine import BS, HEADS, LAYERS, SimulatedEngine
 
 from vllm_kvevict import metrics
-from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.settings.config import EvictionConfig
 
 
 def decode_config(prefill: str, budget: int, decode: dict) -> EvictionConfig:

@@ -13,7 +13,7 @@ import sys
 sys.modules["vllm"] = None  # any import of vLLM (or a backend) raises ImportError from here on
 sys.path.insert(0, sys.argv[1])
 from simulated_engine import HEADS, LAYERS, SimulatedEngine
-from vllm_kvevict.vllm_adapter.config import EvictionConfig
+from vllm_kvevict.settings.config import EvictionConfig
 
 # Whole prompt: computed in one step, compacted to the layer budgets.
 engine = SimulatedEngine(EvictionConfig.from_dict({"method": "ada-snapkv", "budget": 64}))
