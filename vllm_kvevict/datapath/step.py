@@ -94,6 +94,8 @@ class EvictionStep:
         self._records = records
         self._o_proj = o_proj
         self._check = check
+        #: some layer work follows attention in this step (a decode step without a cap has none)
+        self.acts_after_attention = bool(prompts.requests or chunk_rescores or rescores or ring_writes)
         self._per_layer: list[HeadSequenceBatch] | None = None  # built at the first head_batch call
         self._chunk_kept: dict[str, list[KeptTokens]] = {}  # req -> per layer (final; all when dumping)
 

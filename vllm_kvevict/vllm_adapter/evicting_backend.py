@@ -231,6 +231,8 @@ class EvictingImpl:
             self._head_sequence_attention(layer, step, step.head_batch(layer_idx), query, kv_cache, output)
         else:
             super().forward(*args)  # type: ignore[misc]
+        if not step.acts_after_attention:
+            return output
         tokens = step.num_tokens
         step.after_attention(
             layer_idx,
