@@ -135,9 +135,12 @@ class ExpectedAttention(ScoredPolicy):
     statistics or the softmax. ``use_covariance=False`` drops the ``k^T Sigma' k`` term.
 
     Ours on top (0 / 0 is kvpress's press): the last ``window`` tokens always kept, and ``span_after`` as in
-    SnapKV. The queries come from ``LayerKV.query_statistics`` when the caller carries them across chunks,
-    else from ``LayerKV.queries`` (all prompt queries: ``query_window(n) == n``) at ``LayerKV.positions()``.
-    ``epsilon`` defaults to kvpress's leaderboard value (its press default is 0).
+    SnapKV. Defaults 32 / 8, the product's: kvpress compresses the context before the question is appended,
+    so its press never judges the prompt's last tokens; here the whole prompt is compressed, and without
+    a window the chat template's tail (the assistant header) is evicted and generation degenerates
+    (docs/question_first.md). The queries come from ``LayerKV.query_statistics`` when the caller carries
+    them across chunks, else from ``LayerKV.queries`` (all prompt queries: ``query_window(n) == n``) at
+    ``LayerKV.positions()``. ``epsilon`` defaults to kvpress's leaderboard value (its press default is 0).
     """
 
     n_future_positions: int = 512
@@ -145,8 +148,8 @@ class ExpectedAttention(ScoredPolicy):
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = LEADERBOARD_EPSILON
-    window: int = 0
-    span_after: int = 0
+    window: int = 32
+    span_after: int = 8
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:

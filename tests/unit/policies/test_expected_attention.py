@@ -101,7 +101,7 @@ def test_score_is_the_softmax_of_the_expected_logit_times_the_value_norm() -> No
     g = torch.Generator().manual_seed(2)
     keys, values = torch.randn(1, 10, D, generator=g), torch.rand(1, 10, D, generator=g) + 0.1
     layer = LayerKV(keys=keys, values=values, queries=queries, rope_inv_freq=torch.zeros(D // 2))
-    policy = ExpectedAttention(sinks=2, epsilon=0.0)
+    policy = ExpectedAttention(sinks=2, epsilon=0.0, window=0, span_after=0)
     scores = policy.score(layer, 5)
     logits = (keys[0, 2:] @ q) ** 2 / (2 * D)
     expected = torch.softmax(logits, dim=0) * values[0, 2:].norm(dim=-1)
@@ -118,7 +118,7 @@ def test_a_key_along_the_mean_future_query_is_kept_before_the_others() -> None:
     aligned = LayerKV(
         keys=keys, values=torch.ones_like(keys), queries=layer.queries, rope_inv_freq=torch.zeros(D // 2)
     )
-    kept = ExpectedAttention(sinks=0, use_covariance=False).select(aligned, 1)
+    kept = ExpectedAttention(sinks=0, use_covariance=False, window=0, span_after=0).select(aligned, 1)
     assert kept.head(0).tolist() == [20]
 
 
@@ -155,10 +155,11 @@ def test_registered_forms_and_their_defaults() -> None:
     plain = build_policy("expected-attention")
     assert plain == ExpectedAttention()
     assert (plain.n_future_positions, plain.sinks, plain.epsilon) == (512, 4, LEADERBOARD_EPSILON)
+    assert (plain.window, plain.span_after) == (32, 8)  # the product's; kvpress's press has neither
     ada = build_policy("ada-expected-attention", epsilon=0.0, alpha=0.3)
     assert isinstance(ada, AdaKV) and ada.inner == ExpectedAttention(epsilon=0.0) and ada.alpha == 0.3
-    kept = ada.select(random_layer(kv_heads=3, n=80, d=D, seed=7), 20)
-    assert kept.total == 60
+    kept = ada.select(random_layer(kv_heads=3, n=80, d=D, seed=7), 40)
+    assert kept.total == 120
 
 
 @pytest.mark.parametrize(
