@@ -1,0 +1,158 @@
+"""(d)/(e) ``vllm bench serve`` (vLLM's own client) against vanilla and ada-snapkv on the same KV pool.
+
+    python3 -m benchmarks.gpu.bench_serve MODEL_DIR OUT_DIR [--graphs] [--input-len 4096] ...
+
+Random prompts at request rate inf; the pool (``--num-gpu-blocks-override``) is small enough that vanilla
+is KV-bound: ``num_gpu_blocks * 16`` tokens hold only a few ``input_len + output_len`` requests. One eviction
+server serves every budget: the server's is 25 %, the others go per request (``--extra-body`` with
+``vllm_xargs.kv_budget``). While each run lasts, ``/metrics`` is polled for the most running requests.
+``--graphs`` runs every server with piecewise CUDA graphs instead of eager mode (stage e). Results:
+``OUT_DIR/bench[-graphs].json`` and ``.md``, each run's ``vllm bench serve`` JSON beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from benchmarks.gpu import serve_flags
+from benchmarks.gpu.servers import BundleServer, start_all
+from vllm_kvevict.bench.metrics_poller import MetricsPoller
+
+#: vllm bench serve's result keys the table reports.
+REPORTED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+            "completed", "duration")
+
+
+def bench_command(server: BundleServer, model_dir: Path, args: argparse.Namespace, result: Path,
+                  budget: str | None) -> list[str]:
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+        "--base-url", server.root_url, "--endpoint", "/v1/completions", "--model", server.served_model_name,
+        "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
+        "--num-prompts", str(args.num_prompts), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
+        "--num-warmups", "2", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
+        "--result-filename", result.name,
+    ]
+    if budget is not None:
+        command += ["--extra-body", json.dumps({"vllm_xargs": {"kv_budget": float(budget)}})]
+    return command
+
+
+def run_one(label: str, server: BundleServer, model_dir: Path, args: argparse.Namespace, out: Path,
+            budget: str | None) -> dict:
+    result = out / f"bench-{label}.json"
+    command = bench_command(server, model_dir, args, result, budget)
+    with MetricsPoller(f"{server.root_url}/metrics", interval_s=0.25) as poller:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout_s)
+    (out / f"bench-{label}.log").write_text(" ".join(command) + "\n" + completed.stdout + completed.stderr)
+    if completed.returncode != 0:
+        return {"label": label, "error": f"vllm bench serve exited {completed.returncode}"}
+    data = json.loads(result.read_text())
+    row = {"label": label, **{key: data.get(key) for key in REPORTED}}
+    row.update(max_running=poller.peaks.max_running, mean_running=round(poller.peaks.mean_running, 2),
+               max_kv_usage=poller.peaks.max_kv_usage, preemptions=poller.peaks.preemptions)
+    return row
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Each eviction row against vanilla: output tok/s, running, TTFT p50, TPOT p50."""
+    base = rows[0]
+    out = []
+    for row in rows[1:]:
+        if "error" in row or "error" in base:
+            continue
+        out.append({
+            "label": row["label"],
+            "output_tok_s": row["output_throughput"] / base["output_throughput"],
+            "max_running": row["max_running"] / max(base["max_running"], 1),
+            "ttft_p50": row["median_ttft_ms"] / base["median_ttft_ms"],
+            "tpot_p50": row["median_tpot_ms"] / base["median_tpot_ms"],
+        })
+    return out
+
+
+def markdown(result: dict) -> str:
+    columns = ("label", *REPORTED, "max_running", "mean_running", "max_kv_usage", "preemptions")
+    lines = [f"`{result['workload']}`", "", "| " + " | ".join(columns) + " |",
+             "|" + "---|" * len(columns)]
+    for row in result["rows"]:
+        lines.append("| " + " | ".join(str(row.get(c, row.get("error", ""))) for c in columns) + " |")
+    lines += ["", "| vs vanilla | output tok/s | max running | TTFT p50 | TPOT p50 |",
+              "|---|---|---|---|---|"]
+    for r in result["ratios"]:
+        lines.append(f"| {r['label']} | {r['output_tok_s']:.2f}x | {r['max_running']:.2f}x | "
+                     f"{r['ttft_p50']:.2f}x | {r['tpot_p50']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--graphs", action="store_true", help="piecewise CUDA graphs (stage e)")
+    parser.add_argument("--input-len", type=int, default=4096)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--range-ratio", type=float, default=0.5,
+                        help="lengths drawn in [len*(1-r), len*(1+r)]: 0.5 gives outputs of 128-384")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-gpu-blocks", type=int, default=2400,
+                        help="KV pool of both servers in 16-token blocks (2400: ~8 vanilla requests of 4.3k)")
+    parser.add_argument("--budgets", default="0.25,0.1",
+                        help="ada-snapkv budgets (the first is the server's)")
+    parser.add_argument("--run-timeout-s", type=float, default=150.0)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="write the command lines to OUT/commands-bench*.json; start nothing")
+    args = parser.parse_args(argv)
+    suffix = "-graphs" if args.graphs else ""
+    logs = args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    max_len = int(args.input_len * (1 + args.range_ratio) + args.output_len * (1 + args.range_ratio)) + 16
+    pool = serve_flags.pool_args(args.num_gpu_blocks)
+    budgets = args.budgets.split(",")
+    vanilla = BundleServer(args.model_dir, [*serve_flags.vanilla_args(max_len, args.graphs), *pool],
+                           logs / f"bench{suffix}-vanilla.log")
+    eviction = BundleServer(
+        args.model_dir, [*serve_flags.eviction_args(max_len, budget=budgets[0], graphs=args.graphs), *pool],
+        logs / f"bench{suffix}-eviction.log")
+    workload = (f"vllm bench serve --dataset-name random --random-input-len {args.input_len} "
+                f"--random-output-len {args.output_len} --random-range-ratio {args.range_ratio} "
+                f"--num-prompts {args.num_prompts} --request-rate inf; pool {args.num_gpu_blocks} blocks x "
+                f"{serve_flags.BLOCK_SIZE}; {'piecewise CUDA graphs' if args.graphs else 'eager'}")
+    if args.dry_run:
+        clients = {f"ada-snapkv-{b}": bench_command(eviction, args.model_dir, args, args.out / "x.json",
+                                                    None if i == 0 else b) for i, b in enumerate(budgets)}
+        clients["vanilla"] = bench_command(vanilla, args.model_dir, args, args.out / "x.json", None)
+        commands = {"servers": {"vanilla": vanilla.command, "eviction": eviction.command}, "clients": clients}
+        (args.out / f"commands-bench{suffix}.json").write_text(json.dumps(commands, indent=1) + "\n")
+        return 0
+    result: dict = {"workload": workload, "rows": [], "ratios": []}
+    started = time.monotonic()
+    try:
+        with ExitStack() as stack:
+            start_all(stack, [vanilla, eviction])
+            result["startup_s"] = round(time.monotonic() - started, 1)
+            result["rows"].append(run_one(f"vanilla{suffix}", vanilla, args.model_dir, args, args.out, None))
+            for i, budget in enumerate(budgets):
+                result["rows"].append(run_one(f"ada-snapkv-{budget}{suffix}", eviction, args.model_dir, args,
+                                              args.out, None if i == 0 else budget))
+    except Exception as error:  # noqa: BLE001 - recorded with what ran
+        result["error"] = f"{type(error).__name__}: {error}"
+    result["ratios"] = ratios(result["rows"]) if result["rows"] else []
+    result["missing_c_ops"] = sorted(set(vanilla.missing_c_ops()) | set(eviction.missing_c_ops()))
+    (args.out / f"bench{suffix}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (args.out / f"bench{suffix}.md").write_text(markdown(result))
+    print(markdown(result))
+    ok = "error" not in result and all("error" not in row for row in result["rows"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
