@@ -150,8 +150,10 @@ def check_commands(path: Path) -> dict:
     load_general_plugins()
     commands = json.loads(path.read_text())
     servers = {}
+    role_config = _CONFIG[:]
     for name, command in commands["servers"].items():
         servers[name] = _describe(parse_serve_command(command))
+    _CONFIG[:] = role_config
     clients = {name: parse_bench_command(command) for name, command in commands.get("clients", {}).items()}
     return {"servers": servers, "clients": clients}
 
@@ -182,10 +184,10 @@ def run(role: str, model_dir: str, mock_cuda: bool, commands: list[Path] = ()) -
         step("flash attention patched", _flash_attention)
         config = step("engine config", lambda: _describe(engine_config(role, model_dir)))
         del config
-        step("model on meta", lambda: construct_model(_current_config()))
-        step("weak_ref_tensor", _weak_ref_tensor)
         for path in commands:
             step(f"command lines {path.name}", lambda path=path: check_commands(path))
+        step("model on meta", lambda: construct_model(_current_config()))
+        step("weak_ref_tensor", _weak_ref_tensor)
     except BaseException:  # noqa: BLE001 - the failed step is in the result
         pass
     finally:

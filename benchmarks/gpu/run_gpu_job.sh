@@ -14,7 +14,8 @@
 #   graphs       (e) the same with piecewise CUDA graphs (optional: only with ONLY=graphs or GRAPHS=1).
 # Every stage has its own time limit and the job goes on after a failure (a stage that needs an earlier one's
 # output fails fast); no stage starts past DEADLINE_S (default 540 s). Results: $OUT_DIR/<stage>.{json,md},
-# logs under $OUT_DIR/logs, summary.md at the end with each stage's exit status and time.
+# logs under $OUT_DIR/logs, summary.md at the end with each stage's exit status and time; exit status 1 when any
+# stage failed or was skipped for the deadline.
 # Usage (repository root): OUT_DIR=$OUT bash benchmarks/gpu/run_gpu_job.sh
 #   ONLY=REGEX    run only the stages whose name matches (unpack and preflight always run: the rest needs them)
 #   DRY_RUN=1     on a CPU machine: unpack with the GPU host's tags, preflight with the CUDA platform mocked
@@ -31,6 +32,7 @@ DRY=${DRY_RUN:-0}
 DEADLINE=${DEADLINE_S:-540}
 mkdir -p "$OUT/logs"
 SUMMARY=()
+FAILED=0
 
 stage() {  # stage NAME SECONDS command...: output to $OUT/logs/NAME.txt, status into the summary
   local name=$1 limit=$2 started=$SECONDS rc log
@@ -41,13 +43,16 @@ stage() {  # stage NAME SECONDS command...: output to $OUT/logs/NAME.txt, status
     [[ $name =~ ${ONLY:-.} ]] || return 0
   fi
   if ((limit > DEADLINE - SECONDS)); then limit=$((DEADLINE - SECONDS)); fi
-  if ((limit < 10)); then SUMMARY+=("| $name | skipped: past the ${DEADLINE} s deadline | |"); return 1; fi
+  if ((limit < 10)); then
+    SUMMARY+=("| $name | skipped: past the ${DEADLINE} s deadline | |"); FAILED=$((FAILED + 1)); return 1
+  fi
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit} s)"
   timeout "$limit" "$@" >"$log" 2>&1
   rc=$?
   echo "=== $name: rc $rc in $((SECONDS - started)) s"
   tail -n 5 "$log"
   SUMMARY+=("| $name | rc $rc | $((SECONDS - started)) s |")
+  ((rc == 0)) || FAILED=$((FAILED + 1))
   return $rc
 }
 
@@ -99,3 +104,4 @@ fi
   done
 } > "$OUT/summary.md"
 cat "$OUT/summary.md"
+((FAILED == 0))  # the exit status: 0 when every stage that ran passed
