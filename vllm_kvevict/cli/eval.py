@@ -49,7 +49,7 @@ def parse_names(text: str) -> list[str]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from vllm_kvevict.evaluation.tasks import TASKS
+    from vllm_kvevict.evaluation.tasks import ALL_TASKS, TASKS
 
     parser = subparsers.add_parser(
         "eval",
@@ -61,7 +61,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", help="served model name (default: the first one the server lists)")
     parser.add_argument("--api-key", default="EMPTY")
     parser.add_argument(
-        "--tasks", type=parse_names, default=list(TASKS), help="comma list of: " + ",".join(TASKS)
+        "--tasks",
+        type=parse_names,
+        default=list(TASKS),
+        help="comma list of: " + ",".join(ALL_TASKS) + " (default: the question-last ones)",
     )
     parser.add_argument(
         "--lengths",

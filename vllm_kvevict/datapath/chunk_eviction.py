@@ -33,6 +33,7 @@ from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.subblock_store import TableRows
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
+from vllm_kvevict.policies.expected_attention import QueryStatistics, uses_query_statistics
 
 #: queries kept per request and layer between chunks, for the next chunk's observation window.
 MAX_SAVED_QUERIES = 64
@@ -78,11 +79,16 @@ class ChunkEviction:
         self.between = between or BetweenRule()  # how held entries are judged between chunks
         self.shape = shape
         self.tables = tables
+        #: the model's RoPE inverse frequencies [r / 2] (set by the worker once the model is loaded)
+        self.rope_inv_freq: torch.Tensor | None = None
+        #: req -> per layer running statistics of every prompt query (Expected Attention only)
+        self.statistics: dict[str, list[QueryStatistics]] = {}
         self.positions: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [H, a] held positions
         self.queries: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [<= MAX, Hq, D]
         self.held_end: dict[str, int] = {}  # req -> tokens computed at its last eviction (later: all held)
 
     def drop(self, req_id: str) -> None:
+        self.statistics.pop(req_id, None)
         self.positions.pop(req_id, None)
         self.queries.pop(req_id, None)
         self.held_end.pop(req_id, None)
@@ -148,6 +154,7 @@ class ChunkEviction:
         layer's cache and what each request holds now (positions [H, M] -1 padded, counts [H])."""
         moves, results = [], []
         for r in rescores:
+            self._update_statistics(layer_idx, r, query)
             result = None
             if r.evicts:
                 move, result = self._rescore(
@@ -157,7 +164,28 @@ class ChunkEviction:
             results.append(result)
             if not r.final:
                 self.save_queries(layer_idx, r, query)
+            elif layer_idx == self.shape.num_layers - 1:
+                self.statistics.pop(r.req_id, None)  # the prompt is complete: no later chunk reads them
         return Moves.join(moves), results
+
+    def _update_statistics(self, layer_idx: int, r: ChunkRescore, query: torch.Tensor) -> None:
+        """Fold this chunk's prompt queries into the request's running statistics, for a request judged by
+        Expected Attention (its method, or the rule between chunks): every prompt query counts, not only
+        the saved window."""
+        if not uses_query_statistics(r.policy) and not uses_query_statistics(
+            between_chunks(r.policy, self.between, r.plan.kept_length_at(r.seq_len))
+        ):
+            return
+        if self.rope_inv_freq is None:  # no NeoX rotary embedding found: the policy's own RoPE assumption
+            return
+        inv_freq = self.rope_inv_freq.to(query.device)
+        per_layer = self.statistics.setdefault(
+            r.req_id, [QueryStatistics(inv_freq) for _ in range(self.shape.num_layers)]
+        )
+        count = min(r.q_len, r.plan.prompt_len - r.computed)
+        if count > 0:
+            positions = torch.arange(r.computed, r.computed + count, device=query.device)
+            per_layer[layer_idx].update(query[r.q_start : r.q_start + count].transpose(0, 1), positions)
 
     def _rescore(
         self,
@@ -187,6 +215,8 @@ class ChunkEviction:
             layer_idx=layer_idx,
             num_layers=self.shape.num_layers,
             o_proj=o_proj,
+            rope_inv_freq=self.rope_inv_freq,
+            query_statistics=self.statistics[r.req_id][layer_idx] if r.req_id in self.statistics else None,
         )
         with timer.phase("selection"):
             kept = select_kept(policy, layer, min(budget, scored), r.req_id, uniform=not r.final)

@@ -35,6 +35,7 @@ class PromptEviction:
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
         o_proj: dict[int, torch.Tensor],
+        rope_inv_freq: torch.Tensor | None,
         decode: DecodeEviction | None,
         records: EvictionRecords,
         timer: StepTimer,
@@ -44,6 +45,7 @@ class PromptEviction:
         self.shape = shape
         self.tables = tables
         self.o_proj = o_proj
+        self.rope_inv_freq = rope_inv_freq
         self.decode = decode
         self.records = records
         self.timer = timer
@@ -101,6 +103,7 @@ class PromptEviction:
             layer_idx=layer_idx,
             num_layers=self.shape.num_layers,
             o_proj=self.o_proj.get(layer_idx),
+            rope_inv_freq=self.rope_inv_freq,
         )
         with self.timer.phase("selection"):
             return select_kept(req.policy, layer, budget, req.req_id)

@@ -112,6 +112,7 @@ class StepPlanner:
             block_table,
             slot_mapping,
             o_proj,
+            self.chunks.rope_inv_freq,
             self.decode,
             self.records,
             timer,

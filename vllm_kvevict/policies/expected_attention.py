@@ -216,3 +216,15 @@ class ExpectedAttention(ScoredPolicy):
         recent = self.always_kept(n, budget).to(scores.device)
         scores[:, recent] = float("inf")
         return scores
+
+
+def uses_query_statistics(policy: object) -> bool:
+    """True when ``policy`` or a policy it composes (``inner``, ``first``, ``second``) scores with Expected
+    Attention, whose callers carry the running query statistics across prompt chunks."""
+    if isinstance(policy, ExpectedAttention):
+        return True
+    return any(
+        uses_query_statistics(getattr(policy, part))
+        for part in ("inner", "first", "second")
+        if getattr(policy, part, None) is not None
+    )

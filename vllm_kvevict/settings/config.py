@@ -244,7 +244,7 @@ class EvictionConfig:
     between_share: the method's share of the intermediate budget under "blend", in [0, 1].
     between_span: the key score's ``span_after`` between chunks (an int >= 0): the tokens after a kept key
         kept with it; None (the default) sets it by the tokens the key score chooses (``BetweenRule``).
-    between_scorer: the key score that takes the rest of the budget under "blend" (``KEY_SCORERS``).
+    between_scorer: the score that takes the rest of the budget under "blend" (``BETWEEN_SCORERS``).
     """
 
     method: str

@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, BETWEEN_SCORERS
 from vllm_kvevict.policies.decode.registry import decode_method_names
 from vllm_kvevict.policies.presets import Preset
 from vllm_kvevict.policies.registry import available_methods
@@ -125,8 +126,8 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         help='Method parameters as a JSON object, e.g. \'{"window": 32, "kernel": 7, "alpha": 0.2}\', or a '
         "preset file such as configs/ada-snapkv.yaml (its method is used unless --kv-eviction names it). "
         'The prompt schedule goes here too: "prefill" (whole|chunked), "chunk_budget", "between" '
-        '(window|keydiff|knorm|blend, how a prompt is judged between chunks) and "between_scorer" '
-        "(keydiff|knorm, blend's key score).",
+        f"({'|'.join(BETWEEN_KINDS)}, how a prompt is judged between chunks) and \"between_scorer\" "
+        f"({'|'.join(BETWEEN_SCORERS)}, blend's second score).",
     )
     decode_names = [*decode_method_names(), NO_DECODE]
     decode_time = [info.name for info in available_methods() if info.implies_decode_cap]

@@ -97,6 +97,7 @@ def _prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *a
     if worker is not None:
         if not worker.o_proj_collected:
             worker.o_proj = o_proj_weights(runner.get_model())
+            worker.chunks.rope_inv_freq = rope_inv_freq(runner.get_model())
             worker.o_proj_collected = True
             _mute_metrics_off_tp_rank_0()
         batch = runner.input_batch
@@ -180,3 +181,15 @@ def o_proj_weights(model: Any) -> dict[int, Any]:
         if weight is not None and weight.numel() > 0:
             weights[extract_layer_index(name)] = weight
     return weights
+
+
+def rope_inv_freq(model: Any) -> Any:
+    """[rotary_dim / 2] float32 RoPE inverse frequencies of the model's attention layers (they share them),
+    as vLLM's rotary embedding computes them (its scaling variants override ``_compute_inv_freq``); None for
+    a model without a NeoX-style rotary embedding (Expected Attention then has none to take out)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbeddingBase) and module.is_neox_style:
+            return module._compute_inv_freq(module.base).float()
+    return None
