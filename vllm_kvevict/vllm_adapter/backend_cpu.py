@@ -39,7 +39,7 @@ BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cpu.EvictingCPUAttentionBacken
 
 
 def register_cpu_backend() -> None:
-    """Make vLLM's CPU_ATTN resolve to the evicting backend (every process; harmless when eviction is off)."""
+    """Make vLLM's CPU_ATTN resolve to the evicting backend (a process whose config turns eviction on)."""
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
 
 

@@ -271,8 +271,8 @@ def decode_from_args(args: argparse.Namespace, existing: Any) -> dict[str, Any] 
 
 def apply_eviction_to_engine_args(args: argparse.Namespace, engine_args: Any) -> None:
     """Put the eviction config into ``engine_args.additional_config`` and apply the start-up guard rails,
-    each stated in one log line. The ``vllm serve`` path (``cli_hooks.py``): a bad setting or a refusal of
-    the rails exits with one line, the only place either becomes an exit."""
+    each stated in one log line. The ``vllm serve`` path (``vllm_patches.install_cli_hooks``): a bad setting
+    or a refusal of the rails exits with one line, the only place either becomes an exit."""
     try:
         config = eviction_config_from_args(args, engine_args.additional_config)
         if config is None:

@@ -1,10 +1,10 @@
 """Guard rails for engines built from Python (``LLM(..., additional_config={"kv_eviction": ...})``).
 
-``vllm serve`` applies them in ``EngineArgs.from_cli_args`` (cli_hooks.py); ``LLM()`` and
-``AsyncLLM.from_engine_args`` never call that, they go straight to ``EngineArgs.create_engine_config``. The
-wrapper there (cli_hooks.py) calls ``guard_engine_args`` first, so the Python path gets the same validation,
-the same logged setting changes and the same refusals: the rails' ``GuardRailError``, a ``ValueError``, where
-the CLI exits.
+``vllm serve`` applies them in ``EngineArgs.from_cli_args`` (``vllm_patches.install_cli_hooks``);
+``LLM()`` and ``AsyncLLM.from_engine_args`` never call that, they go straight to
+``EngineArgs.create_engine_config``. The wrapper there calls ``guard_engine_args`` first, so the Python path
+gets the same validation, the same logged setting changes and the same refusals: the rails'
+``GuardRailError``, a ``ValueError``, where the CLI exits.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 What each process gets:
 - every process: the fixes of vLLM itself (``vllm_patches.py``; they apply with eviction off too);
 - a process that parses ``vllm serve``'s flags or builds an engine config (the API server, a Python process
-  calling ``LLM(...)``): the ``--kv-eviction`` flags and guard rails (``cli_hooks.py``), which pass everything
-  through unchanged when no eviction is asked for;
+  calling ``LLM(...)``): the ``--kv-eviction`` flags and guard rails (``vllm_patches.install_cli_hooks``),
+  which pass everything through unchanged when no eviction is asked for;
 - the eviction machinery (the evicting KV-cache spec and its manager, the attention backend re-pointed,
   the model-runner hooks) only in a process whose vLLM config has ``additional_config["kv_eviction"]``:
   ``--kv-eviction`` becomes that entry, and the config travels to every EngineCore and worker process.
@@ -37,15 +37,13 @@ def register() -> None:
         return
     from vllm_kvevict.vllm_adapter import vllm_patches
 
-    vllm_patches.install()
+    vllm_patches.install_vllm_fixes()
     vllm_config = vllm_config_of_caller()
     if vllm_config is not None:
         # EngineCore or a worker: the config it was started with decides.
         install_eviction_if_configured(vllm_config)
         return
-    from vllm_kvevict.vllm_adapter import cli_hooks
-
-    cli_hooks.install()
+    vllm_patches.install_cli_hooks()
     # An engine built in this process (LLM(...) without engine multiprocessing) loads its plugins before
     # any config exists; the config decides once it is built.
     vllm_patches.on_engine_config(install_eviction_if_configured)
@@ -115,10 +113,10 @@ def eviction_installed() -> bool:
 
 def _install_eviction() -> None:
     """The KV-cache spec with its manager, the attention backend and the model-runner hooks
-    (kv_spec.py, backend_cpu.py / backend_cuda.py, runner_hooks.py)."""
+    (kv_spec.py, backend_cpu.py / backend_cuda.py, the eviction hooks of vllm_patches.py)."""
     from vllm.platforms import current_platform
 
-    from vllm_kvevict.vllm_adapter import kv_spec, model_support, runner_hooks, vllm_patches
+    from vllm_kvevict.vllm_adapter import kv_spec, model_support, vllm_patches
 
     kv_spec.register_evicting_spec()
     if current_platform.is_cpu():
@@ -126,8 +124,8 @@ def _install_eviction() -> None:
 
         register_cpu_backend()
         vllm_patches.choose_cpu_attention_isa(model_support.cpu_attention_isa)
-    elif current_platform.is_cuda():
+    elif current_platform.is_cuda_alike():
         from vllm_kvevict.vllm_adapter.backend_cuda import register_cuda_backend
 
         register_cuda_backend()  # selected with --attention-backend CUSTOM
-    runner_hooks.install()
+    vllm_patches.install_eviction_hooks()

@@ -1,77 +1,23 @@
-"""Every private vLLM patch of the engine, in one place (vLLM 0.32.0, V1 model runner; the ``vllm serve``
-flag wrappers are in ``cli_hooks.py``).
+"""What the eviction hooks do when vLLM's model runner and KV-cache manager call them (with eviction on).
 
 vLLM's attention metadata builders see block tables and token counts but no request ids or prompt lengths,
-and nothing tells them when a request ends. The eviction worker needs both, so two model-runner methods
-are wrapped. Each wrapper does nothing unless this process has an ``EvictionWorker`` (eviction on), and
-always calls the original. On the scheduler side, ``KVCacheManager.allocate_slots`` is wrapped so that the
-evicting manager sees each request's own setting (its sampling parameters), and
-``KVCacheManager.get_computed_blocks`` so that requests it will evict skip the prefix cache; without an
-evicting manager they do nothing.
+and nothing tells them when a request ends; the scheduler's single-type managers see request ids but not
+requests. The bodies here bridge that: ``execute_model`` drops finished and preempted requests' worker state,
+``prepare_inputs`` hands the worker the step's request ids and token counts (and, once, the model's o_proj
+weights and RoPE frequencies), ``get_kv_cache_spec`` publishes the evicting spec and refuses a model whose
+layers the worker cannot evict, ``allocate_slots``/``get_computed_blocks`` let the evicting manager see each
+request's own setting. Which vLLM function each wraps, the version checked and why: ``vllm_patches.py``.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from vllm_kvevict import metrics
 from vllm_kvevict.datapath.worker import StepInputs, current_worker
 
-_INSTALLED_MARK = "_kvevict_wrapped"
 
-
-def install() -> None:
-    """Install the wrappers (idempotent; called by the plugin in every process)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    # Wraps GPUModelRunner.execute_model (vLLM 0.32.0; CPUModelRunner inherits it): the scheduler output
-    # names finished/aborted and preempted requests even on steps with no tokens, and the worker must drop
-    # their sub-block state; the step's inputs are cleared afterwards so no later dummy run can reuse them.
-    _wrap(GPUModelRunner, "execute_model", _execute_model)
-    # Wraps GPUModelRunner._prepare_inputs (vLLM 0.32.0): it runs after the persistent input batch is updated
-    # and before attention metadata is built, the one point where request ids, prompt lengths and computed
-    # token counts of this step are known in batch order. The model is loaded by then, so CriticalKV's
-    # o_proj weights are collected here too.
-    _wrap(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
-    # Wraps GPUModelRunner.get_kv_cache_spec (vLLM 0.32.0): the worker calls it outside
-    # set_current_vllm_config, but the backend's customize_spec reads the eviction config from the current
-    # config to publish the evicting spec; without this the scheduler would never free a block.
-    _wrap(GPUModelRunner, "get_kv_cache_spec", _get_kv_cache_spec)
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-    # Wraps UnquantizedLinearMethod.process_weights_after_loading (vLLM 0.32.0): on CPU it prepacks the
-    # weight for oneDNN and replaces ``layer.weight`` with an empty tensor (dispatch_cpu_unquantized_gemm,
-    # remove_weight=True), so CriticalKV would find no o_proj weight. With a CriticalKV method on, each
-    # o_proj weight is copied first.
-    _wrap(UnquantizedLinearMethod, "process_weights_after_loading", _process_weights_after_loading)
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    # Wraps KVCacheManager.allocate_slots (vLLM 0.32.0, scheduler side): the one call that hands the KV
-    # managers the Request itself (single-type managers only see request ids). The evicting manager notes
-    # the request's per-request setting (sampling_params.extra_args) before its blocks are counted.
-    _wrap(KVCacheManager, "allocate_slots", _allocate_slots)
-    # Wraps KVCacheManager.get_computed_blocks (vLLM 0.32.0, scheduler side): a request whose plan rewrites
-    # its blocks (compaction, decode-time cap) must not start from cached prefix blocks other requests share;
-    # it is marked skip_reading_prefix_cache (vLLM's own per-request switch) before the lookup. Requests kept
-    # whole use the prefix cache as usual.
-    _wrap(KVCacheManager, "get_computed_blocks", _get_computed_blocks)
-
-
-def _wrap(cls: type, name: str, wrapper_body) -> None:
-    original = getattr(cls, name)
-    if getattr(original, _INSTALLED_MARK, False):
-        return
-
-    @functools.wraps(original)
-    def wrapper(self, *args: Any, **kwargs: Any):
-        return wrapper_body(original, self, *args, **kwargs)
-
-    setattr(wrapper, _INSTALLED_MARK, True)
-    setattr(cls, name, wrapper)
-
-
-def _execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any):
+def execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any):
     worker = current_worker()
     if worker is None:
         return original(runner, scheduler_output, *args, **kwargs)
@@ -85,14 +31,27 @@ def _execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any
         metrics.set_worker_requests(len(worker.requests))
 
 
-def _get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
+def get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
     from vllm.config import set_current_vllm_config
 
+    from vllm_kvevict.settings.config import EvictionConfigError, get_eviction_config
+    from vllm_kvevict.vllm_adapter import model_support
+
     with set_current_vllm_config(runner.vllm_config):
-        return original(runner, *args, **kwargs)
+        specs = original(runner, *args, **kwargs)
+    config = get_eviction_config(runner.vllm_config)
+    if config is not None:
+        # Start-up, after the model loaded: a layer the worker cannot evict, or CriticalKV without o_proj.
+        num_layers = runner.vllm_config.model_config.get_num_layers(runner.vllm_config.parallel_config)
+        refusal = model_support.kv_spec_refusal(specs) or model_support.criticalkv_refusal(
+            config.method, o_proj_weights(runner.get_model()), num_layers
+        )
+        if refusal is not None:
+            raise EvictionConfigError(refusal)
+    return specs
 
 
-def _prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *args: Any, **kwargs: Any):
+def prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *args: Any, **kwargs: Any):
     worker = current_worker()
     if worker is not None:
         if not worker.o_proj_collected:
@@ -128,7 +87,7 @@ def _extra_args(runner, req_id: str) -> dict[str, Any] | None:
     return getattr(params, "extra_args", None)
 
 
-def _get_computed_blocks(original, manager, request, *args: Any, **kwargs: Any):
+def get_computed_blocks(original, manager, request, *args: Any, **kwargs: Any):
     for single_type in manager.coordinator.single_type_managers:
         evicts = getattr(single_type, "evicts", None)
         if evicts is not None and evicts(request):
@@ -136,7 +95,7 @@ def _get_computed_blocks(original, manager, request, *args: Any, **kwargs: Any):
     return original(manager, request, *args, **kwargs)
 
 
-def _allocate_slots(original, manager, request, *args: Any, **kwargs: Any):
+def allocate_slots(original, manager, request, *args: Any, **kwargs: Any):
     for single_type in manager.coordinator.single_type_managers:
         admit = getattr(single_type, "admit_request", None)
         if admit is not None:
@@ -148,7 +107,7 @@ def _allocate_slots(original, manager, request, *args: Any, **kwargs: Any):
 O_PROJ_COPY = "kvevict_o_proj_weight"
 
 
-def _process_weights_after_loading(original, method, layer, *args: Any, **kwargs: Any):
+def process_weights_after_loading(original, method, layer, *args: Any, **kwargs: Any):
     if str(getattr(layer, "prefix", "")).endswith("self_attn.o_proj") and _method_needs_o_proj():
         weight = getattr(layer, "weight", None)
         if weight is not None and weight.numel() > 0 and not weight.is_meta:

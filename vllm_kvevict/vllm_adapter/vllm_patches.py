@@ -1,7 +1,12 @@
-"""Every wrapper of a private vLLM function that fixes vLLM itself, in one place (vLLM 0.32.0).
+"""Every wrapper of a vLLM function, in one place (vLLM 0.32.0): each names the function it wraps, the
+version checked and why. Three groups, installed by the plugin (``plugin.py``), each once per process:
 
-These apply whether or not eviction is on; each wrapper names the function it wraps, the version checked and
-why. They are installed by the plugin (``plugin.py``) in every process, once.
+- ``install_vllm_fixes``: fixes of vLLM itself, in every process whether or not eviction is on (below);
+- ``install_eviction_hooks``: the model runner and KV-cache manager hooks the eviction worker and manager
+  need (bodies in ``runner_hooks.py``), only in a process whose config turns eviction on;
+- ``install_cli_hooks``: the ``--kv-eviction`` flags and guard rails of ``vllm serve`` and ``LLM(...)``;
+- ``on_engine_config`` and ``choose_cpu_attention_isa``: the plugin's decision per engine config, and the
+  CPU attention ISA with eviction on.
 
 Seeded sampling of a prompt longer than one prefill chunk (issue 29). A request with a ``seed`` owns a
 ``torch.Generator``; vLLM samples every scheduled request each step, also one in the middle of its prefill,
@@ -27,11 +32,14 @@ from typing import Any
 import numpy as np
 
 TESTED_VLLM_VERSION = "0.32.0"
+#: marks on a wrapper, one per group: vLLM fixes (every process), eviction hooks (eviction on), CLI flags
 _WRAPPED_MARK = "_kvevict_vllm_patch"
+_EVICTION_MARK = "_kvevict_wrapped"
+_CLI_MARK = "__kvevict_wrapped__"
 
 
-def install() -> None:
-    """Install every wrapper (idempotent; every process)."""
+def install_vllm_fixes() -> None:
+    """Install the fixes of vLLM itself (idempotent; every process, eviction on or off)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     # Wraps GPUModelRunner._sample (vLLM 0.32.0; CPUModelRunner inherits it): the last point before a
@@ -42,6 +50,92 @@ def install() -> None:
     # calls Generator.set_offset, which CPU generators do not have. Those generators were already restored
     # by the _sample wrapper, so they are hidden from the rewind; vLLM rewinds CUDA generators as before.
     _wrap(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_without_cpu_rewind)
+
+def install_eviction_hooks() -> None:
+    """Install the eviction hooks (idempotent; a process whose config turns eviction on). Each body is in
+    ``runner_hooks.py`` and does nothing unless this process has an eviction worker or manager."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_kvevict.vllm_adapter import runner_hooks
+
+    # Wraps GPUModelRunner.execute_model (vLLM 0.32.0; CPUModelRunner inherits it): the scheduler output
+    # names finished/aborted and preempted requests even on steps with no tokens, and the worker must drop
+    # their sub-block state; the step's inputs are cleared afterwards so no later dummy run can reuse them.
+    _wrap(GPUModelRunner, "execute_model", runner_hooks.execute_model, _EVICTION_MARK)
+    # Wraps GPUModelRunner._prepare_inputs (vLLM 0.32.0, private): it runs after the persistent input batch is
+    # updated and before attention metadata is built, the one point where request ids, prompt lengths and
+    # computed token counts of this step are known in batch order.
+    _wrap(GPUModelRunner, "_prepare_inputs", runner_hooks.prepare_inputs, _EVICTION_MARK)
+    # Wraps GPUModelRunner.get_kv_cache_spec (vLLM 0.32.0): the worker calls it outside
+    # set_current_vllm_config, but the backend's customize_spec reads the eviction config from the current
+    # config to publish the evicting spec (without it the scheduler would never free a block); its result
+    # is where a layer eviction cannot serve shows, before the engine starts.
+    _wrap(GPUModelRunner, "get_kv_cache_spec", runner_hooks.get_kv_cache_spec, _EVICTION_MARK)
+    # Wraps UnquantizedLinearMethod.process_weights_after_loading (vLLM 0.32.0): on CPU it prepacks the
+    # weight for oneDNN and replaces ``layer.weight`` with an empty tensor (dispatch_cpu_unquantized_gemm,
+    # remove_weight=True), so CriticalKV would find no o_proj weight; with CriticalKV each is copied first.
+    _wrap(
+        UnquantizedLinearMethod,
+        "process_weights_after_loading",
+        runner_hooks.process_weights_after_loading,
+        _EVICTION_MARK,
+    )
+    # Wraps KVCacheManager.allocate_slots (vLLM 0.32.0, scheduler side): the one call that hands the KV
+    # managers the Request itself (single-type managers only see request ids). The evicting manager notes
+    # the request's per-request setting (sampling_params.extra_args) before its blocks are counted.
+    _wrap(KVCacheManager, "allocate_slots", runner_hooks.allocate_slots, _EVICTION_MARK)
+    # Wraps KVCacheManager.get_computed_blocks (vLLM 0.32.0, scheduler side): a request whose plan rewrites
+    # its blocks (compaction, decode-time cap) must not start from cached prefix blocks other requests share;
+    # it is marked skip_reading_prefix_cache (vLLM's own per-request switch) before the lookup.
+    _wrap(KVCacheManager, "get_computed_blocks", runner_hooks.get_computed_blocks, _EVICTION_MARK)
+
+
+def install_cli_hooks() -> None:
+    """Give ``vllm serve`` the eviction flags and every engine the guard rails (idempotent; the API server or
+    a process that builds engines from Python). They pass everything through unchanged when no eviction is
+    asked for."""
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args, apply_eviction_to_engine_args
+    from vllm_kvevict.vllm_adapter.engine_guard import guard_engine_args, mark_guarded
+
+    if getattr(EngineArgs.add_cli_args, _CLI_MARK, False):
+        return
+    original_add = EngineArgs.add_cli_args
+    original_from = EngineArgs.from_cli_args.__func__
+    original_create = EngineArgs.create_engine_config
+
+    # Wraps EngineArgs.add_cli_args (vLLM 0.32.0, staticmethod; vLLM has no registry for engine CLI flags):
+    # AsyncEngineArgs.add_cli_args calls it by name after loading the general plugins, so the eviction
+    # argument group shows up in ``vllm serve --help``.
+    def add_cli_args(parser: Any) -> Any:
+        parser = original_add(parser)
+        add_eviction_args(parser)
+        return parser
+
+    # Wraps EngineArgs.from_cli_args (vLLM 0.32.0, classmethod inherited by AsyncEngineArgs): it keeps only
+    # dataclass fields, so the flags would be dropped; they move into additional_config["kv_eviction"] and
+    # the start-up guard rails apply (a refusal exits with one "vllm serve: error:" line).
+    def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
+        engine_args = original_from(cls, args)
+        apply_eviction_to_engine_args(args, engine_args)
+        mark_guarded(engine_args)
+        return engine_args
+
+    # Wraps EngineArgs.create_engine_config (vLLM 0.32.0): LLM(...) and AsyncLLM.from_engine_args build
+    # their config here without from_cli_args, so the same guard rails apply first (a GuardRailError).
+    def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> Any:
+        guard_engine_args(self)
+        return original_create(self, *args, **kwargs)
+
+    setattr(add_cli_args, _CLI_MARK, True)
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs.create_engine_config = create_engine_config
 
 
 def on_engine_config(callback: Callable[[Any], object]) -> None:
@@ -80,16 +174,17 @@ def choose_cpu_attention_isa(choose: Callable[[str], str]) -> None:
     cpu_attn._get_attn_isa = get_attn_isa
 
 
-def _wrap(cls: type, name: str, body) -> None:
+def _wrap(cls: type, name: str, body, mark: str = _WRAPPED_MARK) -> None:
+    """Replace ``cls.name`` by a wrapper calling ``body(original, self, *args, **kwargs)`` once (``mark``)."""
     original = getattr(cls, name)
-    if getattr(original, _WRAPPED_MARK, False):
+    if getattr(original, mark, False):
         return
 
     @functools.wraps(original)
     def wrapper(self, *args: Any, **kwargs: Any):
         return body(original, self, *args, **kwargs)
 
-    setattr(wrapper, _WRAPPED_MARK, True)
+    setattr(wrapper, mark, True)
     setattr(cls, name, wrapper)
 
 

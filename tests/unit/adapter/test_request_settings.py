@@ -20,7 +20,7 @@ from vllm.v1.sample.logits_processor import validate_logits_processors_parameter
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError
 from vllm_kvevict.settings.request_settings import RequestOverride, RequestSettings, parse_override
-from vllm_kvevict.vllm_adapter import runner_hooks
+from vllm_kvevict.vllm_adapter import vllm_patches
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, register_evicting_spec
 from vllm_kvevict.vllm_adapter.request_validation import (
     SERVER_CONFIG_ENV,
@@ -207,7 +207,7 @@ def test_middleware_leaves_other_content_and_eviction_off_alone(monkeypatch):
 def scheduler_manager() -> KVCacheManager:
     """vLLM's real KVCacheManager over one evicting group, with the allocate_slots wrapper installed."""
     register_evicting_spec()
-    runner_hooks.install()
+    vllm_patches.install_eviction_hooks()
     spec = EvictingAttentionSpec(
         block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16,
         eviction=json.dumps(SERVER.to_dict(), sort_keys=True), num_model_layers=LAYERS,

@@ -76,9 +76,9 @@ def test_bookkeeping_does_not_rewind_cpu_generators_and_keeps_the_batch_generato
 def test_install_wraps_the_runner_methods_once():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    vllm_patches.install()
+    vllm_patches.install_vllm_fixes()
     wrapped = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
-    vllm_patches.install()
+    vllm_patches.install_vllm_fixes()
     assert (GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync) == wrapped
     assert all(getattr(method, vllm_patches._WRAPPED_MARK) for method in wrapped)
 
@@ -87,7 +87,10 @@ def test_with_eviction_bf16_on_an_amx_cpu_runs_the_vec_packing(monkeypatch):
     """No AMX machine here: the CPU flags vLLM reads are mocked."""
     from vllm.v1.attention.backends import cpu_attn
 
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", cpu_attn._get_attn_isa)  # undone after the test
+    # vLLM's own function (an earlier test in this process may have installed the choice): undone after
+    monkeypatch.setattr(
+        cpu_attn, "_get_attn_isa", getattr(cpu_attn._get_attn_isa, "__wrapped__", cpu_attn._get_attn_isa)
+    )
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert cpu_attn._get_attn_isa(torch.bfloat16, 32, 64) == "amx"
     vllm_patches.choose_cpu_attention_isa(model_support.cpu_attention_isa)
