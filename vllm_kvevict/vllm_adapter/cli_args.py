@@ -379,7 +379,7 @@ def keep_attention_out_of_graphs(engine_args: Any, is_cuda: bool | None = None) 
 
 
 def select_cuda_backend(engine_args: Any, is_cuda: bool | None = None) -> None:
-    """On CUDA, eviction runs in the evicting FlashAttention backend, registered as ``CUSTOM``.
+    """On CUDA, eviction runs in the evicting Triton attention backend, registered as ``CUSTOM``.
 
     On CPU the plugin overrides ``CPU_ATTN`` itself (vLLM ignores --attention-backend there)."""
     if is_cuda is None:
@@ -392,8 +392,8 @@ def select_cuda_backend(engine_args: Any, is_cuda: bool | None = None) -> None:
     if chosen is not None and str(getattr(chosen, "name", chosen)).upper() != "CUSTOM":
         raise GuardRailError(
             f"--attention-backend {getattr(chosen, 'name', chosen)} cannot evict; with --kv-eviction leave "
-            "it unset or use CUSTOM (the evicting FlashAttention backend)"
+            "it unset or use CUSTOM (the evicting Triton attention backend)"
         )
     if chosen is None:
-        logger.info("kv-eviction: attention backend CUSTOM (the evicting FlashAttention backend)")
+        logger.info("kv-eviction: attention backend CUSTOM (the evicting Triton attention backend)")
         engine_args.attention_backend = "CUSTOM"
