@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from vllm_kvevict.cli.prepare_model import prepared_model_dir
-from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.cpu_setup import AOT_COMPILE_ENV
+from vllm_kvevict.server_process import VLLMServer
 
 INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 AOT_LOAD_ERROR = "finalize_loading"

@@ -27,7 +27,7 @@ from pathlib import Path
 from vllm_kvevict.bench.client import run_workload
 from vllm_kvevict.bench.workload import Workload, build_workload
 from vllm_kvevict.cli.prepare_model import prepared_model_dir
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 #: (label, "function (file" prefix of a py-spy raw frame) of the parts of a step this profile separates.
 FRAMES = (

@@ -20,7 +20,7 @@ import sys
 from vllm_kvevict.bench.client import run_workload
 from vllm_kvevict.bench.workload import Workload, build_workload
 from vllm_kvevict.cli.prepare_model import prepared_model_dir
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 
 def measure(label: str, old_tree: str | None, workload: Workload, args: argparse.Namespace) -> dict:

@@ -22,7 +22,7 @@ from openai import OpenAI
 
 from vllm_kvevict.bench.workload import build_workload
 from vllm_kvevict.cli.prepare_model import prepared_model_dir
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 
 def time_requests(

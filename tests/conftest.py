@@ -1,6 +1,6 @@
 """Shared fixtures: the prepared bundled model, and how test servers share the machine's cores.
 
-Every server a test starts goes through ``vllm_kvevict.cli.server_process.VLLMServer``, which applies
+Every server a test starts goes through ``vllm_kvevict.server_process.VLLMServer``, which applies
 ``vllm_kvevict.cpu_setup`` (``--dtype`` from the CPU's capabilities, tcmalloc when present) and logs the
 choice in one line.
 

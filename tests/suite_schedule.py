@@ -8,6 +8,7 @@ from __future__ import annotations
 SLOWEST_FIRST = (
     "tests/e2e/test_eviction_server.py",  # ~700: three servers (vanilla, eviction, TP=3)
     "tests/reliability",  # ~650: one scope, see ONE_SCOPE
+    "tests/reliability/test_chunked_sampling.py",  # ~150 (2026-11-27): its own plain and evicting servers
     "tests/e2e/test_serve_eviction_flags.py",  # ~330: the compiled server's torch.compile warm-up
     "tests/e2e/test_chunked_prefill_reference.py",  # ~260: two servers + HF reference
     "tests/e2e/test_decode_eviction_server.py",  # ~310: 2,000 capped tokens + HF reference
@@ -19,15 +20,22 @@ SLOWEST_FIRST = (
     "tests/e2e/test_serve_command.py",
     "tests/e2e/test_eval_cli.py",
     "tests/e2e/test_criticalkv_server.py",
+    "tests/e2e/test_model_matrix.py",  # ~35: two tiny models
+    "tests/gpu_bundle/test_gpu_bundle.py",  # ~35: builds the GPU bundle once
 )
 #: Directories scheduled as one xdist scope: the reliability files share one session-scoped server
 #: (tests/reliability/conftest.py), which each worker running any of them would otherwise start again.
 ONE_SCOPE = ("tests/reliability",)
+#: Modules inside a ONE_SCOPE directory that start servers of their own: a scope of their own, so the other
+#: worker can run them.
+OWN_SCOPE = ("tests/reliability/test_chunked_sampling.py",)
 
 
 def scope_of(nodeid: str) -> str:
     """The xdist scope of a test id: its module, or the ``ONE_SCOPE`` directory that holds it."""
     module = nodeid.split("::", 1)[0]
+    if module in OWN_SCOPE:
+        return module
     return next((d for d in ONE_SCOPE if module.startswith(d + "/")), module)
 
 

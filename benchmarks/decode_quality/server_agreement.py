@@ -24,8 +24,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from vllm_kvevict.cli.prepare_model import prepared_model_dir
-from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.evaluation.sequence_agreement import common_prefix_length, rouge_l_f1
+from vllm_kvevict.server_process import VLLMServer
 
 TOPICS = [
     "a lighthouse keeper who finds a message in a bottle",

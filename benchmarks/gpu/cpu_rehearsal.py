@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks.gpu import check_greedy, check_kv_usage, check_reference
 from benchmarks.gpu.correctness import vocab_size
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 CPU_SIZES = {
     check_greedy: {"PROMPT_LENGTHS": (17, 300), "NEW_TOKENS": 24},

@@ -2,7 +2,7 @@
 
 The host has no ``vllm`` console script (vLLM is the bundle's tree on ``PYTHONPATH``), so the command is
 ``python -m vllm.entrypoints.cli.main serve``; everything else (process group, log file, ``/health``,
-``/metrics``, stop) is :class:`vllm_kvevict.cli.server_process.VLLMServer`. No CPU set-up: the servers run
+``/metrics``, stop) is :class:`vllm_kvevict.server_process.VLLMServer`. No CPU set-up: the servers run
 on the GPU.
 """
 
@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from benchmarks.gpu import serve_flags
-from vllm_kvevict.cli.server_process import HOST, VLLMServer
+from vllm_kvevict.server_process import HOST, VLLMServer
 
 MISSING_C_OP = re.compile(r"'_OpNamespace' '_C' object has no attribute '(\w+)'")
 #: Two servers share the GPU in the correctness and bench stages.

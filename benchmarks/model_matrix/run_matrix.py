@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, MatrixModel, build  # noqa: E402
 
 from vllm_kvevict.bench.workload import prose  # noqa: E402
-from vllm_kvevict.cli.server_process import ServerStartError, VLLMServer  # noqa: E402
+from vllm_kvevict.server_process import ServerStartError, VLLMServer  # noqa: E402
 
 PROMPT_TOKENS = 600
 MAX_TOKENS = 16

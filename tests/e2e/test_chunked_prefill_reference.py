@@ -25,8 +25,8 @@ import pytest
 import torch
 from reference_checks import assert_vllm_sides_with_the_eviction, logprob_gap, tokens_and_logprobs
 
-from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
+from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -28,8 +28,8 @@ from reference_checks import (
     tokens_and_logprobs,
 )
 
-from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
+from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -125,7 +125,7 @@ def scraped_server(model_dir: Path, tmp_path_factory) -> Iterator[tuple[Promethe
     """Eviction server + Prometheus after traffic; yields the Prometheus and the time traffic started."""
     from vllm_kvevict.bench.client import run_workload
     from vllm_kvevict.bench.workload import Workload, build_workload
-    from vllm_kvevict.cli.server_process import VLLMServer
+    from vllm_kvevict.server_process import VLLMServer
 
     ensure_prometheus_installed()
     long_prompts = build_workload(

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vllm_kvevict.cli.main import main
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

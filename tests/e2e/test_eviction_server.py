@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from request_bodies import client_of as openai_client
 
-from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
 from vllm_kvevict.layout.accounting import plan_request
 from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

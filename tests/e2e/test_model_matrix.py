@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from vllm_kvevict.cli.server_process import ServerStartError, VLLMServer
+from vllm_kvevict.server_process import ServerStartError, VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

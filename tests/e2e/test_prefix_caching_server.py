@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

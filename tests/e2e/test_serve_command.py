@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvevict.cli.model_conversion import VERIFY_QUESTION
-from vllm_kvevict.cli.server_process import ServerStartError, VLLMServer, free_port, vllm_executable
+from vllm_kvevict.server_process import ServerStartError, VLLMServer, free_port, vllm_executable
 
 QUESTION = VERIFY_QUESTION  # the one prepare-model verified with HF transformers; a clear greedy margin
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_kvevict.cli.server_process import VLLMServer, vllm_executable
+from vllm_kvevict.server_process import VLLMServer, vllm_executable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

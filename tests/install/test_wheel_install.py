@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvevict.cli.model_conversion import VERIFY_QUESTION
-from vllm_kvevict.cli.server_process import VLLMServer, vllm_executable
+from vllm_kvevict.server_process import VLLMServer, vllm_executable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

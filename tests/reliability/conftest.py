@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from reliability_traffic import INJECTED_FAULTS, SERVER_ARGS
 
-from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.datapath.policy_guard import FAULT_INJECTION_ENV
+from vllm_kvevict.server_process import VLLMServer
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from vllm_kvevict.bench.workload import prose
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 32

@@ -39,10 +39,10 @@ from reliability_traffic import (
 )
 from request_bodies import client_of, ignore_eos_body
 
-from vllm_kvevict.cli.server_process import VLLMServer
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
 from vllm_kvevict.layout.accounting import request_planner
 from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

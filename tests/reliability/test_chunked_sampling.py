@@ -22,7 +22,7 @@ import pytest
 from reliability_traffic import BLOCK_SIZE, BUDGET, long_ids, long_text, wait_for_usage_zero
 from request_bodies import client_of
 
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

@@ -20,7 +20,7 @@ from reliability_traffic import (
 )
 from request_bodies import client_of, ignore_eos_body
 
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

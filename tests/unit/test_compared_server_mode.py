@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.cli import server_process
+from vllm_kvevict import server_process
 from vllm_kvevict.cli.main import build_parser
-from vllm_kvevict.cli.server_process import (
+from vllm_kvevict.server_process import (
     COMPILED_STARTUP_TIMEOUT_S,
     DEFAULT_STARTUP_TIMEOUT_S,
     EAGER_TEXT,

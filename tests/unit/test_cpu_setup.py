@@ -100,7 +100,7 @@ def test_tcmalloc_is_found_by_pattern_or_absent(monkeypatch, tmp_path):
 
 @pytest.mark.model
 def test_every_launched_server_gets_this_machines_setup(model_dir):
-    from vllm_kvevict.cli.server_process import VLLMServer, free_port
+    from vllm_kvevict.server_process import VLLMServer, free_port
 
     setup = cpu_setup()
     launcher = VLLMServer(model_dir, port=free_port())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvevict.cli.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer
 
 
 def server_reading(monkeypatch, tmp_path, values: list[float]) -> tuple[VLLMServer, list[str]]:

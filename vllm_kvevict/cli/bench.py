@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from vllm_kvevict.cli.server_process import add_eager_flag, server_mode_text, startup_timeout_for
+from vllm_kvevict.server_process import add_eager_flag, server_mode_text, startup_timeout_for
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -110,7 +110,7 @@ def bench_server(model_dir: Path, label: str, extra: list[str], workload, args: 
     from vllm_kvevict.bench.metrics_poller import MetricsPoller
     from vllm_kvevict.bench.report import summarise
     from vllm_kvevict.bench.workload import Workload
-    from vllm_kvevict.cli.server_process import VLLMServer
+    from vllm_kvevict.server_process import VLLMServer
 
     print(f"[bench] {label}: vllm serve {model_dir} {shlex.join(extra)}", file=sys.stderr, flush=True)
     with VLLMServer(

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_kvevict.cli.server_process import add_eager_flag
+from vllm_kvevict.server_process import add_eager_flag
 
 DEFAULT_LENGTHS = "1k,2k,4k,7k"
 

@@ -86,7 +86,7 @@ class AfterTraffic:
 
 def run(args: argparse.Namespace) -> int:
     from vllm_kvevict.cli.prepare_model import prepared_model_dir
-    from vllm_kvevict.cli.server_process import VLLMServer
+    from vllm_kvevict.server_process import VLLMServer
     from vllm_kvevict.soak.probe import ServerProbe
 
     try:

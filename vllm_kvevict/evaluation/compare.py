@@ -15,7 +15,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from vllm_kvevict.cli.server_process import server_mode_text
 from vllm_kvevict.evaluation.configs import EvalConfig
 from vllm_kvevict.evaluation.kvpress_bridge import kvpress_configs, run_kvpress, score_raw
 from vllm_kvevict.evaluation.plots import plot_accuracy_vs_kept, plot_task_heatmap
@@ -23,6 +22,7 @@ from vllm_kvevict.evaluation.report import per_task_scores, results_section, wri
 from vllm_kvevict.evaluation.results import Result, overall_score, read_results, summary_table, write_results
 from vllm_kvevict.evaluation.runner import make_client, run_samples
 from vllm_kvevict.evaluation.sample import Sample, read_samples, write_samples
+from vllm_kvevict.server_process import server_mode_text
 
 SKELETON = """# Answer quality under KV eviction
 
@@ -89,7 +89,7 @@ def run_server_config(
     config: EvalConfig, samples: list[Sample], model_dir: Path, args: argparse.Namespace, log_dir: Path
 ) -> tuple[list[Result], dict[str, float]]:
     """Start the server of ``config``, answer every sample, read its eviction counters, stop it."""
-    from vllm_kvevict.cli.server_process import VLLMServer, startup_timeout_for
+    from vllm_kvevict.server_process import VLLMServer, startup_timeout_for
 
     with VLLMServer(
         model_dir,
