@@ -221,15 +221,7 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
             kv_cache, layer.isa, key, value, layer._k_scale_float, layer._v_scale_float, self.kv_cache_dtype
         )
 
-    def head_attention(
-        self,
-        layer,
-        step: EvictionStep,
-        batch: HeadSequenceBatch,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
+    def head_attention(self, layer, step: EvictionStep, batch: HeadSequenceBatch, query, kv_cache, out):
         if batch.kernel_metadata is None:
             batch.kernel_metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=batch.seq_lens.shape[0],

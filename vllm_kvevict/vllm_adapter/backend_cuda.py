@@ -100,15 +100,7 @@ class EvictingTritonAttentionImpl(EvictingImpl, TritonAttentionImpl):
     def cache_rows(self, layer, kv_cache, key, value) -> GPUCacheRows:
         return GPUCacheRows(kv_cache)
 
-    def head_attention(
-        self,
-        layer,
-        step: EvictionStep,
-        batch: HeadSequenceBatch,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
+    def head_attention(self, layer, step: EvictionStep, batch: HeadSequenceBatch, query, kv_cache, out):
         key_cache, value_cache = one_head_caches(kv_cache)
         sequences = batch.seq_lens.shape[0]
         unified_attention(
