@@ -1,1 +1,1 @@
-"""Everything that touches vLLM: plugin, CLI flags, attention backend, KV-cache spec and manager, metrics."""
+"""Everything that touches vLLM: plugin, CLI flags, attention backends, KV-cache spec and manager, patches."""
