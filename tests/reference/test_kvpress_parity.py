@@ -33,7 +33,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from vllm_kvevict.hf_reference import capture_layers, load_reference_model
 from vllm_kvevict.hf_reference.model import attention_modules
 from vllm_kvevict.policies.base import LayerKV
-from vllm_kvevict.policies.expected_attention import rope_cos_sin
+from vllm_kvevict.policies.query_statistics import rope_cos_sin
 
 pytestmark = [pytest.mark.reference, pytest.mark.model]
 

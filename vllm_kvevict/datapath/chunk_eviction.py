@@ -23,17 +23,19 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.placement import place, standard_entries, subblock_slots
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.datapath.selection import select_kept
-from vllm_kvevict.datapath.step_inputs import CacheShape, StepRequest
+from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.subblock_store import TableRows
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
-from vllm_kvevict.policies.expected_attention import QueryStatistics, uses_query_statistics
+from vllm_kvevict.policies.expected_attention import uses_query_statistics
+from vllm_kvevict.policies.query_statistics import QueryStatistics
 
 #: queries kept per request and layer between chunks, for the next chunk's observation window.
 MAX_SAVED_QUERIES = 64

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.query_ring import QueryRing, RingWrites
-from vllm_kvevict.datapath.step_inputs import CacheShape
 from vllm_kvevict.layout.accounting import NEVER, RequestPlan, cdiv, evicted_offset
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy, DecodeState

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import place
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
 from vllm_kvevict.datapath.selection import select_kept
-from vllm_kvevict.datapath.step_inputs import CacheShape, StepRequest
+from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.subblock_store import TableRows

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.decode_eviction import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import Rescore
@@ -16,7 +17,7 @@ from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
-from vllm_kvevict.datapath.step_inputs import CacheShape, StepRequest
+from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks, StepLayout
 from vllm_kvevict.policies.base import KeptTokens
 

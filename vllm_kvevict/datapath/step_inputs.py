@@ -1,5 +1,5 @@
-"""What the model runner knows about one engine step (request ids, prompt lengths, token counts), the
-requests of the step as the datapath sees them, and the cache geometry every mode shares."""
+"""What the model runner knows about one engine step (request ids, prompt lengths, token counts), and the
+requests of the step as the datapath sees them."""
 
 from __future__ import annotations
 
@@ -24,15 +24,6 @@ class StepInputs:
     computed: np.ndarray  # [R] tokens already in the cache before this step
     scheduled: np.ndarray  # [R] tokens computed in this step
     extra_args: list[dict | None] | None = None  # [R] SamplingParams.extra_args (per-request settings)
-
-
-@dataclass(frozen=True)
-class CacheShape:
-    """The model's eviction geometry: layers, KV heads per layer, tokens per block."""
-
-    num_layers: int
-    num_kv_heads: int
-    block_size: int
 
 
 @dataclass

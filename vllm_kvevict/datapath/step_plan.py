@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 from vllm_kvevict import metrics
+from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.decode_eviction import DecodeEviction
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
 from vllm_kvevict.datapath.step import EvictionStep, StepSizes
-from vllm_kvevict.datapath.step_inputs import CacheShape, StepInputs, StepRequest
+from vllm_kvevict.datapath.step_inputs import StepInputs, StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.policies.base import EvictionPolicy, ScoredPolicy

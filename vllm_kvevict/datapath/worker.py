@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
 from vllm_kvevict.datapath.decode_eviction import DecodeEviction
 from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.step import EvictionStep
-from vllm_kvevict.datapath.step_inputs import CacheShape, StepInputs
+from vllm_kvevict.datapath.step_inputs import StepInputs
 from vllm_kvevict.datapath.step_plan import StepPlanner, shares_tables
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks

@@ -25,7 +25,7 @@ from vllm_kvevict.policies.between_chunks import (
     between_chunks,
     trailing_window_held,
 )
-from vllm_kvevict.policies.expected_attention import QueryStatistics
+from vllm_kvevict.policies.query_statistics import QueryStatistics
 
 #: (computed tokens after an evicting chunk, per layer what each head held then).
 ChunkHeld = tuple[int, Sequence[KeptTokens]]

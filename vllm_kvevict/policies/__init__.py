@@ -3,12 +3,13 @@
 from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, resolve_budget
 from vllm_kvevict.policies.criticalkv import CriticalKV
-from vllm_kvevict.policies.expected_attention import ExpectedAttention, QueryStatistics
+from vllm_kvevict.policies.expected_attention import ExpectedAttention
 from vllm_kvevict.policies.h2o import H2O
 from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.knorm import KNorm
 from vllm_kvevict.policies.nacl import NaCl
 from vllm_kvevict.policies.pyramidkv import PyramidKV
+from vllm_kvevict.policies.query_statistics import QueryStatistics
 from vllm_kvevict.policies.registry import MethodInfo, available_methods, build_policy, method_names
 from vllm_kvevict.policies.roco import RoCo, RocoStatistics
 from vllm_kvevict.policies.snapkv import SnapKV

@@ -16,7 +16,7 @@ import torch
 from vllm_kvevict.policies.selection import top_k_mask
 
 if TYPE_CHECKING:
-    from vllm_kvevict.policies.expected_attention import QueryStatistics
+    from vllm_kvevict.policies.query_statistics import QueryStatistics
 
 
 @dataclass(frozen=True)

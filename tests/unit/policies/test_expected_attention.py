@@ -12,13 +12,8 @@ from policy_layers import random_layer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from vllm_kvevict.policies import AdaKV, ExpectedAttention, LayerKV, QueryStatistics, build_policy
-from vllm_kvevict.policies.expected_attention import (
-    LEADERBOARD_EPSILON,
-    average_rotation,
-    rope_cos_sin,
-    rotate_half,
-    unrotate,
-)
+from vllm_kvevict.policies.expected_attention import LEADERBOARD_EPSILON
+from vllm_kvevict.policies.query_statistics import average_rotation, rope_cos_sin, rotate_half, unrotate
 
 D = 16
 INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
