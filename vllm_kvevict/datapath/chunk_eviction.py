@@ -57,6 +57,7 @@ class ChunkRescore:
     policy: EvictionPolicy
     compacted: bool  # reads sub-block tables already (an earlier chunk was evicted)
     evicts: bool = True
+    reads_statistics: bool = False  # judged by Expected Attention: every prompt query is folded in
 
     @property
     def final(self) -> bool:
@@ -170,20 +171,24 @@ class ChunkEviction:
                 self.statistics.pop(r.req_id, None)  # the prompt is complete: no later chunk reads them
         return Moves.join(moves), results
 
+    def reads_statistics(self, policy: EvictionPolicy, budget: int) -> bool:
+        """True when a prompt is judged by Expected Attention, as its method or by the rule between chunks
+        at ``budget``: its every prompt query is then folded into running statistics."""
+        return uses_query_statistics(policy) or uses_query_statistics(
+            between_chunks(policy, self.between, budget)
+        )
+
     def _update_statistics(self, layer_idx: int, r: ChunkRescore, query: torch.Tensor) -> None:
         """Fold this chunk's prompt queries into the request's running statistics, for a request judged by
         Expected Attention (its method, or the rule between chunks): every prompt query counts, not only
         the saved window."""
-        if not uses_query_statistics(r.policy) and not uses_query_statistics(
-            between_chunks(r.policy, self.between, r.plan.kept_length_at(r.seq_len))
-        ):
+        if not r.reads_statistics or self.rope_inv_freq is None:  # None: no NeoX rotary embedding found
             return
-        if self.rope_inv_freq is None:  # no NeoX rotary embedding found: the policy's own RoPE assumption
-            return
-        inv_freq = self.rope_inv_freq.to(query.device)
-        per_layer = self.statistics.setdefault(
-            r.req_id, [QueryStatistics(inv_freq) for _ in range(self.shape.num_layers)]
-        )
+        per_layer = self.statistics.get(r.req_id)
+        if per_layer is None:
+            inv_freq = self.rope_inv_freq.to(query.device)
+            per_layer = [QueryStatistics(inv_freq) for _ in range(self.shape.num_layers)]
+            self.statistics[r.req_id] = per_layer
         count = min(r.q_len, r.plan.prompt_len - r.computed)
         if count > 0:
             positions = torch.arange(r.computed, r.computed + count, device=query.device)

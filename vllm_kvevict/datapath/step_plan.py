@@ -208,6 +208,7 @@ class StepPlanner:
             policy,
             bool(compacted[index]),
             evicts,
+            self.chunks.reads_statistics(policy, plan.kept_length_at(n1)),
         )
 
 

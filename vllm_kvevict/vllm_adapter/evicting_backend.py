@@ -32,16 +32,10 @@ from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_sp
 logger = init_logger("vllm.kvevict.backend")
 
 
-def eviction_worker(
-    spec: EvictingAttentionSpec, vllm_config: Any, window_size: int | None = None
-) -> EvictionWorker:
+def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWorker:
     """The process's EvictionWorker, created by the first builder (one KV cache group holds every layer),
     after the refusals of a model or configuration no backend can evict correctly."""
     refusal = model_support.eviction_refusal(vllm_config)
-    if refusal is None and window_size not in (None, -1):
-        refusal = model_support.attention_layer_refusal(
-            "(all)", is_decoder=True, alibi_slopes=None, sinks=None, sliding_window=window_size
-        )
     if refusal is not None:
         raise EvictionConfigError(refusal)
     worker = current_worker()
@@ -108,8 +102,7 @@ class EvictingBuilder:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)  # type: ignore[call-arg]
         self.worker: EvictionWorker | None = None
         if isinstance(kv_cache_spec, EvictingAttentionSpec):
-            window = getattr(self, "window_size", None)
-            self.worker = eviction_worker(kv_cache_spec, vllm_config, window)
+            self.worker = eviction_worker(kv_cache_spec, vllm_config)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
