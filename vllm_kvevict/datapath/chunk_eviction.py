@@ -31,6 +31,7 @@ from vllm_kvevict.datapath.selection import select_kept
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.shared_prefix import first_kept_block, shared_blocks
 from vllm_kvevict.layout.subblock_store import TableRows
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
@@ -45,7 +46,9 @@ MAX_SAVED_QUERIES = 64
 class ChunkRescore:
     """A request prefilling a chunk of a prompt that compacts. Its tokens are rows [q_start, q_start + q_len)
     of the step's tensors; ``computed`` -> ``seq_len`` tokens are in the cache before -> after the step;
-    ``evicts``: the rule evicts after this chunk (else only its queries are kept for a later window)."""
+    ``evicts``: the rule evicts after this chunk (else only its queries are kept for a later window).
+    ``shared``: prompt tokens it started with from vLLM's prefix cache (blocks other requests share, kept
+    whole); ``plan`` is then the plan of the rest of its prompt (``layout/shared_prefix.py``)."""
 
     slot: int
     req_id: str
@@ -58,21 +61,24 @@ class ChunkRescore:
     compacted: bool  # reads sub-block tables already (an earlier chunk was evicted)
     evicts: bool = True
     reads_statistics: bool = False  # judged by Expected Attention: every prompt query is folded in
+    shared: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return self.shared + self.plan.prompt_len
 
     @property
     def final(self) -> bool:
         """The prompt completes in this step: the method's own selection, down to the layer budgets."""
-        return self.seq_len >= self.plan.prompt_len
+        return self.seq_len >= self.prompt_len
 
     @property
     def trailing(self) -> int:
         """Tokens after the prompt computed in this step (a request recomputed after preemption)."""
-        return max(0, self.seq_len - self.plan.prompt_len)
+        return max(0, self.seq_len - self.prompt_len)
 
     def as_request(self) -> StepRequest:
-        return StepRequest(
-            self.slot, self.req_id, self.q_start, self.q_len, self.seq_len, self.plan.prompt_len
-        )
+        return StepRequest(self.slot, self.req_id, self.q_start, self.q_len, self.seq_len, self.prompt_len)
 
 
 class ChunkEviction:
@@ -189,7 +195,7 @@ class ChunkEviction:
             inv_freq = self.rope_inv_freq.to(query.device)
             per_layer = [QueryStatistics(inv_freq) for _ in range(self.shape.num_layers)]
             self.statistics[r.req_id] = per_layer
-        count = min(r.q_len, r.plan.prompt_len - r.computed)
+        count = min(r.q_len, r.prompt_len - r.computed)
         if count > 0:
             positions = torch.arange(r.computed, r.computed + count, device=query.device)
             per_layer[layer_idx].update(query[r.q_start : r.q_start + count].transpose(0, 1), positions)
@@ -211,10 +217,10 @@ class ChunkEviction:
         keys, values = rows.read(slots[:, :scored].reshape(-1))
         keys = keys.view(heads, scored, -1)
         values = values.view(heads, scored, -1)
-        prompt_end = r.q_start + (plan.prompt_len - r.computed if r.final else r.q_len)
-        budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len)
+        prompt_end = r.q_start + (r.prompt_len - r.computed if r.final else r.q_len)
+        budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len - r.shared)
         policy = r.policy if r.final else between_chunks(r.policy, self.between, budget)
-        window = policy.query_window(scored)
+        window = policy.query_window(scored - r.shared)
         layer = LayerKV(
             keys=keys,
             values=values.to(keys.dtype),
@@ -226,10 +232,12 @@ class ChunkEviction:
             query_statistics=self.statistics[r.req_id][layer_idx] if r.req_id in self.statistics else None,
         )
         with timer.phase("selection"):
-            kept = select_kept(policy, layer, min(budget, scored), r.req_id, uniform=not r.final)
+            kept = select_kept(
+                policy, layer, min(budget, scored - r.shared), r.req_id, uniform=not r.final, shared=r.shared
+            )
         total = int(kept.counts.sum()) + r.trailing * heads
         placed = place(kept, r.trailing, scored, total, slots.device)
-        first_block = plan.blocks_freed_at(r.seq_len)
+        first_block = first_kept_block(plan, r.shared, r.seq_len)
         store = self.tables.store
         assert store is not None
         table = store.assign(
@@ -240,13 +248,14 @@ class ChunkEviction:
             total - r.trailing * heads,
             num_blocks=cdiv(r.seq_len, bs),
             check=check,
+            shared_blocks=shared_blocks(r.shared, bs),
         )
         kept_positions = torch.full(
             (heads, int(placed.per_head.max())), -1, dtype=torch.int64, device=slots.device
         )
         kept_positions[placed.heads, placed.index] = positions[placed.heads, placed.chosen]
         self._commit(layer_idx, r, table, first_block, kept_positions)
-        moves = Moves(slots[placed.heads, placed.chosen], placed.destinations(table, bs))
+        moves = Moves(slots[placed.heads, placed.chosen], placed.destinations(table, bs, r.shared))
         return moves, KeptTokens(kept_positions, placed.per_head)
 
     def _commit(

@@ -43,9 +43,10 @@ class Placement:
     chosen: torch.Tensor
     kept: torch.Tensor
 
-    def destinations(self, table: TableRows, block_size: int) -> torch.Tensor:
-        """[K] int64 one-head-view slots of each entry in ``table``."""
-        return table.token_slots(block_size, self.heads, self.index)
+    def destinations(self, table: TableRows, block_size: int, after: int = 0) -> torch.Tensor:
+        """[K] int64 one-head-view slots of each entry in ``table``, whose heads hold ``after`` entries of a
+        shared prefix before them."""
+        return table.token_slots(block_size, self.heads, self.index + after)
 
 
 def place(kept: KeptTokens, trailing: int, trailing_from: int, total: int, device: torch.device) -> Placement:

@@ -43,21 +43,22 @@ class NaNScores(RuntimeError):
     """A scorer returned NaN for some (head, token)."""
 
 
-def guarded_select(policy: EvictionPolicy, layer: LayerKV, budget: int) -> KeptTokens:
-    """``policy.select(layer, budget)``, validated; raises :class:`PolicyFault` (counted) on any failure."""
+def guarded_select(policy: EvictionPolicy, layer: LayerKV, budget: int, fixed: int = 0) -> KeptTokens:
+    """``policy.select(layer, budget)`` (``select_after`` tokens ``[0, fixed)`` of a shared prefix),
+    validated; raises :class:`PolicyFault` (counted) on any failure."""
     injected = injected_faults().get(layer.num_tokens)
     try:
         with nan_checked_scores(policy, poison=injected == "nan"):
             if injected == "raise":
                 raise IndexError(f"injected ({FAULT_INJECTION_ENV}) for a {layer.num_tokens}-token prompt")
-            kept = policy.select(layer, budget)
+            kept = policy.select_after(layer, budget, fixed) if fixed else policy.select(layer, budget)
     except NaNScores as exc:
         raise fault(policy, "nan_scores", str(exc)) from exc
     except Exception as exc:  # any bug in any policy: contained here, never in vLLM's engine loop
         raise fault(policy, "raised", f"{type(exc).__name__}: {exc}") from exc
     if injected == "wrong_counts":
         kept = KeptTokens(indices=kept.indices, counts=kept.counts + 1)
-    problem = accounting_problem(kept, layer, budget)
+    problem = accounting_problem(kept, layer, budget, fixed)
     if problem is not None:
         raise fault(policy, "wrong_counts", problem)
     return kept
@@ -68,9 +69,10 @@ def fault(policy: EvictionPolicy, reason: str, message: str) -> PolicyFault:
     return PolicyFault(reason, message)
 
 
-def accounting_problem(kept: KeptTokens, layer: LayerKV, budget: int) -> str | None:
-    """Why ``kept`` cannot be written into the blocks the scheduler leaves, or None when it can."""
-    heads, n = layer.num_kv_heads, layer.num_tokens
+def accounting_problem(kept: KeptTokens, layer: LayerKV, budget: int, fixed: int = 0) -> str | None:
+    """Why ``kept`` cannot be written into the blocks the scheduler leaves, or None when it can (kept
+    indices must lie in ``[fixed, n)``: the shared prefix is not the request's to place)."""
+    heads, n = layer.num_kv_heads, layer.num_tokens - fixed
     counts, indices = kept.counts, kept.indices
     if tuple(counts.shape) != (heads,) or indices.dim() != 2 or indices.shape[0] != heads:
         return f"counts {tuple(counts.shape)} / indices {tuple(indices.shape)} are not per KV head ({heads})"
@@ -79,8 +81,9 @@ def accounting_problem(kept: KeptTokens, layer: LayerKV, budget: int) -> str | N
         return f"kept {counts.tolist()} tokens per head; needs {budget} per head on average, <= {n} each"
     valid = torch.arange(indices.shape[1], device=indices.device) < counts[:, None]
     chosen = indices[valid]
-    if chosen.numel() and (int(chosen.min()) < 0 or int(chosen.max()) >= n):
-        return f"kept indices outside the {n}-token prompt"
+    if chosen.numel() and (int(chosen.min()) < fixed or int(chosen.max()) >= fixed + n):
+        after = f" after its {fixed} shared tokens" if fixed else ""
+        return f"kept indices outside the {n}-token prompt{after}"
     rising = indices[:, 1:] > indices[:, :-1]
     if bool((~rising & valid[:, 1:]).any()):
         return "kept indices of a head are not ascending and unique"

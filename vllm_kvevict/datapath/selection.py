@@ -16,13 +16,14 @@ logger = logging.getLogger("vllm.kvevict.selection")
 
 
 def select_kept(
-    policy: EvictionPolicy, layer: LayerKV, budget: int, req_id: str, uniform: bool = False
+    policy: EvictionPolicy, layer: LayerKV, budget: int, req_id: str, uniform: bool = False, shared: int = 0
 ) -> KeptTokens:
     """The entries ``policy`` keeps of ``layer`` (exactly H x ``budget``; ``uniform``: ``budget`` in every
     head, the rule between chunks), or each head's newest ``budget`` entries when it fails (logged and
-    counted in ``vllm_kvevict_policy_fallbacks_total``)."""
+    counted in ``vllm_kvevict_policy_fallbacks_total``). ``shared``: entries ``[0, shared)`` are a prefix
+    other requests share, in view of the scores but never chosen (the caller keeps them)."""
     try:
-        kept = guarded_select(policy, layer, budget)  # any policy failure -> a counted PolicyFault
+        kept = guarded_select(policy, layer, budget, shared)  # any policy failure -> a counted PolicyFault
         if not uniform or bool((kept.counts == budget).all()):
             return kept
         problem = f"kept {kept.counts.tolist()} entries per head between chunks, needs {budget} each"
@@ -31,6 +32,7 @@ def select_kept(
         problem = str(exc)
     log_fallback(policy.name, req_id, layer.layer_idx, problem, budget)
     valid = torch.ones(layer.num_kv_heads, layer.num_tokens, dtype=torch.bool, device=layer.keys.device)
+    valid[:, :shared] = False
     return newest_entries(valid, budget)
 
 

@@ -43,6 +43,7 @@ class StepPlanner:
         decode: DecodeEviction | None,
         records: EvictionRecords,
         setting_plan: SettingOf,
+        shared_tokens: dict[str, int] | None = None,
     ) -> None:
         self.shape = shape
         self.policy = policy
@@ -51,6 +52,7 @@ class StepPlanner:
         self.decode = decode
         self.records = records
         self.setting_plan = setting_plan
+        self.shared_tokens = shared_tokens or {}  # request -> prompt tokens it found in the prefix cache
 
     def plan(
         self,
@@ -185,6 +187,7 @@ class StepPlanner:
         prompt_len = int(inputs.prompt_lens[index])
         plan, setting = self.setting_plan(inputs, index, prompt_len)
         n0, n1 = int(computed[index]), int(seq_lens[index])
+        shared = self.shared_tokens.get(inputs.req_ids[index], 0)
         completes = n1 >= prompt_len
         if not plan.compacts:
             if completes:
@@ -196,7 +199,7 @@ class StepPlanner:
             self.tables.split()
         if completes and self.decode is not None:
             self.decode.admit(inputs.req_ids[index], plan)
-        evicts = completes or plan.chunk_rescores(n0, n1)
+        evicts = completes or plan.chunk_rescores(n0 - shared, n1 - shared)
         return ChunkRescore(
             index,
             inputs.req_ids[index],
@@ -208,7 +211,8 @@ class StepPlanner:
             policy,
             bool(compacted[index]),
             evicts,
-            self.chunks.reads_statistics(policy, plan.kept_length_at(n1)),
+            self.chunks.reads_statistics(policy, plan.kept_length_at(n1 - shared)),
+            shared,
         )
 
 

@@ -5,6 +5,7 @@ metadata builder asks it for the step (``make_step``), which every attention lay
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
@@ -16,6 +17,7 @@ from vllm_kvevict.datapath.step_inputs import StepInputs
 from vllm_kvevict.datapath.step_plan import StepPlanner, shares_tables
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.shared_prefix import private_plan
 from vllm_kvevict.layout.subblock_table import SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.settings.config import EvictionConfig
@@ -60,6 +62,9 @@ class EvictionWorker:
             self.decode.dump = self.records.dump_dir is not None
         self.o_proj: dict[int, torch.Tensor] = {}
         self.o_proj_collected = False  # collected once, after the model is loaded (empty unless CriticalKV)
+        #: request -> prompt tokens it found in vLLM's prefix cache (its computed tokens when first seen)
+        self.shared_tokens: dict[str, int] = {}
+        self._seen_ids: list[str] = []
         self.pending: StepInputs | None = None
         self._step: EvictionStep | None = None
         # Per-request settings (vllm_xargs), resolved exactly like the scheduler's manager does.
@@ -80,6 +85,10 @@ class EvictionWorker:
     def begin_step(self, inputs: StepInputs) -> None:
         self.pending = inputs
         self._step = None
+        if inputs.req_ids != self._seen_ids:  # requests arrived (a steady batch compares one list)
+            for req_id, computed in zip(inputs.req_ids, np.asarray(inputs.computed).tolist(), strict=True):
+                self.shared_tokens.setdefault(req_id, int(computed))
+            self._seen_ids = list(inputs.req_ids)
 
     def end_step(self) -> None:
         if self._step is not None:
@@ -90,6 +99,7 @@ class EvictionWorker:
     def drop(self, req_ids: set[str] | list[str] | None) -> None:
         """Forget finished, aborted or preempted requests (their blocks go back through the scheduler)."""
         for req_id in req_ids or ():
+            self.shared_tokens.pop(req_id, None)
             self.records.drop(req_id)
             self.tables.forget(req_id)
             self.chunks.drop(req_id)
@@ -121,6 +131,7 @@ class EvictionWorker:
                 self.decode,
                 self.records,
                 self._setting_plan,
+                self.shared_tokens,
             )
             self._step = planner.plan(inputs, block_table, slot_mapping, self.o_proj)
         return self._step
@@ -128,9 +139,11 @@ class EvictionWorker:
     def _setting_plan(
         self, inputs: StepInputs, slot: int, prompt_len: int
     ) -> tuple[RequestPlan, ResolvedSetting | None]:
-        """(plan, per-request setting or None) of the request in ``slot``."""
+        """(plan, per-request setting or None) of the request in ``slot``: the plan of the prompt after the
+        tokens it found in the prefix cache (``layout/shared_prefix.py``)."""
         setting = self.settings.resolve(inputs.extra_args[slot] if inputs.extra_args else None)
-        return (setting.plan_for if setting else self.plan_for)(prompt_len), setting
+        shared = self.shared_tokens.get(inputs.req_ids[slot], 0)
+        return private_plan(setting.plan_for if setting else self.plan_for, prompt_len, shared), setting
 
     def layer_table(self, req_id: str, layer_idx: int) -> SubBlockTable:
         """A compacted request's table for ``layer_idx`` as the reference model (inspection and tests)."""

@@ -309,10 +309,13 @@ class SubBlockStore:
         total: int,
         num_blocks: int,
         check: bool,
+        shared_blocks: int = 0,
     ) -> TableRows:
         """A request's table whose head h keeps ``counts[h]`` tokens then ``trailing`` more (tokens computed
         after the prompt in the same step), sub-blocks taken in head order from its pool — the assignment
-        of ``SubBlockTable.assign`` followed by ``append(trailing)``.
+        of ``SubBlockTable.assign`` followed by ``append(trailing)``. With ``shared_blocks`` = c, every head
+        first reads the c leading blocks of its row in the standard layout (a prefix shared through vLLM's
+        prefix cache: full, never part of the pool), then its own sub-blocks.
 
         counts [H] int64 on the device; block_row [Wb] its block-table row; total = counts.sum() (host)."""
         bs, heads = self.block_size, self.num_kv_heads
@@ -320,12 +323,16 @@ class SubBlockStore:
         per_head = (counts + bs - 1) // bs
         start = torch.cumsum(per_head, 0) - per_head  # first pool entry of each head
         columns = torch.arange(self.width, device=self.device)
-        entry = start[:, None] + columns[None, :]  # [H, W]
-        valid = columns[None, :] < per_head[:, None]
-        block_col = (first_block + entry // heads).clamp(max=block_row.numel() - 1)
+        own = columns - shared_blocks  # column of each head's own sub-blocks
+        entry = start[:, None] + own[None, :]  # [H, W]
+        valid = (own[None, :] >= 0) & (own[None, :] < per_head[:, None])
+        block_col = (first_block + entry // heads).clamp(min=0, max=block_row.numel() - 1)
         rows = block_row.to(torch.int64)[block_col] * heads + entry % heads
-        rows = torch.where(valid, rows, 0).to(torch.int32)
-        table = TableRows(rows, counts.to(torch.int32), per_head.sum())
+        rows = torch.where(valid, rows, 0)
+        if shared_blocks:
+            standard = block_row.to(torch.int64)[:shared_blocks][None, :] * heads + self._head_ids[:, None]
+            rows[:, :shared_blocks] = standard
+        table = TableRows(rows.to(torch.int32), (counts + shared_blocks * bs).to(torch.int32), per_head.sum())
         if check and total and int(first_block + (int(table.cursor) - 1) // heads) >= num_blocks:
             raise SubBlockPoolExhausted(
                 "a compacting request's kept tokens do not fit in the blocks it keeps; "

@@ -14,8 +14,10 @@ from vllm_kvevict.policies.base import (
     KeptTokens,
     LayerKV,
     ScoredPolicy,
+    after_prefix,
     check_choice,
     check_fraction,
+    shifted,
 )
 from vllm_kvevict.policies.selection import ada_allocation, ada_blend_allocation, safeguard_size
 
@@ -76,3 +78,17 @@ class AdaKV(EvictionPolicy):
         if (everything := self.keep_all_or_check(layer, budget)) is not None:
             return everything
         return KeptTokens.from_mask(self.keep_mask(layer, budget)[1])
+
+    def select_after(self, layer: LayerKV, budget: int, fixed: int) -> KeptTokens:
+        """The inner scores of the whole layer (the prefix in the softmax); the layer's ``H * budget`` slots
+        shared among the heads' tokens after it."""
+        if fixed <= 0:
+            return self.select(layer, budget)
+        if (everything := self.keep_all_or_check(after_prefix(layer, fixed), budget)) is not None:
+            return shifted(everything, fixed)
+        scores = self.inner.score(layer, budget)[:, fixed:]
+        if self.allocation == "blend":
+            keep = ada_blend_allocation(scores, budget, self.alpha)
+        else:
+            keep = ada_allocation(scores, budget, self.alpha)
+        return shifted(KeptTokens.from_mask(keep), fixed)

@@ -195,6 +195,30 @@ class EvictionPolicy(ABC):
         """Kept tokens of every KV head of ``layer`` for the per-head average ``budget`` of this layer
         (already passed through ``layer_budget``). Must keep exactly ``num_kv_heads * budget`` tokens."""
 
+    def select_after(self, layer: LayerKV, budget: int, fixed: int) -> KeptTokens:
+        """Kept tokens among ``[fixed, n)`` when the caller keeps tokens ``[0, fixed)`` anyway (a prefix
+        shared with other requests): ``budget`` per head on average, indices in ``[fixed, n)``.
+
+        This default judges the tokens after the prefix as a prompt of their own (the prefix out of view);
+        scored methods override it to score the whole layer and choose after the prefix."""
+        if fixed <= 0:
+            return self.select(layer, budget)
+        positions = layer.positions() - fixed
+        if bool((positions < 0).any()):
+            raise ValueError(f"{self._label()}: queries at positions before the shared prefix end ({fixed})")
+        private = LayerKV(
+            keys=layer.keys[:, fixed:],
+            values=layer.values[:, fixed:],
+            queries=layer.queries,
+            layer_idx=layer.layer_idx,
+            num_layers=layer.num_layers,
+            query_positions=positions,
+            o_proj=layer.o_proj,
+            rope_inv_freq=layer.rope_inv_freq,
+            query_statistics=layer.query_statistics,
+        )
+        return shifted(self.select(private, budget), fixed)
+
     def keep_all_or_check(self, layer: LayerKV, budget: int) -> KeptTokens | None:
         """Every token when ``budget`` >= n (nothing to evict); otherwise None once ``budget`` is checked.
 
@@ -231,6 +255,32 @@ class ScoredPolicy(EvictionPolicy):
         if (everything := self.keep_all_or_check(layer, budget)) is not None:
             return everything
         return KeptTokens.from_mask(top_k_mask(self.score(layer, budget), budget))
+
+    def select_after(self, layer: LayerKV, budget: int, fixed: int) -> KeptTokens:
+        """Scores of the whole layer (the prefix in the softmax), top-``budget`` per head after it."""
+        if fixed <= 0:
+            return self.select(layer, budget)
+        if (everything := self.keep_all_or_check(after_prefix(layer, fixed), budget)) is not None:
+            return shifted(everything, fixed)
+        scores = self.score(layer, budget)[:, fixed:]
+        return shifted(KeptTokens.from_mask(top_k_mask(scores, budget)), fixed)
+
+
+def shifted(kept: KeptTokens, offset: int) -> KeptTokens:
+    """``kept`` with every index moved ``offset`` tokens later (padding stays -1)."""
+    return KeptTokens(torch.where(kept.indices >= 0, kept.indices + offset, -1), kept.counts)
+
+
+def after_prefix(layer: LayerKV, fixed: int) -> LayerKV:
+    """A view of ``layer`` holding only tokens ``[fixed, n)`` (for budget checks: no scores are taken)."""
+    return LayerKV(
+        keys=layer.keys[:, fixed:],
+        values=layer.values[:, fixed:],
+        queries=layer.queries,
+        layer_idx=layer.layer_idx,
+        num_layers=layer.num_layers,
+        query_positions=layer.positions() - fixed,
+    )
 
 
 def check_int(owner: str, field: str, value: object, minimum: int) -> None:

@@ -22,6 +22,12 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict import metrics
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
+from vllm_kvevict.layout.shared_prefix import (
+    freed_range,
+    private_plan,
+    publishable_tokens,
+    reads_prefix_cache,
+)
 from vllm_kvevict.settings.config import EvictionConfig, eviction_config_from_json, get_eviction_config
 from vllm_kvevict.settings.request_settings import RequestSettings
 
@@ -58,11 +64,12 @@ class EvictingAttentionSpec(FullAttentionSpec):
 
 
 class EvictingAttentionManager(FullAttentionManager):
-    """FullAttentionManager that frees the leading blocks [0, s) of every compacted request once its prompt
-    is processed (s from ``plan_request``), and with a decode-time cap more leading blocks as its output
-    grows (``RequestPlan.blocks_freed(t)``, like SlidingWindowManager). Positions, slot math and
-    ``num_computed_tokens`` stay untouched; freed blocks return to the pool and are reused by the next
-    ``allocate_slots``."""
+    """FullAttentionManager that frees the blocks a compacted request no longer needs once its prompt is
+    processed: its leading blocks [0, s) (s from ``plan_request``), or the middle range [c, c + s') after the
+    c blocks it shares through the prefix cache (``shared_prefix.py``); with a decode-time cap more leading
+    blocks as its output grows (``RequestPlan.blocks_freed(t)``, like SlidingWindowManager). Positions, slot
+    math and ``num_computed_tokens`` stay untouched; freed blocks return to the pool and are reused by the
+    next ``allocate_slots``."""
 
     def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
@@ -74,15 +81,17 @@ class EvictingAttentionManager(FullAttentionManager):
         self.plan_for = self.settings.plan_for
         # request -> its own planner, for requests with a per-request setting (vllm_xargs)
         self.request_planners: dict[str, Callable[[int], RequestPlan]] = {}
-        self.saved_blocks: dict[str, int] = {}  # request -> leading blocks freed (metrics)
+        # request -> prompt tokens it found in the prefix cache when it was admitted (shared blocks)
+        self.shared_tokens: dict[str, int] = {}
+        self.saved_blocks: dict[str, int] = {}  # request -> blocks freed (metrics)
         vllm_config = get_current_vllm_config_or_none()
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         logger.info("%s", capacity_summary(config, self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
 
-    def admit_request(self, request_id: str, sampling_params: Any) -> None:
-        """Note a request's own setting (its ``extra_args``) before its first blocks are counted; called by
-        the ``KVCacheManager.allocate_slots`` wrapper (runner_hooks.py) on every allocation, cheap after
-        the first."""
+    def admit_request(self, request_id: str, sampling_params: Any, cached_tokens: int = 0) -> None:
+        """Note a request's own setting (its ``extra_args``) and the prompt tokens it found in the prefix
+        cache before its first blocks are counted; called by the ``KVCacheManager.allocate_slots`` wrapper
+        (runner_hooks.py) on every allocation, cheap after the first."""
         if request_id in self.req_to_blocks:
             return
         setting = self.settings.resolve(getattr(sampling_params, "extra_args", None))
@@ -90,23 +99,30 @@ class EvictingAttentionManager(FullAttentionManager):
             self.request_planners.pop(request_id, None)
         else:
             self.request_planners[request_id] = setting.plan_for
+        if cached_tokens > 0:
+            self.shared_tokens[request_id] = cached_tokens
+        else:
+            self.shared_tokens.pop(request_id, None)
 
     def request_plan(self, request_id: str, num_prompt_tokens: int) -> RequestPlan:
-        """The plan of one request: its own setting when it has one, else the server's."""
-        return self.request_planners.get(request_id, self.plan_for)(num_prompt_tokens)
+        """The plan of one request's private part: its own setting when it has one, else the server's."""
+        planner = self.request_planners.get(request_id, self.plan_for)
+        return private_plan(planner, num_prompt_tokens, self.shared_tokens.get(request_id, 0))
 
-    def evicts(self, request: Any) -> bool:
-        """True when ``request``'s plan ever rewrites its blocks (it compacts, per chunk or after the prompt,
-        or it has a decode-time cap): such a request must neither read cached prefix blocks (other requests
-        share them) nor publish its own (they stop being the prefix they hash). Resolved from its sampling
-        parameters, so it holds before the request is admitted."""
+    def skips_prefix_cache(self, request: Any) -> bool:
+        """True when ``request``'s plan rewrites its blocks over time (it evicts between chunks or while
+        generating): it must neither read cached prefix blocks (other requests share them) nor publish its
+        own. Resolved from its sampling parameters, so it holds before the request is admitted."""
         setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
         plan = (setting.plan_for if setting else self.plan_for)(request.num_prompt_tokens)
-        return plan.compacts or bool(plan.decode_cap)
+        return not reads_prefix_cache(plan)
 
     def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
-        if self.evicts(request):
-            return
+        """Publish only blocks no compaction ever writes (``shared_prefix.publishable_tokens``)."""
+        plan = self.request_plan(request.request_id, request.num_prompt_tokens)
+        limit = publishable_tokens(plan, self.shared_tokens.get(request.request_id, 0))
+        if limit is not None:
+            num_tokens = min(num_tokens, limit)
         super().cache_blocks(request, num_tokens, *args, **kwargs)
 
     def remove_skipped_blocks(
@@ -121,10 +137,11 @@ class EvictingAttentionManager(FullAttentionManager):
         # Processed tokens only: the worker compacted in the step that computed them (per chunk, then after
         # the prompt and at decode-time re-scores; accounting.py).
         plan = self.request_plan(request_id, num_prompt_tokens)
-        freed = plan.blocks_freed_at(processed_computed_tokens)
-        if freed > 0:
+        first, last = freed_range(plan, self.shared_tokens.get(request_id, 0), processed_computed_tokens)
+        if last > first:
             # Iterates backwards and stops at the first null block, so repeated calls cost O(1).
-            self._remove_blocks_in_range(request_id, 0, freed)
+            self._remove_blocks_in_range(request_id, first, last)
+            freed = last - first
             if self.saved_blocks.get(request_id) != freed and request_id in self.req_to_blocks:
                 self.saved_blocks[request_id] = freed
                 self._publish_saved_blocks()
@@ -132,6 +149,7 @@ class EvictingAttentionManager(FullAttentionManager):
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self.request_planners.pop(request_id, None)
+        self.shared_tokens.pop(request_id, None)
         if self.saved_blocks.pop(request_id, None) is not None:
             self._publish_saved_blocks()
 
@@ -180,7 +198,7 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
     if config is None or type(spec) is not FullAttentionSpec:
         return spec
     # `vllm serve` turns chunked prefill off with a log line where it must be; an engine built from Python
-    # must do it itself. Prefix caching stays on: evicting requests neither read nor publish (evicts()).
+    # must do it itself. Prefix caching stays on (shared_prefix.py says which requests read and publish).
     if vllm_config.scheduler_config.enable_chunked_prefill and not config.keeps_chunked_prefill:
         raise ValueError(
             f"kv_eviction with {config.describe()} needs enable_chunked_prefill=False: a decode-time cap "

@@ -89,18 +89,30 @@ def _extra_args(runner, req_id: str) -> dict[str, Any] | None:
 
 def get_computed_blocks(original, manager, request, *args: Any, **kwargs: Any):
     for single_type in manager.coordinator.single_type_managers:
-        evicts = getattr(single_type, "evicts", None)
-        if evicts is not None and evicts(request):
+        skips = getattr(single_type, "skips_prefix_cache", None)
+        if skips is not None and skips(request):
             request.skip_reading_prefix_cache = True
     return original(manager, request, *args, **kwargs)
 
 
-def allocate_slots(original, manager, request, *args: Any, **kwargs: Any):
+def allocate_slots(
+    original,
+    manager,
+    request,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    *args: Any,
+    **kwargs: Any,
+):
+    # Prompt tokens the request starts with (prefix-cache hits, and a KV connector's): the runner sees them as
+    # computed at the request's first step, and the worker keeps them all, as blocks it does not own.
+    external = kwargs.get("num_external_computed_tokens", 0)
+    cached = request.num_computed_tokens + num_new_computed_tokens + external
     for single_type in manager.coordinator.single_type_managers:
         admit = getattr(single_type, "admit_request", None)
         if admit is not None:
-            admit(request.request_id, request.sampling_params)
-    return original(manager, request, *args, **kwargs)
+            admit(request.request_id, request.sampling_params, cached)
+    return original(manager, request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
 
 
 #: attribute holding a copy of an o_proj weight taken before the platform repacked it.

@@ -51,6 +51,7 @@ def install_vllm_fixes() -> None:
     # by the _sample wrapper, so they are hidden from the rewind; vLLM rewinds CUDA generators as before.
     _wrap(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_without_cpu_rewind)
 
+
 def install_eviction_hooks() -> None:
     """Install the eviction hooks (idempotent; a process whose config turns eviction on). Each body is in
     ``runner_hooks.py`` and does nothing unless this process has an eviction worker or manager."""
@@ -83,12 +84,14 @@ def install_eviction_hooks() -> None:
         _EVICTION_MARK,
     )
     # Wraps KVCacheManager.allocate_slots (vLLM 0.32.0, scheduler side): the one call that hands the KV
-    # managers the Request itself (single-type managers only see request ids). The evicting manager notes
-    # the request's per-request setting (sampling_params.extra_args) before its blocks are counted.
+    # managers the Request itself and its prefix-cache hit (single-type managers only see request ids). The
+    # evicting manager notes the request's per-request setting (sampling_params.extra_args) and the prompt
+    # tokens it starts with from shared cached blocks before its blocks are counted.
     _wrap(KVCacheManager, "allocate_slots", runner_hooks.allocate_slots, _EVICTION_MARK)
     # Wraps KVCacheManager.get_computed_blocks (vLLM 0.32.0, scheduler side): a request whose plan rewrites
-    # its blocks (compaction, decode-time cap) must not start from cached prefix blocks other requests share;
-    # it is marked skip_reading_prefix_cache (vLLM's own per-request switch) before the lookup.
+    # its blocks over time (eviction between chunks, a decode-time cap) must not start from cached prefix
+    # blocks other requests share; it is marked skip_reading_prefix_cache (vLLM's own per-request switch)
+    # before the lookup. Whole-prompt eviction reads the cache (layout/shared_prefix.py).
     _wrap(KVCacheManager, "get_computed_blocks", runner_hooks.get_computed_blocks, _EVICTION_MARK)
 
 

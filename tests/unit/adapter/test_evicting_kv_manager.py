@@ -121,36 +121,87 @@ def test_short_prompt_keeps_all_blocks():
     assert pool.get_num_free_blocks() == free_at_start
 
 
-def test_requests_that_evict_neither_read_nor_publish_prefix_cache_blocks(monkeypatch):
-    """A compacting request (server setting, or its own budget) and a decode-capped one skip the prefix
-    cache; a request within budget or with ``kv_eviction: none`` publishes its blocks as usual."""
+def _request(prompt_len: int, extra_args: dict | None = None, tag: str = ""):
     from types import SimpleNamespace
 
+    return SimpleNamespace(
+        request_id=f"r{prompt_len}-{extra_args}{tag}",
+        num_prompt_tokens=prompt_len,
+        sampling_params=SimpleNamespace(extra_args=extra_args),
+    )
+
+
+def test_only_requests_that_rewrite_their_blocks_over_time_skip_the_prefix_cache(monkeypatch):
+    """Whole-prompt eviction reads the prefix cache and publishes the blocks no compaction writes (the
+    leading s blocks it frees); a request evicting between chunks or with a decode-time cap neither reads
+    nor publishes; a request kept whole publishes every block as usual."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
     published = []
     monkeypatch.setattr(
-        FullAttentionManager, "cache_blocks", lambda self, request, *a, **k: published.append(request)
+        FullAttentionManager,
+        "cache_blocks",
+        lambda self, request, num_tokens, *a, **k: published.append((request, num_tokens)),
     )
-    manager, _ = make_manager(budget=256)
-
-    def request(prompt_len: int, extra_args: dict | None = None):
-        return SimpleNamespace(
-            request_id=f"r{prompt_len}-{extra_args}",
-            num_prompt_tokens=prompt_len,
-            sampling_params=SimpleNamespace(extra_args=extra_args),
-        )
-
-    long_prompt = request(4000)
-    whole = request(4000, {"kv_eviction": "none"})
-    short = request(200)
-    own_budget = request(600, {"kv_budget": 64})
-    assert manager.evicts(long_prompt) and manager.evicts(own_budget)
-    assert not manager.evicts(whole) and not manager.evicts(short)
-    for r in (long_prompt, whole, short, own_budget):
+    manager, _ = make_manager(budget=256, prefill="whole")
+    long_prompt = _request(4000)
+    whole = _request(4000, {"kv_eviction": "none"})
+    short = _request(200)
+    chunked = _request(4000, {"kv_prefill": "chunked"})
+    assert not any(manager.skips_prefix_cache(r) for r in (long_prompt, whole, short))
+    assert manager.skips_prefix_cache(chunked)
+    for r in (long_prompt, whole, short, chunked):
+        manager.admit_request(r.request_id, r.sampling_params)
         manager.cache_blocks(r, r.num_prompt_tokens, replay_boundaries=[])
-    assert published == [whole, short]
+    plan = manager.plan_for(4000)
+    assert published == [
+        (long_prompt, plan.blocks_to_free * BLOCK_SIZE),
+        (whole, 4000),
+        (short, 200),
+        (chunked, 0),
+    ]
 
     roco = EvictionConfig.from_dict({"method": "roco", "budget": 256})  # implies a decode-time cap
     capped, _ = make_manager(config=roco)
-    assert capped.evicts(request(200))  # kept whole at prefill, but rewritten while generating
+    assert capped.skips_prefix_cache(_request(200))  # kept whole at prefill, but rewritten while generating
+
+
+def test_shared_prefix_stays_and_the_private_part_frees_a_middle_range():
+    """A request that found 2048 prompt tokens in the prefix cache owns only the rest: the scheduler plans it
+    as a 1952-token prompt and frees blocks [64, 64 + s') once the prompt is processed; the shared blocks are
+    never freed by it (their other holder keeps them), and finishing returns what it owned."""
+    manager, pool = make_manager(budget=0.25, prefill="whole")
+    prompt, shared = 4000, 2048
+    c = shared // BLOCK_SIZE
+    owner = _request(prompt, tag="owner")  # computed the prefix itself, kept as the other holder
+    manager.admit_request(owner.request_id, owner.sampling_params, 0)
+    manager.allocate_new_blocks(owner.request_id, shared, shared)
+    prefix = list(manager.req_to_blocks[owner.request_id][:c])
+
+    sharer = _request(prompt, tag="sharer")
+    manager.admit_request(sharer.request_id, sharer.sampling_params, shared)
+    pool.touch(prefix)  # what vLLM does to a hit: one more holder
+    manager.req_to_blocks[sharer.request_id].extend(prefix)
+    free_before = pool.get_num_free_blocks()
+    manager.allocate_new_blocks(sharer.request_id, prompt, prompt)
+    own = cdiv(prompt, BLOCK_SIZE) - c
+    assert pool.get_num_free_blocks() == free_before - own
+
+    private = manager.request_plan(sharer.request_id, prompt)
+    assert private == manager.plan_for(prompt - shared) and private.compacts
+    manager.remove_skipped_blocks(sharer.request_id, prompt - 1, prompt)  # mid-prompt: nothing
+    assert pool.get_num_free_blocks() == free_before - own
+    manager.remove_skipped_blocks(sharer.request_id, prompt, prompt)
+    blocks = manager.req_to_blocks[sharer.request_id]
+    s = private.blocks_to_free
+    assert blocks[:c] == prefix and not any(b.is_null for b in blocks[:c])
+    assert all(b.is_null for b in blocks[c : c + s])
+    assert not any(b.is_null for b in blocks[c + s :])
+    assert pool.get_num_free_blocks() == free_before - own + s
+    assert all(b.ref_cnt == 2 for b in prefix)
+
+    manager.free(sharer.request_id)
+    assert pool.get_num_free_blocks() == free_before
+    assert all(b.ref_cnt == 1 for b in prefix)
+    assert sharer.request_id not in manager.shared_tokens
+    manager.free(owner.request_id)

@@ -71,6 +71,11 @@ class SimulatedEngine:
         key[:, :, 2] = layer
         return query, key, -key
 
+    def share_prefix(self, req_id: str, owner: str, num_blocks: int) -> None:
+        """``req_id`` starts from the first ``num_blocks`` blocks of ``owner``'s row (a prefix-cache hit);
+        its first step then has ``num_blocks * BS`` computed tokens."""
+        self.rows[req_id] = list(self.rows[owner][:num_blocks])
+
     def step(self, requests: list[tuple[str, int, int, int, dict | None]]) -> None:
         """One engine step over (req_id, prompt_len, computed, scheduled, extra_args) in batch order."""
         ids = [r[0] for r in requests]
