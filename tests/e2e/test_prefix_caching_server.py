@@ -1,11 +1,18 @@
-"""Prefix caching stays on beside eviction, and compacted requests never touch shared blocks.
+"""Prefix caching with eviction through a real server: evicting requests read and publish cached blocks, and
+no request ever reads a compacted block as if it were full.
 
-One server (``--kv-eviction ada-snapkv --kv-budget 64``, vLLM's default prefix caching) gets two prompts that
-share a 900-token prefix: A is kept whole (``vllm_xargs: {"kv_eviction": "none"}``), B is compacted. They
-alternate, B first. A compacted request must neither publish its blocks (A's first run would then start
-from blocks B overwrote) nor read A's cached blocks (it would compact them in place under A's later runs):
-every A answer equals A's first one, computed with no cache hit, and every B answer equals B's first one;
-A's later runs do hit the cache; usage returns to 0.
+One server (``--kv-eviction ada-snapkv --kv-budget 64``, vLLM's default prefix caching) gets prompts that
+share a ~900-token prefix. References are computed on the same server with a ``cache_salt`` (vLLM's own
+per-request switch: no hit possible) and ``kv_eviction: none``. In order:
+
+1. B evicts its whole prompt (no hit) and publishes only the blocks compaction never writes;
+2. A, kept whole, starts from B's published blocks and answers exactly like its reference;
+3. B again starts from the cached prefix: it owns only its last few tokens, within budget, so it keeps all
+   of them and answers exactly like B kept whole;
+4. C shares the prefix and has a 400-token suffix of its own: it compacts only that part;
+5. A again, after C: the shared blocks C read were not written, A still answers like its reference.
+
+vLLM's own prefix-cache counters show the hits; usage returns to 0.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ SERVER_ARGS = (
 )
 HITS = "vllm:prefix_cache_hits_total"
 USAGE = "vllm:kv_cache_usage_perc"
+COMPACTED = "vllm_kvevict_requests_compacted_total"
 
 
 def shared_prefix(tokenizer, num_tokens: int) -> list[int]:
@@ -46,37 +54,68 @@ def runs(model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prefix = shared_prefix(tokenizer, 900)
-    prompt_a = prefix + tokenizer("\nHow many boxes are on shelf 12? Answer:")["input_ids"]
-    prompt_b = prefix + tokenizer("\nWhich item is on shelf 30? Answer:")["input_ids"]
-    whole = {"vllm_xargs": {"kv_eviction": "none"}}
-    answers: dict[str, list[str]] = {"A": [], "B": []}
-    hits = []
+    prompts = {
+        "A": prefix + tokenizer("\nHow many boxes are on shelf 12? Answer:")["input_ids"],
+        "B": prefix + tokenizer("\nWhich item is on shelf 30? Answer:")["input_ids"],
+        "C": prefix
+        + shared_prefix(tokenizer, 400)[1:]
+        + tokenizer("\nWhat is on shelf 3? Answer:")["input_ids"],
+    }
+    whole = {"kv_eviction": "none"}
+    results: list[tuple[str, str, float, float]] = []  # (label, answer, hits after, compacted after)
     with VLLMServer(model_dir, extra_args=SERVER_ARGS) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
-        for label in ("B", "A", "B", "A", "B", "A"):
-            prompt, extra = (prompt_a, whole) if label == "A" else (prompt_b, {})
+
+        def ask(label: str, prompt: str, xargs: dict | None = None, salt: str | None = None) -> None:
+            body: dict = {}
+            if xargs:
+                body["vllm_xargs"] = xargs
+            if salt:
+                body["cache_salt"] = salt
             answer = client.completions.create(
-                model=server.served_model_name, prompt=prompt, max_tokens=16, temperature=0, extra_body=extra
+                model=server.served_model_name,
+                prompt=prompts[prompt],
+                max_tokens=16,
+                temperature=0,
+                extra_body=body,
             )
-            answers[label].append(answer.choices[0].text)
-            hits.append(server.metric_value(HITS))
+            results.append(
+                (label, answer.choices[0].text, server.metric_value(HITS), server.metric_value(COMPACTED))
+            )
+
+        ask("B1", "B")
+        ask("A-ref", "A", whole, salt="reference-a")
+        ask("A1", "A", whole)
+        ask("B-ref", "B", whole, salt="reference-b")
+        ask("B2", "B")
+        ask("C1", "C")
+        ask("A2", "A", whole)
         deadline = time.monotonic() + 60
         while server.metric_value(USAGE) > 0 and time.monotonic() < deadline:
             time.sleep(0.5)
         usage = server.metric_value(USAGE)
-        compacted = server.metric_value("vllm_kvevict_requests_compacted_total")
-    return answers, hits, usage, compacted
+    return {label: (answer, hits, compacted) for label, answer, hits, compacted in results}, usage, prompts
 
 
-def test_compacted_requests_publish_nothing_and_whole_ones_hit_the_cache(runs):
-    _, hits, _, compacted = runs
-    assert compacted == 3  # every B
-    assert hits[0] == 0 and hits[1] == 0  # B published nothing: A's first run found no cached block
-    assert hits[3] > 0  # A's second run reads A's first run's blocks
+def hits_of(runs, label: str, before: str) -> float:
+    return runs[label][1] - runs[before][1]
 
 
-def test_answers_do_not_depend_on_what_the_cache_held(runs):
-    answers, _, usage, _ = runs
-    assert len(set(answers["A"])) == 1, answers["A"]
-    assert len(set(answers["B"])) == 1, answers["B"]
+def test_evicting_requests_publish_full_blocks_and_read_the_cache(runs):
+    by_label, _, prompts = runs
+    assert by_label["B1"][1] == 0 and by_label["B1"][2] == 1  # no hit; B compacted
+    assert hits_of(by_label, "A-ref", "B1") == 0  # the salt: no hit possible
+    assert hits_of(by_label, "A1", "A-ref") >= 32 * 8  # A found the blocks B published
+    assert hits_of(by_label, "B2", "B-ref") >= 32 * (len(prompts["B"]) // 32 - 1)  # B found the prefix
+    assert by_label["B2"][2] == 1  # its own part was within budget: nothing compacted
+    assert hits_of(by_label, "C1", "B2") >= 32 * 28  # C read the prefix ...
+    assert by_label["C1"][2] == 2  # ... and compacted its own 400 tokens
+
+
+def test_answers_from_shared_blocks_equal_the_uncached_ones(runs):
+    by_label, usage, _ = runs
+    assert by_label["A1"][0] == by_label["A-ref"][0]  # B's published blocks were full, uncompacted
+    assert by_label["B2"][0] == by_label["B-ref"][0]  # budget covers what B owns: identical to whole
+    assert by_label["A2"][0] == by_label["A-ref"][0]  # C never wrote a shared block
+    assert by_label["C1"][0].strip()
     assert usage == 0.0
