@@ -10,7 +10,8 @@ per-request switch: no hit possible) and ``kv_eviction: none``. In order:
 3. B again starts from the cached prefix: it owns only its last few tokens, within budget, so it keeps all
    of them and answers exactly like B kept whole;
 4. C shares the prefix and has a 400-token suffix of its own: it compacts only that part;
-5. A again, after C: the shared blocks C read were not written, A still answers like its reference.
+5. A again, after C: the shared blocks C read were not written, A still answers like its reference;
+6. a two-turn chat, evicting and kept whole: turn 2 starts from what turn 1 left in the cache.
 
 vLLM's own prefix-cache counters show the hits; usage returns to 0.
 """
@@ -90,6 +91,22 @@ def runs(model_dir):
         ask("B2", "B")
         ask("C1", "C")
         ask("A2", "A", whole)
+        for mode, xargs in (("chat-evict", None), ("chat-whole", whole)):
+            document = f"({mode}) " + tokenizer.decode(shared_prefix(tokenizer, 600))
+            turns = [{"role": "user", "content": document + "\nHow many boxes are on shelf 5?"}]
+            for turn in (1, 2):
+                before = server.metric_value(HITS)
+                reply = client.chat.completions.create(
+                    model=server.served_model_name,
+                    messages=turns,
+                    max_tokens=16,
+                    temperature=0,
+                    extra_body={"vllm_xargs": xargs} if xargs else {},
+                )
+                text = reply.choices[0].message.content or ""
+                usage = reply.usage.prompt_tokens
+                results.append((f"{mode}-{turn}", text, server.metric_value(HITS) - before, usage))
+                turns += [{"role": "assistant", "content": text}, {"role": "user", "content": "And shelf 6?"}]
         deadline = time.monotonic() + 60
         while server.metric_value(USAGE) > 0 and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -119,3 +136,16 @@ def test_answers_from_shared_blocks_equal_the_uncached_ones(runs):
     assert by_label["A2"][0] == by_label["A-ref"][0]  # C never wrote a shared block
     assert by_label["C1"][0].strip()
     assert usage == 0.0
+
+
+@pytest.mark.parametrize("mode", ["chat-evict", "chat-whole"])
+def test_a_second_chat_turn_starts_from_what_the_first_left_in_the_cache(runs, mode):
+    """Turn 1 (~600 prompt tokens) evicted or kept whole; turn 2 repeats it and adds the answer and a new
+    question. Evicted, turn 1 published the blocks it freed (at budget 64: all but its last few); kept whole,
+    all of its full blocks. A chat result holds (answer, its own hit tokens, its prompt tokens)."""
+    by_label, _, _ = runs
+    first_prompt = by_label[f"{mode}-1"][2]
+    hits = by_label[f"{mode}-2"][1]
+    assert by_label[f"{mode}-1"][1] == 0
+    assert hits >= 32 * (first_prompt // 32 - 4), (hits, first_prompt)
+    assert by_label[f"{mode}-2"][0].strip()

@@ -325,8 +325,9 @@ def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
         )
     if engine_args.enable_prefix_caching is not False:
         logger.info(
-            "kv-eviction: prefix caching stays on for requests kept whole; requests that evict neither read "
-            "nor publish cached blocks"
+            "kv-eviction: prefix caching stays on; a request evicting its whole prompt reads cached blocks "
+            "(kept whole, shared) and publishes the blocks it frees; one evicting between chunks or while "
+            "generating neither reads nor publishes"
         )
     if engine_args.enable_chunked_prefill is not False and not config.keeps_chunked_prefill:
         logger.info(

@@ -1,0 +1,196 @@
+"""Shared prefixes with eviction, measured with vLLM's own client: ``vllm bench serve --dataset-name
+prefix_repetition`` against vanilla vLLM at its defaults and an eviction server, same KV pool, same run.
+
+For each server (vanilla first: the baseline of every ratio), start ``vllm serve`` on the bundled model, then
+for each workload (``--workload PREFIX:SUFFIX``, one shared prefix of PREFIX tokens, a random SUFFIX per
+request) run ``vllm bench serve`` with every request sent at once while ``/metrics`` is polled, and read
+vLLM's own prefix-cache counters before and after. Prints one markdown table per workload with ratios to
+vanilla; ``--out`` saves every number as JSON.
+
+    python -m benchmarks.prefix_repetition --workload 3000:400 --workload 2000:2000 --num-prompts 16 \
+        --out docs/results/2026-11-27-prefix-caching/prefix_repetition.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vllm_kvevict.bench.metrics_poller import MetricsPoller
+from vllm_kvevict.cli.prepare_model import prepared_model_dir
+from vllm_kvevict.server_process import VLLMServer, startup_timeout_for, vllm_executable
+
+HITS = "vllm:prefix_cache_hits"  # counters: their samples are ..._total
+QUERIES = "vllm:prefix_cache_queries"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+
+
+@dataclass
+class Run:
+    """One workload on one server: vLLM's bench results and the server's own counters."""
+
+    server: str
+    workload: str
+    completed: int
+    duration_s: float
+    output_tok_s: float
+    request_s: float
+    median_ttft_ms: float
+    median_e2el_ms: float
+    prefix_hit_tokens: float
+    prefix_query_tokens: float
+    prompt_tokens_computed: float
+    peak_kv_usage: float
+    preemptions: float
+
+
+def counter(server: VLLMServer, name: str) -> float:
+    """Sum of a counter family over its label sets (the ``_total`` sample)."""
+    return sum(value for labels, value in server.metric_samples(name + "_total"))
+
+
+def bench_workload(server: VLLMServer, label: str, prefix: int, suffix: int, args: argparse.Namespace) -> Run:
+    before = {name: counter(server, name) for name in (HITS, QUERIES, PROMPT_TOKENS)}
+    with tempfile.TemporaryDirectory() as results_dir:
+        command = [
+            str(vllm_executable()),
+            "bench",
+            "serve",
+            "--backend",
+            "vllm",
+            "--base-url",
+            server.root_url,
+            "--model",
+            server.served_model_name,
+            "--tokenizer",
+            str(server.model_dir),
+            "--dataset-name",
+            "prefix_repetition",
+            "--prefix-repetition-prefix-len",
+            str(prefix),
+            "--prefix-repetition-suffix-len",
+            str(suffix),
+            "--prefix-repetition-num-prefixes",
+            "1",
+            "--prefix-repetition-output-len",
+            str(args.output_len),
+            "--num-prompts",
+            str(args.num_prompts),
+            "--ignore-eos",
+            "--seed",
+            str(args.seed),
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--disable-tqdm",
+            "--save-result",
+            "--result-dir",
+            results_dir,
+            "--result-filename",
+            "result.json",
+        ]
+        print(
+            f"[prefix-repetition] {label} {prefix}:{suffix}: {' '.join(command)}", file=sys.stderr, flush=True
+        )
+        with MetricsPoller(server.root_url + "/metrics") as poller:
+            subprocess.run(command, check=True, stdout=sys.stderr)
+        result = json.loads((Path(results_dir) / "result.json").read_text())
+    after = {name: counter(server, name) for name in (HITS, QUERIES, PROMPT_TOKENS)}
+    return Run(
+        server=label,
+        workload=f"{prefix}:{suffix}",
+        completed=int(result["completed"]),
+        duration_s=float(result["duration"]),
+        output_tok_s=float(result["output_throughput"]),
+        request_s=float(result["request_throughput"]),
+        median_ttft_ms=float(result["median_ttft_ms"]),
+        median_e2el_ms=float(result["median_e2el_ms"]),
+        prefix_hit_tokens=after[HITS] - before[HITS],
+        prefix_query_tokens=after[QUERIES] - before[QUERIES],
+        prompt_tokens_computed=(after[PROMPT_TOKENS] - before[PROMPT_TOKENS]) - (after[HITS] - before[HITS]),
+        peak_kv_usage=poller.peaks.max_kv_usage,
+        preemptions=poller.peaks.preemptions,
+    )
+
+
+def table(runs: list[Run]) -> str:
+    """Markdown rows of one workload, each with its ratio to the first (vanilla)."""
+    base = runs[0]
+
+    def ratio(value: float, reference: float) -> str:
+        return f"{value / reference:.2f}x" if reference else "-"
+
+    lines = [
+        f"workload {base.workload} (prefix:suffix tokens)",
+        "",
+        "| server | done | output tok/s | median TTFT ms | prefix-hit tokens | peak KV usage |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        lines.append(
+            f"| {run.server} | {run.completed}"
+            f" | {run.output_tok_s:.1f} ({ratio(run.output_tok_s, base.output_tok_s)})"
+            f" | {run.median_ttft_ms:.0f} ({ratio(run.median_ttft_ms, base.median_ttft_ms)})"
+            f" | {run.prefix_hit_tokens:.0f} ({ratio(run.prefix_hit_tokens, base.prefix_hit_tokens)})"
+            f" | {run.peak_kv_usage:.3f} ({ratio(run.peak_kv_usage, base.peak_kv_usage)}) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", action="append", default=None, help="PREFIX:SUFFIX tokens (repeatable)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--method", default="ada-snapkv")
+    parser.add_argument("--budget", default="0.25")
+    parser.add_argument("--kv-cache-space-gib", type=float, default=1)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="--num-gpu-blocks-override of both")
+    parser.add_argument("--eager", action="store_true", help="--enforce-eager on both (default: compiled)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="save every number as JSON here")
+    args = parser.parse_args()
+    workloads = [tuple(int(x) for x in w.split(":")) for w in (args.workload or ["3000:400"])]
+    longest = max(prefix + suffix for prefix, suffix in workloads)
+    common = ["--max-model-len", str(longest + args.output_len + 64)]
+    if args.num_kv_blocks is not None:
+        common += ["--num-gpu-blocks-override", str(args.num_kv_blocks)]
+    servers = [
+        ("vanilla", common),
+        (
+            f"{args.method} @ {args.budget}",
+            [*common, "--kv-eviction", args.method, "--kv-budget", args.budget],
+        ),
+    ]
+    model_dir = prepared_model_dir()
+    runs: list[Run] = []
+    for label, extra in servers:
+        print(f"[prefix-repetition] {label}: vllm serve {model_dir} {' '.join(extra)}", file=sys.stderr)
+        with VLLMServer(
+            model_dir,
+            extra_args=extra,
+            kv_cache_space_gib=args.kv_cache_space_gib,
+            enforce_eager=args.eager,
+            startup_timeout_s=startup_timeout_for(args.eager),
+        ) as server:
+            for prefix, suffix in workloads:
+                runs.append(bench_workload(server, label, prefix, suffix, args))
+                print(f"[prefix-repetition] {runs[-1]}", file=sys.stderr, flush=True)
+    for prefix, suffix in workloads:
+        print(table([run for run in runs if run.workload == f"{prefix}:{suffix}"]))
+        print()
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        settings = {k: str(v) for k, v in vars(args).items()}
+        args.out.write_text(json.dumps({"settings": settings, "runs": [asdict(r) for r in runs]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
