@@ -28,6 +28,7 @@ from vllm_kvevict.server_process import VLLMServer, startup_timeout_for, vllm_ex
 HITS = "vllm:prefix_cache_hits"  # counters: their samples are ..._total
 QUERIES = "vllm:prefix_cache_queries"
 PROMPT_TOKENS = "vllm:prompt_tokens"
+EVICTION_SECONDS = "vllm_kvevict_eviction_step_seconds_sum"  # by phase; absent on vanilla
 
 
 @dataclass
@@ -41,12 +42,14 @@ class Run:
     output_tok_s: float
     request_s: float
     median_ttft_ms: float
+    median_tpot_ms: float
     median_e2el_ms: float
     prefix_hit_tokens: float
     prefix_query_tokens: float
     prompt_tokens_computed: float
     peak_kv_usage: float
     preemptions: float
+    eviction_seconds: float  # the worker's eviction work (scoring, selection, moves) over the workload
 
 
 def counter(server: VLLMServer, name: str) -> float:
@@ -54,8 +57,14 @@ def counter(server: VLLMServer, name: str) -> float:
     return sum(value for labels, value in server.metric_samples(name + "_total"))
 
 
+def eviction_seconds(server: VLLMServer) -> float:
+    samples = server.metric_samples(EVICTION_SECONDS)
+    return sum(value for labels, value in samples if labels.get("phase") == "total")
+
+
 def bench_workload(server: VLLMServer, label: str, prefix: int, suffix: int, args: argparse.Namespace) -> Run:
     before = {name: counter(server, name) for name in (HITS, QUERIES, PROMPT_TOKENS)}
+    evicting_before = eviction_seconds(server)
     with tempfile.TemporaryDirectory() as results_dir:
         command = [
             str(vllm_executable()),
@@ -93,6 +102,8 @@ def bench_workload(server: VLLMServer, label: str, prefix: int, suffix: int, arg
             "--result-filename",
             "result.json",
         ]
+        if getattr(args, "extra_body", None):
+            command += ["--extra-body", args.extra_body]
         print(
             f"[prefix-repetition] {label} {prefix}:{suffix}: {' '.join(command)}", file=sys.stderr, flush=True
         )
@@ -108,12 +119,14 @@ def bench_workload(server: VLLMServer, label: str, prefix: int, suffix: int, arg
         output_tok_s=float(result["output_throughput"]),
         request_s=float(result["request_throughput"]),
         median_ttft_ms=float(result["median_ttft_ms"]),
+        median_tpot_ms=float(result["median_tpot_ms"]),
         median_e2el_ms=float(result["median_e2el_ms"]),
         prefix_hit_tokens=after[HITS] - before[HITS],
         prefix_query_tokens=after[QUERIES] - before[QUERIES],
         prompt_tokens_computed=(after[PROMPT_TOKENS] - before[PROMPT_TOKENS]) - (after[HITS] - before[HITS]),
         peak_kv_usage=poller.peaks.max_kv_usage,
         preemptions=poller.peaks.preemptions,
+        eviction_seconds=eviction_seconds(server) - evicting_before,
     )
 
 
@@ -154,6 +167,7 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="--num-gpu-blocks-override of both")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on both (default: compiled)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--extra-body", default=None, help="JSON added to every request (e.g. vllm_xargs)")
     parser.add_argument("--out", type=Path, default=None, help="save every number as JSON here")
     args = parser.parse_args()
     workloads = [tuple(int(x) for x in w.split(":")) for w in (args.workload or ["3000:400"])]

@@ -60,9 +60,12 @@ def _attention_probabilities(
 
     def logits(start: int) -> torch.Tensor:
         chunk = torch.bmm(queries, keys[:, start : start + key_chunk].transpose(1, 2)).mul_(scale)
-        if start + chunk.shape[-1] > first_hidden:
-            key_positions = torch.arange(start, start + chunk.shape[-1], device=keys.device)
-            chunk.masked_fill_(key_positions[None, :] > positions[:, None], float("-inf"))
+        end = start + chunk.shape[-1]
+        if end > first_hidden:  # only the columns some query cannot see need the mask
+            first = max(start, first_hidden)
+            key_positions = torch.arange(first, end, device=keys.device)
+            hidden = chunk[..., first - start :]
+            hidden.masked_fill_(key_positions[None, :] > positions[:, None], float("-inf"))
         return chunk
 
     if n <= key_chunk:
