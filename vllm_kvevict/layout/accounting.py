@@ -31,6 +31,12 @@ scheduler frees ``O(n)/bs - 1`` leading blocks, exactly as after the prompt. O i
 ``O(n) < P - I <= P - B' = O0``, so the prompt's own compaction and the decode cap continue from it. Whatever
 the chunk sizes, the worker re-scores a request in the step that moves it from n0 to n1 computed tokens iff
 ``O(n1) != O(n0)``; during that step a head holds at most I + bs - 1 + (n1 - n0) entries.
+
+With a chunk stride S (``chunk_stride``, vLLM's chunk size unless set) the offset is taken at the last
+multiple of S: ``O(n) = O(S·floor(n/S))``. It then moves only when the computed tokens reach a multiple of S,
+and the scheduler never lets a chunk run past one (``runner_hooks.split_prefill_chunk``): every eviction sees
+the same entries and queries whichever way the token budget cut the prompt, so what a request keeps depends
+on the request alone. Between multiples a head holds at most I + bs - 1 + S entries.
 """
 
 from __future__ import annotations
@@ -97,6 +103,8 @@ class RequestPlan:
     decode_interval: k, decode tokens between re-scores (a multiple of block_size; 0 without a cap).
     chunk_budget: I, kept tokens per KV head between chunks of a prompt prefilled in several steps
         (>= kept_bound; 0: nothing is evicted before the prompt is complete).
+    chunk_stride: S, prompt tokens between evictions before the prompt is complete: the offset moves only
+        when the computed tokens reach a multiple of S (0: wherever a chunk ends).
     """
 
     prompt_len: int
@@ -108,6 +116,7 @@ class RequestPlan:
     decode_cap: int = 0
     decode_interval: int = 0
     chunk_budget: int = 0
+    chunk_stride: int = 0
 
     @property
     def offset0(self) -> int:
@@ -141,6 +150,8 @@ class RequestPlan:
         """O(n) for n = ``computed_tokens`` < P prompt tokens in the cache (per-chunk eviction)."""
         if not self.chunk_budget or computed_tokens >= self.prompt_len:
             return 0
+        if self.chunk_stride:  # the last stride point reached: what is evicted depends on positions only
+            computed_tokens -= computed_tokens % self.chunk_stride
         aligned = self.block_size * ((computed_tokens - self.chunk_budget) // self.block_size)
         return aligned if aligned >= 2 * self.block_size else 0
 
@@ -208,17 +219,20 @@ def with_decode_cap(
 CHUNK_BUDGET_FLOOR = 512
 
 
-def with_chunk_budget(plan: RequestPlan, chunk_budget: int | float | None) -> RequestPlan:
+def with_chunk_budget(
+    plan: RequestPlan, chunk_budget: int | float | None, chunk_stride: int = 0
+) -> RequestPlan:
     """``plan`` evicting between chunks down to I: ``chunk_budget`` an int (tokens per KV head) or a float
-    >= 1 (a multiple of the plan's B', at least ``CHUNK_BUDGET_FLOOR`` tokens), never below B'. None, or a
-    prompt kept whole: nothing between chunks."""
+    >= 1 (a multiple of the plan's B', at least ``CHUNK_BUDGET_FLOOR`` tokens), never below B', at every
+    multiple of ``chunk_stride`` prompt tokens (0: after every chunk). None, or a prompt kept whole: nothing
+    between chunks."""
     if chunk_budget is None or not plan.compacts:
         return plan
     if isinstance(chunk_budget, float):
         tokens = max(int(chunk_budget * plan.kept_bound), CHUNK_BUDGET_FLOOR)
     else:
         tokens = int(chunk_budget)
-    return dataclasses.replace(plan, chunk_budget=max(tokens, plan.kept_bound))
+    return dataclasses.replace(plan, chunk_budget=max(tokens, plan.kept_bound), chunk_stride=chunk_stride)
 
 
 def plan_request(
@@ -263,6 +277,7 @@ def request_planner(
     decode_interval: int | None = None,
     decode_min: int = 0,
     chunk_budget: int | float | None = None,
+    chunk_stride: int = 0,
 ) -> Callable[[int], RequestPlan]:
     """``plan_request`` (plus ``with_decode_cap`` and ``with_chunk_budget``) with everything but the prompt
     length fixed, memoised per prompt length (the scheduler and the worker both ask for the same plans on
@@ -271,7 +286,7 @@ def request_planner(
     @lru_cache(maxsize=4096)
     def plan_for(prompt_len: int) -> RequestPlan:
         plan = plan_request(prompt_len, budget, block_size, policy, num_layers)
-        plan = with_chunk_budget(plan, chunk_budget)
+        plan = with_chunk_budget(plan, chunk_budget, chunk_stride)
         return with_decode_cap(plan, decode_cap, decode_interval, decode_min)
 
     return plan_for

@@ -32,7 +32,15 @@ ADDITIONAL_CONFIG_KEY = "kv_eviction"
 #: (after its last chunk; vLLM's chunked prefill stays on either way unless a decode-time cap is set).
 PREFILL_MODES = ("chunked", "whole")
 #: settings of the prefill schedule that ``--kv-eviction-config`` may carry beside the method parameters.
-PREFILL_KEYS = ("prefill", "chunk_budget", "between", "between_share", "between_span", "between_scorer")
+PREFILL_KEYS = (
+    "prefill",
+    "chunk_budget",
+    "chunk_stride",
+    "between",
+    "between_share",
+    "between_span",
+    "between_scorer",
+)
 _KNOWN_KEYS = ("method", "budget", "params", "decode", *PREFILL_KEYS)
 #: I between chunks, as a multiple of the final budget (docs/benchmarks.md: the memory it allows).
 DEFAULT_CHUNK_BUDGET = 1.5
@@ -245,6 +253,11 @@ class EvictionConfig:
     between_span: the key score's ``span_after`` between chunks (an int >= 0): the tokens after a kept key
         kept with it; None (the default) sets it by the tokens the key score chooses (``BetweenRule``).
     between_scorer: the score that takes the rest of the budget under "blend" (``BETWEEN_SCORERS``).
+    chunk_stride: prompt positions between evictions of a prompt evicted chunk by chunk (an int >= 1): it is
+        evicted when its computed tokens reach a multiple of the stride, and the scheduler never lets a
+        chunk run past one, so what a request keeps depends on the request alone, not on how the scheduler's
+        token budget cut its prompt under load. None: vLLM's chunk size (``max_num_batched_tokens``), set by
+        ``get_eviction_config``.
     """
 
     method: str
@@ -257,6 +270,7 @@ class EvictionConfig:
     between_share: float = BetweenRule.share
     between_span: int | None = BetweenRule.span_after
     between_scorer: str = BetweenRule.scorer
+    chunk_stride: int | None = None
 
     def __post_init__(self) -> None:
         names = method_names()
@@ -278,6 +292,12 @@ class EvictionConfig:
                 f"kv_eviction.prefill={self.prefill!r} is not valid; valid: {', '.join(PREFILL_MODES)}"
             )
         object.__setattr__(self, "chunk_budget", parse_chunk_budget(self.chunk_budget))
+        stride = self.chunk_stride
+        if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int) or stride < 1):
+            raise EvictionConfigError(
+                f"kv_eviction.chunk_stride={stride!r} is not valid; use an integer >= 1 (prompt tokens "
+                "between evictions of a chunked prompt) or leave it unset (vLLM's chunk size)"
+            )
         try:  # BetweenRule names a bad kind, share, span or scorer and its valid values
             _ = self.between_rule
         except ValueError as exc:
@@ -314,6 +334,8 @@ class EvictionConfig:
             "between_span": self.between_span,
             "between_scorer": self.between_scorer,
         }
+        if self.chunk_stride is not None:
+            raw["chunk_stride"] = self.chunk_stride
         if self.decode is not None:
             raw["decode"] = self.decode.to_dict()
         elif method_implies_decode_cap(self.method):  # the implied cap was turned off: say so explicitly
@@ -360,7 +382,8 @@ class EvictionConfig:
         if self.chunked:
             floor = f" (x B', >= {CHUNK_BUDGET_FLOOR} tokens)" if isinstance(self.chunk_budget, float) else ""
             between = self.between_rule.describe()
-            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}{floor} {between}"
+            stride = f" every {self.chunk_stride} prompt tokens" if self.chunk_stride else ""
+            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}{floor}{stride} {between}"
         elif not self.keeps_chunked_prefill:
             prefill = "prefill=whole (a decode-time cap needs whole prompts)"
         else:
@@ -428,12 +451,17 @@ def parse_params_or_preset(text: str) -> dict[str, Any] | Preset:
     raise EvictionConfigError(f"--kv-eviction-config {text}: {' '.join(problem.split())}")
 
 
-def eviction_config_from_additional(additional_config: dict[str, Any] | None) -> EvictionConfig | None:
-    """The eviction config inside a vLLM ``additional_config`` dict, or None when eviction is off."""
+def eviction_config_from_additional(
+    additional_config: dict[str, Any] | None, chunk_stride: int | None = None
+) -> EvictionConfig | None:
+    """The eviction config inside a vLLM ``additional_config`` dict, or None when eviction is off;
+    ``chunk_stride``: the stride where the config leaves it unset (vLLM's chunk size)."""
     raw = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
     if raw is None:
         return None
     if isinstance(raw, EvictionConfig):
+        if raw.chunk_stride is None and chunk_stride is not None:
+            return dataclasses.replace(raw, chunk_stride=chunk_stride)
         return raw
     if isinstance(raw, str):
         raw = parse_params_json(raw)
@@ -441,6 +469,8 @@ def eviction_config_from_additional(additional_config: dict[str, Any] | None) ->
         return None
     if not isinstance(raw, dict):
         return EvictionConfig.from_dict(raw)
+    if raw.get("chunk_stride") is None and chunk_stride is not None:
+        raw = {**raw, "chunk_stride": chunk_stride}
     # Called on hot paths (per layer, per step): validate each distinct setting once.
     return eviction_config_from_json(json.dumps(raw, sort_keys=True))
 
@@ -455,4 +485,6 @@ def get_eviction_config(vllm_config: Any) -> EvictionConfig | None:
     """The eviction config of a ``VllmConfig`` (None when eviction is off or there is no config)."""
     if vllm_config is None:
         return None
-    return eviction_config_from_additional(getattr(vllm_config, "additional_config", None))
+    chunk_size = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    stride = chunk_size if isinstance(chunk_size, int) and chunk_size > 0 else None
+    return eviction_config_from_additional(getattr(vllm_config, "additional_config", None), stride)

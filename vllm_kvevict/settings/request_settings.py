@@ -164,16 +164,27 @@ def planner(
     num_layers: int,
     decode_budget: int | float | None = None,
     chunk_budget: int | float | None = None,
+    chunk_stride: int = 0,
 ) -> Callable[[int], RequestPlan]:
     """The plan per prompt length of a setting: prefill budget, ``chunk_budget`` between chunks (None: none)
     and, with ``decode``, its decode-time cap (``decode_budget`` overriding the setting's). Scheduler and
     workers build it from the same values."""
     if decode is None:
-        return request_planner(budget, block_size, policy, num_layers, chunk_budget=chunk_budget)
+        return request_planner(
+            budget, block_size, policy, num_layers, chunk_budget=chunk_budget, chunk_stride=chunk_stride
+        )
     cap = decode.budget if decode_budget is None else decode_budget
     minimum = decode_policy(decode).min_cap
     return request_planner(
-        budget, block_size, policy, num_layers, cap, decode.interval, minimum, chunk_budget=chunk_budget
+        budget,
+        block_size,
+        policy,
+        num_layers,
+        cap,
+        decode.interval,
+        minimum,
+        chunk_budget=chunk_budget,
+        chunk_stride=chunk_stride,
     )
 
 
@@ -226,6 +237,7 @@ class RequestSettings:
             block_size,
             num_layers,
             chunk_budget=self.chunk_budget_for(None),
+            chunk_stride=server.chunk_stride or 0,
         )
 
     def chunk_budget_for(self, prefill: str | None) -> int | float | None:
@@ -261,5 +273,6 @@ class RequestSettings:
             self.num_layers,
             override.decode_budget,
             self.chunk_budget_for(override.prefill),
+            self.server.chunk_stride or 0,
         )
         return ResolvedSetting(override.method, policy, plan_for)

@@ -117,6 +117,13 @@ class EvictingAttentionManager(FullAttentionManager):
         plan = (setting.plan_for if setting else self.plan_for)(request.num_prompt_tokens)
         return not reads_prefix_cache(plan)
 
+    def chunk_stride_of(self, request: Any) -> int:
+        """S of a request whose prompt is evicted chunk by chunk (its plan's ``chunk_stride``), else 0: the
+        scheduler ends its prefill chunks at multiples of S (``runner_hooks.split_prefill_chunk``)."""
+        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
+        plan = (setting.plan_for if setting else self.plan_for)(request.num_prompt_tokens)
+        return plan.chunk_stride if plan.chunk_budget else 0
+
     def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         """Publish only blocks no compaction ever writes (``shared_prefix.publishable_tokens``)."""
         plan = self.request_plan(request.request_id, request.num_prompt_tokens)

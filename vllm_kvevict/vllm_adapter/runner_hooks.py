@@ -115,6 +115,43 @@ def allocate_slots(
     return original(manager, request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
 
 
+def scheduler_init(original, scheduler, *args: Any, **kwargs: Any) -> None:
+    original(scheduler, *args, **kwargs)
+    if _chunk_strides(scheduler) and not scheduler.has_mamba_layers:
+        scheduler.need_mamba_block_aligned_split = True  # every prefill chunk passes split_prefill_chunk
+
+
+def split_prefill_chunk(
+    original,
+    scheduler,
+    request,
+    num_new_tokens: int,
+    num_new_local_computed_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+) -> int:
+    """A prompt evicted chunk by chunk stops its chunk at the next multiple of its chunk stride (where the
+    worker evicts it), unless the prompt ends first; other requests keep vLLM's chunk."""
+    if scheduler.has_mamba_layers:
+        return original(
+            scheduler, request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
+        )
+    start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+    prompt_len = request.num_prompt_tokens
+    if start >= prompt_len:
+        return num_new_tokens
+    stride = max((stride_of(request) for stride_of in _chunk_strides(scheduler)), default=0)
+    if not stride:
+        return num_new_tokens
+    stop = (start // stride + 1) * stride
+    return min(num_new_tokens, stop - start) if stop < prompt_len else num_new_tokens
+
+
+def _chunk_strides(scheduler) -> list:
+    """The evicting managers' ``chunk_stride_of`` (empty without eviction)."""
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    return [m.chunk_stride_of for m in managers if hasattr(m, "chunk_stride_of")]
+
+
 #: attribute holding a copy of an o_proj weight taken before the platform repacked it.
 O_PROJ_COPY = "kvevict_o_proj_weight"
 

@@ -57,6 +57,7 @@ def install_eviction_hooks() -> None:
     ``runner_hooks.py`` and does nothing unless this process has an eviction worker or manager."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_kvevict.vllm_adapter import runner_hooks
@@ -93,6 +94,13 @@ def install_eviction_hooks() -> None:
     # blocks other requests share; it is marked skip_reading_prefix_cache (vLLM's own per-request switch)
     # before the lookup. Whole-prompt eviction reads the cache (layout/shared_prefix.py).
     _wrap(KVCacheManager, "get_computed_blocks", runner_hooks.get_computed_blocks, _EVICTION_MARK)
+    # Wraps Scheduler.__init__ and Scheduler._mamba_block_aligned_split (vLLM 0.32.0, private): the split is
+    # vLLM's one hook that clips a prefill chunk where a state must be saved (Mamba "align" mode; eviction
+    # refuses Mamba models). With eviction the scheduler routes every prefill chunk through it
+    # (need_mamba_block_aligned_split) and a prompt evicted chunk by chunk never runs past a multiple of its
+    # chunk stride, so what it keeps does not depend on how the token budget cut it under load.
+    _wrap(Scheduler, "__init__", runner_hooks.scheduler_init, _EVICTION_MARK)
+    _wrap(Scheduler, "_mamba_block_aligned_split", runner_hooks.split_prefill_chunk, _EVICTION_MARK)
 
 
 def install_cli_hooks() -> None:

@@ -122,7 +122,10 @@ def test_per_chunk_rule_leaves_room_for_every_chunk_and_meets_the_prompt_plan(me
         prompt_len = rng.randint(300, 8000)
         budget = rng.randint(40, max(41, prompt_len // 3))
         chunk_budget = rng.choice([1.0, 1.5, 2.0, rng.randint(1, 3000)])
-        plan = with_chunk_budget(plan_request(prompt_len, budget, bs, policy, NUM_LAYERS), chunk_budget)
+        stride = rng.choice([0, 0, 512, rng.randint(1, 2048)])
+        plan = with_chunk_budget(
+            plan_request(prompt_len, budget, bs, policy, NUM_LAYERS), chunk_budget, stride
+        )
         if not plan.compacts:
             assert plan.chunk_budget == 0 and plan.offset_at(prompt_len - 1) == 0
             continue
@@ -137,8 +140,9 @@ def test_per_chunk_rule_leaves_room_for_every_chunk_and_meets_the_prompt_plan(me
             offset = plan.offset_at(done)
             if done < prompt_len:
                 assert offset < plan.offset0
-                if offset:
-                    assert plan.chunk_budget <= plan.kept_length_at(done) < plan.chunk_budget + bs
+                if offset:  # a(n) of the last stride point (of n itself without a stride), plus the rest
+                    held = plan.kept_length_at(done) - (done % stride if stride else 0)
+                    assert plan.chunk_budget <= held < plan.chunk_budget + bs
                 assert cdiv(plan.kept_length_at(done), bs) <= cdiv(done, bs) - plan.blocks_freed_at(done)
                 assert plan.chunk_rescores(done - step, done) == (plan.offset_at(done - step) != offset)
         assert offset == plan.offset0 and plan.blocks_freed_at(prompt_len) == plan.blocks_to_free
@@ -157,3 +161,21 @@ def test_a_multiple_of_b_prime_keeps_at_least_the_floor_between_chunks_and_an_in
     assert exact.chunk_budget == 192 and exact.offset_at(512) == 320
     large = with_chunk_budget(plan_request(4000, 512, 32, build_policy("snapkv"), NUM_LAYERS), 1.5)
     assert large.chunk_budget == int(1.5 * large.kept_bound) > CHUNK_BUDGET_FLOOR  # the floor does not bind
+
+
+def test_with_a_stride_the_offset_moves_only_at_its_multiples_whatever_the_chunks():
+    """4k prompt, I = 512, stride 512: O(n) is O at the last multiple of 512 below n, so two different
+    chunkings (512-token chunks, or ragged ones that stop at every multiple) evict at the same positions."""
+    plan = with_chunk_budget(plan_request(4000, 256, 32, build_policy("snapkv"), NUM_LAYERS), 512, 512)
+    assert plan.chunk_stride == 512
+    for n in range(1, 4000):
+        assert plan.offset_at(n) == plan.offset_at(n - n % 512)
+    evicted_at = {n for n in range(1, 4000) if plan.chunk_rescores(n - 1, n)}
+    assert evicted_at and all(n % 512 == 0 for n in evicted_at)
+    ragged = [100, 412, 300, 212, 1, 511, 512, 400, 112, 24]  # never past a multiple (the scheduler clips)
+    done, ragged_evictions = 0, set()
+    for step in ragged:
+        if plan.chunk_rescores(done, done + step):
+            ragged_evictions.add(done + step)
+        done += step
+    assert ragged_evictions == {n for n in evicted_at if n <= done}
