@@ -1,0 +1,56 @@
+"""The question probe's token choice and its queries (``hf_reference.probe``) on the bundled model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.model]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from vllm_kvevict.hf_reference import load_reference_model
+
+    return load_reference_model(model_dir)
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(rendered)["input_ids"]
+
+
+def test_the_probe_takes_both_ends_of_the_last_user_turn(reference):
+    from vllm_kvevict.hf_reference.probe import probe_tokens, user_turn_start
+
+    _, tokenizer = reference
+    question = "What is the magic number for the blue door?"
+    ids = chat(tokenizer, question + " " + " ".join(f"line {i} of the text." for i in range(200)))
+    start = user_turn_start(ids, tokenizer)
+    assert start is not None and tokenizer.decode(ids[start : start + 4]).startswith("What is")
+    probe = probe_tokens(ids, tokenizer, 16)
+    assert probe == ids[start : start + 16] + ids[-16:]
+    short = chat(tokenizer, "Hi there")  # the two spans overlap: their union, once
+    union_start = min(user_turn_start(short, tokenizer), len(short) - 16)
+    assert probe_tokens(short, tokenizer, 16) == short[union_start:]
+    assert probe_tokens([5, 6, 7, 8], tokenizer, 2) == [7, 8]  # no user header: the last tokens
+
+
+def test_probe_queries_are_those_of_the_tokens_alone_at_the_given_positions(reference):
+    """Run alone at positions p.., the probe's queries equal a prefill of the same tokens that starts at p
+    (RoPE by position; no context): checked against a plain prefill at position 0 for p = 0."""
+    from vllm_kvevict.hf_reference import prefill
+    from vllm_kvevict.hf_reference.probe import probe_queries, probed_layers
+
+    model, tokenizer = reference
+    tokens = tokenizer("The blue door hides the number")["input_ids"]
+    at_zero = probe_queries(model, tokens, 0)
+    plain = prefill(model, torch.tensor(tokens)).layers
+    for queries, layer in zip(at_zero, plain, strict=True):
+        torch.testing.assert_close(queries, layer.queries, rtol=1e-4, atol=1e-5)
+    later = probe_queries(model, tokens, 500)
+    assert not torch.allclose(later[3], at_zero[3])  # RoPE moved them
+    probed = probed_layers(plain, later)
+    assert probed[0].positions().tolist() == list(range(len(tokens), 2 * len(tokens)))

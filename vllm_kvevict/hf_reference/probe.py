@@ -1,0 +1,63 @@
+"""The question probe (issue 32 item 3), in the reference runner: a few of the prompt's own tokens run as a
+short side sequence, without the rest of the prompt, at the positions right after the prompt's end; their
+per-layer queries then judge the prompt's keys as SnapKV's last window would.
+
+Which tokens: ``probe_tokens`` takes the first ``width`` tokens of the last user turn (where a question-first
+prompt puts its instruction and question) and the prompt's last ``width`` tokens (where a question-last
+prompt puts it), so the probe finds the question at either end without knowing which. A chat prompt's turns
+are found by the tokenizer's role header (``<|im_start|>user`` in ChatML); a prompt without one is probed
+by its last tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from vllm_kvevict.hf_reference.capture import recording
+from vllm_kvevict.policies.base import LayerKV
+
+
+def user_turn_start(token_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """Index of the first token of the last user turn's content, or None when the prompt has no user
+    header the tokenizer knows."""
+    header = tokenizer.encode("<|im_start|>user\n", add_special_tokens=False)
+    if not header:
+        return None
+    for start in range(len(token_ids) - len(header), -1, -1):
+        if token_ids[start : start + len(header)] == header:
+            return start + len(header)
+    return None
+
+
+def probe_tokens(token_ids: list[int], tokenizer: PreTrainedTokenizerBase, width: int) -> list[int]:
+    """The probe: the last user turn's first ``width`` tokens, then the prompt's last ``width`` (each span
+    once where they overlap)."""
+    tail_start = max(0, len(token_ids) - width)
+    start = user_turn_start(token_ids, tokenizer)
+    if start is None or start + width >= tail_start:
+        return list(token_ids[min(start or tail_start, tail_start) :])
+    return list(token_ids[start : start + width]) + list(token_ids[tail_start:])
+
+
+@torch.inference_mode()
+def probe_queries(model: PreTrainedModel, probe: list[int], first_position: int) -> list[torch.Tensor]:
+    """Per layer [q_heads, w, d] float32 post-RoPE queries of ``probe`` run alone (no cache, no context) at
+    positions ``first_position`` .. ``first_position + w - 1``."""
+    ids = torch.tensor([probe], device=model.device)
+    positions = torch.arange(first_position, first_position + len(probe), device=model.device)[None]
+    with recording(model, None) as recorders:
+        model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+    return [recorder.queries for recorder in recorders]
+
+
+def probed_layers(layers: list[LayerKV], queries: list[torch.Tensor]) -> list[LayerKV]:
+    """``layers`` judged by the probe's queries (placed after the prompt: every key is visible to them)."""
+    probed = []
+    for layer, probe in zip(layers, queries, strict=True):
+        n = layer.num_tokens
+        positions = torch.arange(n, n + probe.shape[1])
+        probed.append(replace(layer, queries=probe, query_positions=positions))
+    return probed
