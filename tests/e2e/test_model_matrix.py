@@ -69,10 +69,12 @@ def test_a_gqa_llama_with_head_size_128_serves_with_eviction(built, tmp_path):
     prompt = [(7 * index) % 40000 + 100 for index in range(PROMPT_TOKENS)]
     model, log = built["llama-gqa4-hd128"], tmp_path / "server.log"
     with VLLMServer(model, extra_args=SERVER_ARGS, served_model_name="matrix", log_path=log) as server:
-        whole = complete(server, prompt, vllm_xargs={"kv_eviction": "none"})  # vLLM's own path
-        covering = complete(server, prompt, vllm_xargs={"kv_budget": 1024})  # budget >= prompt
+        # Each with its own cache salt: a request finding another's published blocks keeps them whole.
+        # vLLM's own path, then a budget >= the prompt:
+        whole = complete(server, prompt, vllm_xargs={"kv_eviction": "none"}, cache_salt="a")
+        covering = complete(server, prompt, vllm_xargs={"kv_budget": 1024}, cache_salt="b")
         freed_before = server.metric_value("vllm_kvevict_blocks_freed_total")
-        compacted = complete(server, prompt)  # 64 tokens per KV head
+        compacted = complete(server, prompt, cache_salt="c")  # 64 tokens per KV head
         freed = server.metric_value("vllm_kvevict_blocks_freed_total") - freed_before
         assert server.wait_for_metric("vllm:kv_cache_usage_perc", 0.0, 60) == 0
         assert httpx.get(server.root_url + "/health", timeout=30).status_code == 200

@@ -86,7 +86,7 @@ def documented_server(model_dir):
 def test_start_up_states_every_guard_rail_and_the_capacity_gain(documented_server):
     log = documented_server.log_path.read_text()
     assert "kv-eviction: method=ada-snapkv budget=1024 tokens per KV head" in log
-    assert "prefix caching stays on for requests kept whole" in log
+    assert "prefix caching stays on; a request evicting its whole prompt reads cached blocks" in log
     # vLLM's chunked prefill stays on; the default evicts a prompt once, after its last chunk
     assert "prefill=whole (one eviction after the prompt's last chunk)" in log
     assert "chunked prefill turned off" not in log

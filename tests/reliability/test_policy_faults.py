@@ -19,17 +19,19 @@ NUM_LAYERS = 30  # SmolLM2-135M: the policy runs once per layer of a compacting 
 FALLBACKS = "vllm_kvevict_policy_fallbacks_total"
 
 
-def greedy(server, prompt: list[int]) -> list[int]:
+def greedy(server, prompt: list[int], salt: str) -> list[int]:
     result = client_of(server).completions.create(
         model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True, "cache_salt": salt},
     )
     return list(result.choices[0].token_ids)
 
 
-def together(server, prompts: list[list[int]]) -> list[list[int]]:
+def together(server, prompts: list[list[int]], salt: str) -> list[list[int]]:
+    """All at once, each run with its own cache salt: a run that found the other's published prompt blocks
+    would keep them whole and evict only the rest (docs/design.md, "Shared prefixes")."""
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda prompt: greedy(server, prompt), prompts))
+        return list(pool.map(lambda prompt: greedy(server, prompt, salt), prompts))
 
 
 def fallbacks(server, reason: str) -> float:
@@ -43,9 +45,9 @@ def test_a_policy_fault_on_one_request_falls_back_and_leaves_the_rest_of_the_bat
 ):
     others = [long_ids(tokenizer, 500 + 40 * index, seed=300 + index) for index in range(2)]
     faulty = long_ids(tokenizer, INJECTED_FAULTS[fault], seed=310)
-    without_fault = together(server, others)
+    without_fault = together(server, others, f"{fault}-alone")
     before = fallbacks(server, reason)
-    *with_fault, faulty_answer = together(server, [*others, faulty])
+    *with_fault, faulty_answer = together(server, [*others, faulty], f"{fault}-with-fault")
     assert with_fault == without_fault
     assert len(faulty_answer) == OUTPUT_TOKENS
     assert fallbacks(server, reason) - before == NUM_LAYERS

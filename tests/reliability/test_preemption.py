@@ -39,19 +39,21 @@ class Greedy:
     top: list[dict[str, float]]
 
 
-def generate(server, prompt: list[int]) -> Greedy:
-    """Greedy answer of exactly OUTPUT_TOKENS tokens."""
+def generate(server, prompt: list[int], salt: str) -> Greedy:
+    """Greedy answer of exactly OUTPUT_TOKENS tokens; each run has its own cache salt (a run that found the
+    other's published prompt blocks would keep them whole: docs/design.md, "Shared prefixes")."""
     result = client_of(server, timeout_s=900).completions.create(
         model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0, logprobs=5,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True, "cache_salt": salt},
     )
     choice = result.choices[0]
     return Greedy(list(choice.token_ids), list(choice.logprobs.tokens), list(choice.logprobs.top_logprobs))
 
 
 def run_all(server, prompts: list[list[int]], concurrency: int) -> list[Greedy]:
+    salt = f"concurrency-{concurrency}"
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda prompt: generate(server, prompt), prompts))
+        return list(pool.map(lambda prompt: generate(server, prompt, salt), prompts))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
