@@ -6,6 +6,7 @@ head keep? The caller (the vLLM adapter, the kvpress parity tests, the HF qualit
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -203,20 +204,9 @@ class EvictionPolicy(ABC):
         scored methods override it to score the whole layer and choose after the prefix."""
         if fixed <= 0:
             return self.select(layer, budget)
-        positions = layer.positions() - fixed
-        if bool((positions < 0).any()):
+        private = after_prefix(layer, fixed)
+        if bool((private.positions() < 0).any()):
             raise ValueError(f"{self._label()}: queries at positions before the shared prefix end ({fixed})")
-        private = LayerKV(
-            keys=layer.keys[:, fixed:],
-            values=layer.values[:, fixed:],
-            queries=layer.queries,
-            layer_idx=layer.layer_idx,
-            num_layers=layer.num_layers,
-            query_positions=positions,
-            o_proj=layer.o_proj,
-            rope_inv_freq=layer.rope_inv_freq,
-            query_statistics=layer.query_statistics,
-        )
         return shifted(self.select(private, budget), fixed)
 
     def keep_all_or_check(self, layer: LayerKV, budget: int) -> KeptTokens | None:
@@ -272,13 +262,11 @@ def shifted(kept: KeptTokens, offset: int) -> KeptTokens:
 
 
 def after_prefix(layer: LayerKV, fixed: int) -> LayerKV:
-    """A view of ``layer`` holding only tokens ``[fixed, n)`` (for budget checks: no scores are taken)."""
-    return LayerKV(
+    """A view of ``layer`` holding only tokens ``[fixed, n)``, its query positions counted from ``fixed``."""
+    return dataclasses.replace(
+        layer,
         keys=layer.keys[:, fixed:],
         values=layer.values[:, fixed:],
-        queries=layer.queries,
-        layer_idx=layer.layer_idx,
-        num_layers=layer.num_layers,
         query_positions=layer.positions() - fixed,
     )
 
