@@ -36,11 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import decode_in_batches  # noqa: E402
-from sweep import QUERY_WINDOW, decode_limits, summarise  # noqa: E402
+from sweep import QUERY_WINDOW, decode_limits, scored_row, summarise  # noqa: E402
 
 from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
-from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
 from vllm_kvevict.hf_reference import load_reference_model, prefill  # noqa: E402
 from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
 from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
@@ -126,18 +125,7 @@ def rows_for_prompt(
     for label, fraction, prompt, kept in runs:
         (tokens,) = decode_in_batches(model, prompt, [kept], new_tokens, n, stops, finished, batch_bytes)
         output = tokenizer.decode(tokens, skip_special_tokens=True)
-        rows.append(
-            {
-                "variant": label,
-                "fraction": fraction,
-                "output": output,
-                "score": score_output(output, sample.answers, sample.metric),
-                "task": sample.task,
-                "length": sample.target_tokens,
-                "sample": sample.id,
-                "answers": list(sample.answers),
-            }
-        )
+        rows.append(scored_row(sample, label, fraction, output))
     return rows
 
 

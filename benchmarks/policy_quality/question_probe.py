@@ -29,11 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import decode_in_batches  # noqa: E402
-from sweep import decode_limits, summarise  # noqa: E402
+from sweep import decode_limits, scored_row, summarise  # noqa: E402
 
 from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
-from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
 from vllm_kvevict.hf_reference import load_reference_model, prefill  # noqa: E402
 from vllm_kvevict.hf_reference.probe import probe_queries, probe_tokens, probed_layers  # noqa: E402
 from vllm_kvevict.layout.accounting import plan_request  # noqa: E402
@@ -72,19 +71,7 @@ def rows_for_prompt(model, tokenizer, sample, method: str, fractions, width: int
             model, whole, [kept], new_tokens, n, [tokenizer.eos_token_id], finished, batch_bytes
         )
         output = tokenizer.decode(tokens, skip_special_tokens=True)
-        rows.append(
-            {
-                "variant": label,
-                "fraction": fraction,
-                "output": output,
-                "score": score_output(output, sample.answers, sample.metric),
-                "task": sample.task,
-                "length": sample.target_tokens,
-                "sample": sample.id,
-                "answers": list(sample.answers),
-                "probe_tokens": len(probe),
-            }
-        )
+        rows.append(scored_row(sample, label, fraction, output, probe_tokens=len(probe)))
     return rows
 
 

@@ -64,6 +64,21 @@ QUERY_WINDOW = 256
 NEEDLE_NEW_TOKENS = 12
 
 
+def scored_row(sample: Sample, variant: str, fraction: float, output: str, **extra: object) -> dict:
+    """One JSON-lines row: a variant's greedy output on ``sample``, scored like ``eval``."""
+    return {
+        "variant": variant,
+        "fraction": fraction,
+        "output": output,
+        "score": score_output(output, sample.answers, sample.metric),
+        "task": sample.task,
+        "length": sample.target_tokens,
+        "sample": sample.id,
+        "answers": list(sample.answers),
+        **extra,
+    }
+
+
 def decode_limits(sample: Sample, tokenizer) -> tuple[int, Callable[[list[int]], bool] | None]:
     """(new tokens, ``finished`` callback) for decoding ``sample``: a single-number answer decodes
     ``NEEDLE_NEW_TOKENS`` and stops once its digits are decided; any other its task's ``max_new_tokens``,
