@@ -79,13 +79,24 @@ def sliding_window_of(text_config: Any) -> int | str | None:
     return window or None
 
 
-def cache_refusal(cache_dtype: str, has_decode_cap: bool) -> str | None:
-    """A quantised KV cache (``--kv-cache-dtype`` other than auto) cannot be re-scored while generating: a
-    decode-time cap moves rows inside the cache."""
-    if has_decode_cap and cache_dtype not in ("auto", None):
+def cache_refusal(cache_dtype: str, has_decode_cap: bool, chunked_prefill: bool = False) -> str | None:
+    """A quantised KV cache (``--kv-cache-dtype`` other than auto) cannot be read back: not for a decode-time
+    cap's re-scores, and not for a prompt computed in several steps (vLLM's chunked prefill), whose earlier
+    chunks are read from the cache when it is evicted. A prompt computed in one step is evicted from the
+    step's own rows, in any cache dtype (evicting requests then skip the prefix cache, ``kv_spec.py``)."""
+    if cache_dtype in ("auto", None):
+        return None
+    if has_decode_cap:
         return _refusal(
             f"a decode-time cap with --kv-cache-dtype {cache_dtype}",
             "a decode-time cap supports --kv-cache-dtype auto only (prefill eviction supports any)",
+        )
+    if chunked_prefill:
+        return _refusal(
+            f"--kv-cache-dtype {cache_dtype} with vLLM's chunked prefill (a prompt evicted after several "
+            "steps is read back from the cache, which a quantised cache does not allow)",
+            "start with --no-enable-chunked-prefill (prompts then evicted from their own step) or "
+            "--kv-cache-dtype auto",
         )
     return None
 
@@ -178,7 +189,9 @@ def eviction_refusal(vllm_config: Any) -> str | None:
     if config is None:
         return None
     return model_refusal(vllm_config.model_config) or cache_refusal(
-        getattr(vllm_config.cache_config, "cache_dtype", "auto"), config.decode is not None
+        getattr(vllm_config.cache_config, "cache_dtype", "auto"),
+        config.decode is not None,
+        bool(getattr(vllm_config.scheduler_config, "enable_chunked_prefill", False)),
     )
 
 

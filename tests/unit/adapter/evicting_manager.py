@@ -13,14 +13,15 @@ from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager, Evicting
 
 
 def evicting_manager(
-    config: EvictionConfig, block_size: int, num_blocks: int
+    config: EvictionConfig, block_size: int, num_blocks: int, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[EvictingAttentionManager, BlockPool]:
-    """A manager for the bundled model's shapes (30 layers, 3 KV heads of 64) over ``num_blocks`` blocks."""
+    """A manager for the bundled model's shapes (30 layers, 3 KV heads of 64) over ``num_blocks`` blocks
+    (``dtype``: the cache's, torch.uint8 for an fp8 cache)."""
     spec = EvictingAttentionSpec(
         block_size=block_size,
         num_kv_heads=3,
         head_size=64,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         eviction=json.dumps(config.to_dict()),
         num_model_layers=30,
     )

@@ -64,6 +64,16 @@ def test_a_quantised_cache_with_a_decode_cap_is_refused(cls, eviction_on):
 
 
 @pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
+def test_a_quantised_cache_with_chunked_prefill_is_refused(cls, eviction_on, monkeypatch):
+    scheduler = SimpleNamespace(scheduler_config=SimpleNamespace(enable_chunked_prefill=True))
+    monkeypatch.setattr(evicting_backend, "get_current_vllm_config_or_none", lambda: scheduler)
+    with pytest.raises(EvictionConfigError, match="fp8 with vLLM's chunked prefill"):
+        make_impl(cls, kv_cache_dtype="fp8")
+    scheduler.scheduler_config.enable_chunked_prefill = False
+    assert make_impl(cls, kv_cache_dtype="fp8") is not None
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
 def test_a_plain_layer_is_served_and_eviction_off_refuses_nothing(cls, eviction_on, monkeypatch):
     assert make_impl(cls).num_kv_heads == 1
     monkeypatch.setattr(evicting_backend, "get_eviction_config", lambda _: None)

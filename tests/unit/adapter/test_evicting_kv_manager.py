@@ -205,3 +205,13 @@ def test_shared_prefix_stays_and_the_private_part_frees_a_middle_range():
     assert all(b.ref_cnt == 1 for b in prefix)
     assert sharer.request_id not in manager.shared_tokens
     manager.free(owner.request_id)
+
+
+def test_with_a_quantised_cache_compacting_requests_skip_the_prefix_cache():
+    """A quantised cache cannot be read back, so a request that compacts must be computed in one step: it
+    does not start from cached blocks; one kept whole still does."""
+    config = EvictionConfig(method="snapkv", budget=256, prefill="whole")
+    quantised, _ = evicting_manager(config, BLOCK_SIZE, NUM_BLOCKS, dtype=torch.uint8)
+    assert quantised.skips_prefix_cache(_request(4000))
+    assert not quantised.skips_prefix_cache(_request(200))
+    assert not quantised.skips_prefix_cache(_request(4000, {"kv_eviction": "none"}))

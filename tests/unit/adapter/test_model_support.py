@@ -107,6 +107,14 @@ def test_a_quantised_cache_with_a_decode_cap_is_refused_naming_the_dtype():
     assert cache_refusal("auto", has_decode_cap=True) is None
 
 
+def test_a_quantised_cache_with_chunked_prefill_is_refused_naming_both_ways_out():
+    """A prompt evicted after several steps is read back from the cache: a quantised one cannot be (the
+    engine went down on the first prompt longer than a chunk before this refusal)."""
+    refusal = cache_refusal("fp8", has_decode_cap=False, chunked_prefill=True)
+    assert_one_line_naming(refusal, "fp8", "--no-enable-chunked-prefill", "--kv-cache-dtype auto")
+    assert cache_refusal("auto", has_decode_cap=False, chunked_prefill=True) is None
+
+
 def spec(cls=FullAttentionSpec, **extra):
     return cls(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, **extra)
 
@@ -166,11 +174,12 @@ def test_criticalkv_without_o_proj_in_every_layer_is_refused_naming_the_layers()
     assert criticalkv_refusal("snapkv", o_proj_layers=[], num_layers=4) is None
 
 
-def vllm_config(model, kv_eviction=None, cache_dtype="auto") -> SimpleNamespace:
+def vllm_config(model, kv_eviction=None, cache_dtype="auto", chunked_prefill=False) -> SimpleNamespace:
     additional = {"kv_eviction": kv_eviction} if kv_eviction else {}
     return SimpleNamespace(
         model_config=model,
         cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill, max_num_batched_tokens=512),
         additional_config=additional,
     )
 
@@ -188,6 +197,8 @@ def test_eviction_refusal_names_a_quantised_cache_under_a_decode_cap():
     )
     assert_one_line_naming(refusal, "fp8")
     assert eviction_refusal(vllm_config(model_config(), {"method": "snapkv", "budget": 256}, "fp8")) is None
+    chunked = vllm_config(model_config(), {"method": "snapkv", "budget": 256}, "fp8", chunked_prefill=True)
+    assert_one_line_naming(eviction_refusal(chunked), "fp8", "chunked prefill")
 
 
 def test_amx_is_replaced_by_vec_and_other_isas_are_kept():
