@@ -7,7 +7,11 @@ kept fraction, with the server's whole-prompt plan (32-token blocks):
 - ``<method> probe``: the same method judged by the queries of a side sequence (``hf_reference.probe``): the
   last user turn's first W tokens and the prompt's last W, run alone after the prompt's end; the method's
   window is set to the probe's length (it always keeps that many last tokens);
+- ``<method> head+window``: the prompt's own last W queries together with those of the last user turn's
+  first W tokens run alone after the prompt (the question's place in a question-first prompt), window 2W;
 - ``h2o whole``: accumulated attention of every prompt query, the question-position-free baseline.
+
+``--variants`` picks the rows (default: all).
 
 Each kept set is decoded greedily (masks, true positions) and scored like ``eval``; prints the mean score per
 (variant, fraction, task family), question first against question last.
@@ -34,7 +38,12 @@ from sweep import decode_limits, scored_row, summarise  # noqa: E402
 from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
 from vllm_kvevict.hf_reference import load_reference_model, prefill  # noqa: E402
-from vllm_kvevict.hf_reference.probe import probe_queries, probe_tokens, probed_layers  # noqa: E402
+from vllm_kvevict.hf_reference.probe import (  # noqa: E402
+    head_tokens,
+    probe_queries,
+    probe_tokens,
+    probed_layers,
+)
 from vllm_kvevict.layout.accounting import plan_request  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
@@ -44,20 +53,36 @@ TASKS = ",".join(f"qfirst_{task}" for task in NEEDLES.split(",")) + "," + NEEDLE
 BLOCK_SIZE = 32
 
 
-def rows_for_prompt(model, tokenizer, sample, method: str, fractions, width: int, batch_bytes) -> list[dict]:
+VARIANTS = ("full", "whole", "probe", "head-window", "h2o")
+
+
+def rows_for_prompt(
+    model, tokenizer, sample, method: str, fractions, width: int, batch_bytes, chosen=VARIANTS
+) -> list[dict]:
     ids = torch.tensor(sample.token_ids)
     n = len(sample.token_ids)
     whole = prefill(model, ids, query_window=None)  # every query: H2O reads them all
-    probe = probe_tokens(list(sample.token_ids), tokenizer, width)
-    probed = probed_layers(whole.layers, probe_queries(model, probe, n))
+    token_ids = list(sample.token_ids)
+    probe = probe_tokens(token_ids, tokenizer, width)
+    head = head_tokens(token_ids, tokenizer, width)
     num_layers = model.config.num_hidden_layers
     new_tokens, finished = decode_limits(sample, tokenizer)
-    runs = [("full-cache", 1.0, [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers])]
-    variants = [
-        (f"{method} whole", build_policy(method), whole.layers),
-        (f"{method} probe", build_policy(method, window=len(probe)), probed),
-        ("h2o whole", build_policy("h2o"), whole.layers),
-    ]
+    runs = []
+    if "full" in chosen:
+        runs.append(
+            ("full-cache", 1.0, [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers])
+        )
+    variants = []
+    if "whole" in chosen:
+        variants.append((f"{method} whole", build_policy(method), whole.layers))
+    if "probe" in chosen:
+        probed = probed_layers(whole.layers, probe_queries(model, probe, n))
+        variants.append((f"{method} probe", build_policy(method, window=len(probe)), probed))
+    if "head-window" in chosen:
+        both = probed_layers(whole.layers, probe_queries(model, head, n), window=width)
+        variants.append((f"{method} head+window", build_policy(method, window=width + len(head)), both))
+    if "h2o" in chosen:
+        variants.append(("h2o whole", build_policy("h2o"), whole.layers))
     for label, policy, layers in variants:
         for fraction in fractions:
             plan = plan_request(n, fraction, BLOCK_SIZE, policy, num_layers)
@@ -88,6 +113,7 @@ def main() -> None:
         "--out", type=Path, required=True, help="JSON lines; prompts already there are skipped"
     )
     parser.add_argument("--batch-bytes", type=float, default=2e9)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"rows to run: {', '.join(VARIANTS)}")
     args = parser.parse_args()
     records = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
     from vllm_kvevict.cli.prepare_model import prepared_model_dir
@@ -106,7 +132,16 @@ def main() -> None:
         if sample.id in done:
             continue
         started = time.time()
-        rows = rows_for_prompt(model, tokenizer, sample, args.method, fractions, args.width, args.batch_bytes)
+        rows = rows_for_prompt(
+            model,
+            tokenizer,
+            sample,
+            args.method,
+            fractions,
+            args.width,
+            args.batch_bytes,
+            args.variants.split(","),
+        )
         with args.out.open("a") as out:
             for row in rows:
                 out.write(json.dumps(row) + "\n")

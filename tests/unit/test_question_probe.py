@@ -54,3 +54,7 @@ def test_probe_queries_are_those_of_the_tokens_alone_at_the_given_positions(refe
     assert not torch.allclose(later[3], at_zero[3])  # RoPE moved them
     probed = probed_layers(plain, later)
     assert probed[0].positions().tolist() == list(range(len(tokens), 2 * len(tokens)))
+    both = probed_layers(plain, later, window=2)  # the prompt's own last 2 queries, then the probe's
+    n = len(tokens)
+    assert both[0].positions().tolist() == [n - 2, n - 1, *range(n, 2 * n)]
+    torch.testing.assert_close(both[0].queries[:, :2], plain[0].queries[:, -2:])

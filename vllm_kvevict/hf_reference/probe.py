@@ -42,6 +42,12 @@ def probe_tokens(token_ids: list[int], tokenizer: PreTrainedTokenizerBase, width
     return list(token_ids[start : start + width]) + list(token_ids[tail_start:])
 
 
+def head_tokens(token_ids: list[int], tokenizer: PreTrainedTokenizerBase, width: int) -> list[int]:
+    """The last user turn's first ``width`` tokens (empty without a user header)."""
+    start = user_turn_start(token_ids, tokenizer)
+    return [] if start is None else list(token_ids[start : start + width])
+
+
 @torch.inference_mode()
 def probe_queries(model: PreTrainedModel, probe: list[int], first_position: int) -> list[torch.Tensor]:
     """Per layer [q_heads, w, d] float32 post-RoPE queries of ``probe`` run alone (no cache, no context) at
@@ -53,11 +59,14 @@ def probe_queries(model: PreTrainedModel, probe: list[int], first_position: int)
     return [recorder.queries for recorder in recorders]
 
 
-def probed_layers(layers: list[LayerKV], queries: list[torch.Tensor]) -> list[LayerKV]:
-    """``layers`` judged by the probe's queries (placed after the prompt: every key is visible to them)."""
+def probed_layers(layers: list[LayerKV], queries: list[torch.Tensor], window: int = 0) -> list[LayerKV]:
+    """``layers`` judged by the probe's queries (placed after the prompt: every key is visible to them), after
+    the prompt's own last ``window`` queries when ``window`` > 0 (``layers`` must hold them)."""
     probed = []
     for layer, probe in zip(layers, queries, strict=True):
-        n = layer.num_tokens
-        positions = torch.arange(n, n + probe.shape[1])
-        probed.append(replace(layer, queries=probe, query_positions=positions))
+        n, given = layer.num_tokens, layer.queries.shape[1]
+        own = layer.queries[:, given - window :] if window else layer.queries[:, :0]
+        own_positions = layer.positions()[given - window :].cpu() if window else torch.arange(0)
+        positions = torch.cat([own_positions, torch.arange(n, n + probe.shape[1])])
+        probed.append(replace(layer, queries=torch.cat([own, probe], dim=1), query_positions=positions))
     return probed
