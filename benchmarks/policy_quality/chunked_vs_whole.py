@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,11 +35,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import decode_in_batches  # noqa: E402
-from sweep import QUERY_WINDOW, decode_limits, scored_row, summarise  # noqa: E402
+from sweep import (  # noqa: E402
+    QUERY_WINDOW,
+    decode_limits,
+    run_samples,
+    scored_row,
+    summarise,
+)
 
-from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
-from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
-from vllm_kvevict.hf_reference import load_reference_model, prefill  # noqa: E402
+from vllm_kvevict.hf_reference import prefill  # noqa: E402
 from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
 from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
@@ -171,24 +174,19 @@ def main() -> None:
     )
     parser.add_argument("--summary-only", action="store_true")
     args = parser.parse_args()
-    records = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
-    if not args.summary_only:
-        from vllm_kvevict.cli.prepare_model import prepared_model_dir
-
-        model, tokenizer = load_reference_model(prepared_model_dir())
-        samples = generate_samples(
-            args.tasks.split(","),
-            [int(x) for x in args.lengths.split(",")],
-            args.samples,
-            args.seed,
-            PromptFormat(tokenizer),
+    if args.summary_only:
+        records = (
+            [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
         )
-        done = {r["sample"] for r in records}
-        for sample in samples:
-            if sample.id in done:
-                continue
-            started = time.time()
-            rows = rows_for_prompt(
+    else:
+        betweens = [
+            BetweenRule(k, args.between_share, args.between_span, scorer)
+            for k in args.between.split(",")
+            for scorer in args.between_scorer.split(",")
+        ]
+        records = run_samples(
+            args,
+            lambda model, tokenizer, sample: rows_for_prompt(
                 model,
                 tokenizer,
                 sample,
@@ -197,20 +195,11 @@ def main() -> None:
                 [chunk_budget_arg(c) for c in args.chunk_budgets.split(",") if c not in ("", "none")],
                 args.chunk,
                 args.batch_bytes,
-                [
-                    BetweenRule(k, args.between_share, args.between_span, scorer)
-                    for k in args.between.split(",")
-                    for scorer in args.between_scorer.split(",")
-                ],
+                betweens,
                 references=not args.no_references,
                 trailing_windows=[int(w) for w in args.trailing_windows.split(",") if w],
-            )
-            with args.out.open("a") as out:
-                for row in rows:
-                    out.write(json.dumps(row) + "\n")
-            records += rows
-            scores = " ".join(f"{r['variant']}@{r['fraction']}={r['score']:.2f}" for r in rows)
-            print(f"{sample.id}: {time.time() - started:.0f}s {scores}", flush=True)
+            ),
+        )
     print(summarise(records))
 
 

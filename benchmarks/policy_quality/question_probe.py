@@ -23,9 +23,7 @@ Each kept set is decoded greedily (masks, true positions) and scored like ``eval
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,11 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import decode_in_batches  # noqa: E402
-from sweep import decode_limits, scored_row, summarise  # noqa: E402
+from sweep import decode_limits, run_samples, scored_row, summarise  # noqa: E402
 
-from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
-from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
-from vllm_kvevict.hf_reference import load_reference_model, prefill  # noqa: E402
+from vllm_kvevict.hf_reference import prefill  # noqa: E402
 from vllm_kvevict.hf_reference.probe import (  # noqa: E402
     head_tokens,
     probe_queries,
@@ -115,39 +111,14 @@ def main() -> None:
     parser.add_argument("--batch-bytes", type=float, default=2e9)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"rows to run: {', '.join(VARIANTS)}")
     args = parser.parse_args()
-    records = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
-    from vllm_kvevict.cli.prepare_model import prepared_model_dir
-
-    model, tokenizer = load_reference_model(prepared_model_dir())
-    samples = generate_samples(
-        args.tasks.split(","),
-        [int(x) for x in args.lengths.split(",")],
-        args.samples,
-        args.seed,
-        PromptFormat(tokenizer),
-    )
-    done = {r["sample"] for r in records}
     fractions = [float(f) for f in args.fractions.split(",")]
-    for sample in samples:
-        if sample.id in done:
-            continue
-        started = time.time()
-        rows = rows_for_prompt(
-            model,
-            tokenizer,
-            sample,
-            args.method,
-            fractions,
-            args.width,
-            args.batch_bytes,
-            args.variants.split(","),
-        )
-        with args.out.open("a") as out:
-            for row in rows:
-                out.write(json.dumps(row) + "\n")
-        records += rows
-        scores = " ".join(f"{r['variant']}@{r['fraction']}={r['score']:.2f}" for r in rows)
-        print(f"{sample.id}: {time.time() - started:.0f}s {scores}", flush=True)
+    variants = args.variants.split(",")
+    records = run_samples(
+        args,
+        lambda model, tokenizer, sample: rows_for_prompt(
+            model, tokenizer, sample, args.method, fractions, args.width, args.batch_bytes, variants
+        ),
+    )
     for family, first in (("question first", True), ("question last", False)):
         chosen = [r for r in records if r["task"].startswith("qfirst_") == first]
         if chosen:

@@ -64,6 +64,39 @@ QUERY_WINDOW = 256
 NEEDLE_NEW_TOKENS = 12
 
 
+def read_records(out: Path) -> list[dict]:
+    """The JSON-lines records already in ``out`` (none when it does not exist)."""
+    return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+
+
+def run_samples(args: argparse.Namespace, rows_for: Callable[..., list[dict]]) -> list[dict]:
+    """Every sample of ``args.tasks`` × ``args.lengths`` × ``args.samples`` (seed ``args.seed``) not yet in
+    ``args.out``: ``rows_for(model, tokenizer, sample)`` decoded and scored, appended to ``args.out`` as JSON
+    lines as each prompt finishes. Returns every record of the file."""
+    from vllm_kvevict.cli.prepare_model import prepared_model_dir
+    from vllm_kvevict.evaluation.generate import generate_samples
+    from vllm_kvevict.hf_reference import load_reference_model
+
+    records = read_records(args.out)
+    model, tokenizer = load_reference_model(prepared_model_dir())
+    lengths = [int(x) for x in args.lengths.split(",")]
+    tasks = args.tasks.split(",")
+    samples = generate_samples(tasks, lengths, args.samples, args.seed, PromptFormat(tokenizer))
+    done = {r["sample"] for r in records}
+    for sample in samples:
+        if sample.id in done:
+            continue
+        started = time.time()
+        rows = rows_for(model, tokenizer, sample)
+        with args.out.open("a") as out:
+            for row in rows:
+                out.write(json.dumps(row) + "\n")
+        records += rows
+        scores = " ".join(f"{r['variant']}@{r['fraction']}={r['score']:.2f}" for r in rows)
+        print(f"{sample.id}: {time.time() - started:.0f}s {scores}", flush=True)
+    return records
+
+
 def scored_row(sample: Sample, variant: str, fraction: float, output: str, **extra: object) -> dict:
     """One JSON-lines row: a variant's greedy output on ``sample``, scored like ``eval``."""
     return {
