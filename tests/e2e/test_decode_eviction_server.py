@@ -287,6 +287,10 @@ def test_blocks_are_freed_while_it_decodes_and_the_aborted_request_leaves_none_b
     A block the aborted request kept, or a worker state it left, would show here while the server runs."""
     prompt_tokens = traffic.results["capped"].prompt_tokens
     alone = [s for s in traffic.samples if s.others_done and s.running == 1]
+    # Its last sample can fall between the scheduler freeing it (the saved gauge drops to 0 at once) and
+    # vLLM's next update of the running gauge: a finished request, not one holding more than the bound.
+    finished = [i for i, s in enumerate(alone) if s.saved == 0 and any(e.saved > 0 for e in alone[:i])]
+    alone = alone[: finished[0]] if finished else alone
     assert len(alone) >= (OUTPUT_TOKENS - ALONE_AFTER) // SAMPLE_EVERY // 2, traffic.samples
     for s in alone:
         # The stream may lag the server by a few tokens: ``streamed`` undercounts, which loosens the bound.
