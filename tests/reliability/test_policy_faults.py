@@ -8,10 +8,9 @@ near-tie that the bf16 rounding of a batch of another shape can flip); the engin
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pytest
-from reliability_traffic import INJECTED_FAULTS, long_ids, wait_for_usage_zero
+from reliability_traffic import INJECTED_FAULTS, Greedy, long_ids, wait_for_usage_zero
 from request_bodies import client_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -19,15 +18,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 OUTPUT_TOKENS = 24
 NUM_LAYERS = 30  # SmolLM2-135M: the policy runs once per layer of a compacting request
 FALLBACKS = "vllm_kvevict_policy_fallbacks_total"
-
-
-@dataclass(frozen=True)
-class Greedy:
-    """A greedy answer: token ids, their texts and the top-5 log-probabilities at every step."""
-
-    ids: list[int]
-    tokens: list[str]
-    top: list[dict[str, float]]
 
 
 def greedy(server, prompt: list[int], salt: str) -> Greedy:

@@ -12,11 +12,11 @@ and bounds the difference.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pytest
 from reliability_traffic import (
     PREEMPTIONS,
+    Greedy,
     long_ids,
     wait_for_usage_zero,
     wait_for_worker_state_empty,
@@ -28,15 +28,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 NUM_REQUESTS = 6
 PROMPT_TOKENS = 600
 OUTPUT_TOKENS = 192
-
-
-@dataclass(frozen=True)
-class Greedy:
-    """A greedy answer: token ids, their texts and the top-5 log-probabilities at every step."""
-
-    ids: list[int]
-    tokens: list[str]
-    top: list[dict[str, float]]
 
 
 def generate(server, prompt: list[int], salt: str) -> Greedy:

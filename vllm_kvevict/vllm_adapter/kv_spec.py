@@ -118,16 +118,20 @@ class EvictingAttentionManager(FullAttentionManager):
         generating): it must neither read cached prefix blocks (other requests share them) nor publish its
         own; or when it compacts and the cache is quantised (it must be computed in one step). Resolved from
         its sampling parameters, so it holds before the request is admitted."""
-        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
-        plan = (setting.plan_for if setting else self.plan_for)(request.num_prompt_tokens)
+        plan = self.whole_prompt_plan(request)
         return not reads_prefix_cache(plan) or (plan.compacts and not self.cache_readable)
 
     def chunk_stride_of(self, request: Any) -> int:
         """S of a request whose prompt is evicted chunk by chunk (its plan's ``chunk_stride``), else 0: the
         scheduler ends its prefill chunks at multiples of S (``runner_hooks.split_prefill_chunk``)."""
-        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
-        plan = (setting.plan_for if setting else self.plan_for)(request.num_prompt_tokens)
+        plan = self.whole_prompt_plan(request)
         return plan.chunk_stride if plan.chunk_budget else 0
+
+    def whole_prompt_plan(self, request: Any) -> RequestPlan:
+        """The plan of ``request``'s whole prompt (nothing shared), from its sampling parameters: known before
+        the request is admitted."""
+        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
+        return (setting.plan_for if setting else self.plan_for)(request.num_prompt_tokens)
 
     def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         """Publish only blocks no compaction ever writes (``shared_prefix.publishable_tokens``)."""
