@@ -117,6 +117,12 @@ class EvictionMetrics:
             "Layers of a request whose policy failed (reason) and kept the most recent tokens instead.",
             ["method", "reason"], registry=registry,
         )
+        self.contexts = Counter(
+            PREFIX + "kept_contexts",
+            "Compacted contexts (kv_context: keep): kept = entered vLLM's prefix cache by a creator, "
+            "read = a later request started from one instead of computing its context.",
+            ["event"], registry=registry,
+        )
         self.worker_requests = Gauge(
             PREFIX + "worker_requests",
             "Requests whose compacted KV layout the worker holds (0 once all requests are gone: no leak).",
@@ -184,6 +190,9 @@ class EvictionMetrics:
 
     def set_kv_tokens_resident(self, tokens: float) -> None:
         self.kv_tokens_resident.set(tokens)
+
+    def record_context(self, event: str) -> None:
+        self.contexts.labels(event=event).inc()
 
     def set_worker_requests(self, count: int) -> None:
         self.worker_requests.set(count)
@@ -298,6 +307,16 @@ def set_kv_tokens_resident(tokens: float) -> None:
 def record_policy_fallback(method: str, reason: str) -> None:
     """One layer of one request fell back to its most recent tokens because its policy failed."""
     process_metrics().record_policy_fallback(method, reason)
+
+
+def record_context_kept() -> None:
+    """A creator's compacted context entered the prefix cache (scheduler side)."""
+    process_metrics().record_context("kept")
+
+
+def record_context_read() -> None:
+    """A request started from a kept context instead of computing it (scheduler side)."""
+    process_metrics().record_context("read")
 
 
 def set_worker_requests(count: int) -> None:

@@ -22,7 +22,8 @@ from vllm_kvevict.datapath.step import EvictionStep, StepSizes
 from vllm_kvevict.datapath.step_inputs import StepInputs, StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.policies.base import EvictionPolicy, ScoredPolicy
+from vllm_kvevict.layout.context_reuse import EntryBlocks
+from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 
 if TYPE_CHECKING:
     from vllm_kvevict.settings.request_settings import ResolvedSetting
@@ -44,6 +45,7 @@ class StepPlanner:
         records: EvictionRecords,
         setting_plan: SettingOf,
         shared_tokens: dict[str, int] | None = None,
+        context_readers: dict[str, EntryBlocks] | None = None,
     ) -> None:
         self.shape = shape
         self.policy = policy
@@ -53,6 +55,8 @@ class StepPlanner:
         self.records = records
         self.setting_plan = setting_plan
         self.shared_tokens = shared_tokens or {}  # request -> prompt tokens it found in the prefix cache
+        # request -> the kept context it starts from, until its tables are set up (taken out then)
+        self.context_readers = context_readers if context_readers is not None else {}
 
     def plan(
         self,
@@ -73,6 +77,8 @@ class StepPlanner:
         self.records.align(inputs.req_ids)
         for slot in np.flatnonzero(computed == 0):
             self._restart(int(slot), inputs.req_ids[slot])
+        if self.context_readers:
+            self._start_readers(inputs.req_ids, block_table, check)
         compacted = self.tables.compacted(num_reqs).copy()
         ring_writes, rescores = None, []
         if self.decode is not None:
@@ -138,6 +144,32 @@ class StepPlanner:
             timer,
             check,
         )
+
+    def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
+        """Requests starting from a kept context read it from their first step: each head holds the entry's
+        B' entries, in pool order from the entry's first block (``layout/context_reuse.py``); their own tokens
+        then grow into fresh sub-blocks from the block after it."""
+        store = self.tables.store
+        assert store is not None
+        heads = self.shape.num_kv_heads
+        for slot, req_id in enumerate(req_ids):
+            entry = self.context_readers.pop(req_id, None)
+            if entry is None:
+                continue
+            counts = torch.full((heads,), entry.per_head, dtype=torch.int64, device=store.device)
+            table = store.assign(
+                counts,
+                block_table[slot],
+                entry.reader_first,
+                0,
+                total=heads * entry.per_head,
+                num_blocks=entry.context_tokens // self.shape.block_size,
+                check=check,
+            )
+            for group in range(store.num_groups):
+                store.commit(group, slot, table, entry.reader_first)
+            self.tables.mark_compacted(slot)
+            self.records.restart(slot, req_id)
 
     def _restart(self, slot: int, req_id: str) -> None:
         """A request starting from scratch (new, or recomputed after preemption) has no old layout."""
@@ -217,6 +249,6 @@ class StepPlanner:
 
 
 def shares_tables(policy: EvictionPolicy | None) -> bool:
-    """True when every layer of a request keeps the same count per head (uniform top-k per head with the
-    default per-layer budget), so one sub-block table serves all its layers."""
-    return isinstance(policy, ScoredPolicy) and type(policy).layer_budget is EvictionPolicy.layer_budget
+    """True when every layer of a request keeps the same count per head, so one sub-block table serves all
+    its layers."""
+    return keeps_equal_counts(policy)

@@ -5,6 +5,8 @@ metadata builder asks it for the step (``make_step``), which every attention lay
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -17,6 +19,7 @@ from vllm_kvevict.datapath.step_inputs import StepInputs
 from vllm_kvevict.datapath.step_plan import StepPlanner, shares_tables
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.context_reuse import EntryBlocks, context_plan, entry_blocks, keeps_entry
 from vllm_kvevict.layout.shared_prefix import private_plan
 from vllm_kvevict.layout.subblock_table import SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy
@@ -64,6 +67,10 @@ class EvictionWorker:
         self.o_proj_collected = False  # collected once, after the model is loaded (empty unless CriticalKV)
         #: request -> prompt tokens it found in vLLM's prefix cache (its computed tokens when first seen)
         self.shared_tokens: dict[str, int] = {}
+        # Kept contexts (layout/context_reuse.py): creator -> its context length (its prompt as eviction
+        # sees it); reader -> the entry it starts from, until its tables are set up.
+        self.context_lens: dict[str, int] = {}
+        self.context_readers: dict[str, EntryBlocks] = {}
         self._seen_ids: list[str] = []
         self.pending: StepInputs | None = None
         self._step: EvictionStep | None = None
@@ -83,12 +90,38 @@ class EvictionWorker:
 
     # ----- called by the runner hooks -------------------------------------------------------------------
     def begin_step(self, inputs: StepInputs) -> None:
-        self.pending = inputs
         self._step = None
         if inputs.req_ids != self._seen_ids:  # requests arrived (a steady batch compares one list)
-            for req_id, computed in zip(inputs.req_ids, np.asarray(inputs.computed).tolist(), strict=True):
-                self.shared_tokens.setdefault(req_id, int(computed))
+            computed = np.asarray(inputs.computed).tolist()
+            for slot, req_id in enumerate(inputs.req_ids):
+                if req_id not in self.shared_tokens:
+                    self.shared_tokens[req_id] = int(computed[slot])
+                    self._note_context(inputs, slot)
             self._seen_ids = list(inputs.req_ids)
+        if self.context_lens:  # a creator's prompt, as eviction sees it, is its context
+            prompt_lens = np.array(inputs.prompt_lens, copy=True)
+            for slot, req_id in enumerate(inputs.req_ids):
+                prompt_lens[slot] = self.context_lens.get(req_id, prompt_lens[slot])
+            inputs = dataclasses.replace(inputs, prompt_lens=prompt_lens)
+        self.pending = inputs
+
+    def _note_context(self, inputs: StepInputs, slot: int) -> None:
+        """A request seen for the first time that asked ``kv_context: "keep"``: a reader when it starts with
+        computed tokens (only a kept context gives it any), else a creator."""
+        setting = self.settings.resolve(inputs.extra_args[slot] if inputs.extra_args else None)
+        if setting is None or not setting.keeps_context:
+            return
+        req_id, shared = inputs.req_ids[slot], self.shared_tokens[inputs.req_ids[slot]]
+        if shared > 0:
+            context = setting.plan_for(shared)
+            if not keeps_entry(context):
+                raise RuntimeError(f"request {req_id} starts from a kept context its setting cannot leave")
+            self.context_readers[req_id] = entry_blocks(context)
+            return
+        prompt_len = int(inputs.prompt_lens[slot])
+        plan = context_plan(setting.plan_for, prompt_len, 0, self.block_size, self.num_layers)
+        if keeps_entry(plan) and plan.prompt_len != prompt_len:
+            self.context_lens[req_id] = plan.prompt_len
 
     def end_step(self) -> None:
         if self._step is not None:
@@ -100,6 +133,8 @@ class EvictionWorker:
         """Forget finished, aborted or preempted requests (their blocks go back through the scheduler)."""
         for req_id in req_ids or ():
             self.shared_tokens.pop(req_id, None)
+            self.context_lens.pop(req_id, None)
+            self.context_readers.pop(req_id, None)
             self.records.drop(req_id)
             self.tables.forget(req_id)
             self.chunks.drop(req_id)
@@ -132,6 +167,7 @@ class EvictionWorker:
                 self.records,
                 self._setting_plan,
                 self.shared_tokens,
+                self.context_readers,
             )
             self._step = planner.plan(inputs, block_table, slot_mapping, self.o_proj)
         return self._step
@@ -143,6 +179,9 @@ class EvictionWorker:
         tokens it found in the prefix cache (``layout/shared_prefix.py``)."""
         setting = self.settings.resolve(inputs.extra_args[slot] if inputs.extra_args else None)
         shared = self.shared_tokens.get(inputs.req_ids[slot], 0)
+        if setting is not None and setting.keeps_context:  # prompt_len: a creator's context already
+            plan_for = setting.plan_for
+            return context_plan(plan_for, prompt_len, shared, self.block_size, self.num_layers), setting
         return private_plan(setting.plan_for if setting else self.plan_for, prompt_len, shared), setting
 
     def layer_table(self, req_id: str, layer_idx: int) -> SubBlockTable:

@@ -256,6 +256,12 @@ class ScoredPolicy(EvictionPolicy):
         return shifted(KeptTokens.from_mask(top_k_mask(scores, budget)), fixed)
 
 
+def keeps_equal_counts(policy: EvictionPolicy | None) -> bool:
+    """True when every head of every layer keeps the same count (uniform top-k per head with the default
+    per-layer budget): one sub-block table then serves all of a request's layers."""
+    return isinstance(policy, ScoredPolicy) and type(policy).layer_budget is EvictionPolicy.layer_budget
+
+
 def shifted(kept: KeptTokens, offset: int) -> KeptTokens:
     """``kept`` with every index moved ``offset`` tokens later (padding stays -1)."""
     return KeptTokens(torch.where(kept.indices >= 0, kept.indices + offset, -1), kept.counts)

@@ -5,6 +5,8 @@ A client overrides the server's method and/or budget for one request::
     extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_budget": 0.1}}   # or "kv_eviction": "none"
     extra_body={"vllm_xargs": {"kv_decode_budget": 1024}}   # the server's decode method, its own cap
     extra_body={"vllm_xargs": {"kv_prefill": "chunked"}}    # evict this prompt chunk by chunk
+    extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_context": "keep"}}  # keep/reuse the compacted
+                                                             # context (layout/context_reuse.py)
 
 The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The scheduler's
 manager (``kv_spec.py``) and each worker (``eviction_step.py``) both see the request's sampling parameters,
@@ -22,7 +24,7 @@ from functools import lru_cache
 from typing import Any
 
 from vllm_kvevict.layout.accounting import RequestPlan, request_planner
-from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
 from vllm_kvevict.policies.registry import method_needs_o_proj
 from vllm_kvevict.settings.config import (
@@ -41,7 +43,11 @@ METHOD_KEY = "kv_eviction"
 BUDGET_KEY = "kv_budget"
 DECODE_BUDGET_KEY = "kv_decode_budget"
 PREFILL_KEY = "kv_prefill"
-OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY)
+CONTEXT_KEY = "kv_context"
+OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY)
+#: ``kv_context`` values: "keep" keeps the request's compacted prompt for later requests that start with it
+#: and reads such an entry when one matches its own prompt.
+CONTEXT_VALUES = ("keep",)
 #: ``kv_eviction`` value that keeps the request's cache whole.
 NO_EVICTION = "none"
 
@@ -50,12 +56,14 @@ NO_EVICTION = "none"
 class RequestOverride:
     """A request's validated setting. method: a registered name or ``"none"``; budget: None for ``"none"``;
     decode_budget: the request's own decode-time cap (None: the server's); prefill: ``"whole"`` or
-    ``"chunked"``, how a prompt computed in several steps is evicted (None: the server's)."""
+    ``"chunked"``, how a prompt computed in several steps is evicted (None: the server's); context: it
+    keeps or reads a compacted context (``kv_context: "keep"``)."""
 
     method: str
     budget: int | float | None
     decode_budget: int | float | None = None
     prefill: str | None = None
+    context: bool = False
 
 
 def per_request_methods(server: EvictionConfig) -> list[str]:
@@ -92,7 +100,7 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
             )
         raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r} {problem}; valid: {', '.join(valid)}")
     if method == NO_EVICTION:
-        for key in (BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY):
+        for key in (BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY):
             if key in extra_args:
                 raise EvictionConfigError(
                     f"vllm_xargs.{key}={extra_args[key]!r} with {METHOD_KEY}='none': a request "
@@ -107,7 +115,45 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
         minimum_kept_by=f"tokens {method} always keeps (its window/sinks)",
         from_text=False,
     )
-    return RequestOverride(method, budget, decode_budget, prefill)
+    context = parse_context(extra_args, server, method, policy, decode_budget, prefill)
+    return RequestOverride(method, budget, decode_budget, prefill, context)
+
+
+def parse_context(
+    extra_args: Mapping[str, Any],
+    server: EvictionConfig,
+    method: str,
+    policy: EvictionPolicy,
+    decode_budget: int | float | None,
+    prefill: str | None,
+) -> bool:
+    """True for ``kv_context: "keep"``: the request's compacted context is kept for, or read from, requests
+    with the same setting. Its kept set must fill whole blocks alike in every head and layer, and its blocks
+    must never be rewritten (no decode-time cap, no eviction between chunks)."""
+    if CONTEXT_KEY not in extra_args:
+        return False
+    raw = extra_args[CONTEXT_KEY]
+    if not isinstance(raw, str) or raw not in CONTEXT_VALUES:
+        raise EvictionConfigError(
+            f"vllm_xargs.{CONTEXT_KEY}={raw!r} is not valid; valid: {', '.join(CONTEXT_VALUES)}"
+        )
+    if not keeps_equal_counts(policy):
+        uniform = [m for m in method_names() if keeps_equal_counts(build_request_policy(m, server))]
+        raise EvictionConfigError(
+            f"vllm_xargs.{CONTEXT_KEY}={raw!r} with {METHOD_KEY}={method!r}: a kept context needs a method "
+            f"that keeps the same count in every head and layer; valid: {', '.join(uniform)}"
+        )
+    if server.decode is not None or decode_budget is not None:
+        raise EvictionConfigError(
+            f"vllm_xargs.{CONTEXT_KEY}={raw!r}: this server runs a decode-time cap, which rewrites a "
+            "request's kept blocks while it generates; a kept context needs a server without one"
+        )
+    if prefill == "chunked" or (prefill is None and server.chunked):
+        raise EvictionConfigError(
+            f"vllm_xargs.{CONTEXT_KEY}={raw!r} with prefill=chunked: a kept context is evicted once, whole; "
+            f"set {PREFILL_KEY}='whole'"
+        )
+    return True
 
 
 def parse_prefill(extra_args: Mapping[str, Any], server: EvictionConfig) -> str | None:
@@ -208,11 +254,15 @@ def keep_whole(prompt_len: int, block_size: int, num_layers: int) -> RequestPlan
 @dataclass(frozen=True)
 class ResolvedSetting:
     """What one side needs for a request: its method, policy (None for "none") and plan per prompt length
-    (whose ``decode_cap`` says whether the server's decode-time policy re-scores it)."""
+    (whose ``decode_cap`` says whether the server's decode-time policy re-scores it); keeps_context: it asked
+    ``kv_context: "keep"``, and ``identity`` then names everything its kept set depends on (the key of a
+    kept context, with its tokens)."""
 
     method: str
     policy: EvictionPolicy | None
     plan_for: Callable[[int], RequestPlan]
+    keeps_context: bool = False
+    identity: str = ""
 
 
 class RequestSettings:
@@ -275,4 +325,10 @@ class RequestSettings:
             self.chunk_budget_for(override.prefill),
             self.server.chunk_stride or 0,
         )
-        return ResolvedSetting(override.method, policy, plan_for)
+        identity = ""
+        if override.context:
+            params = method_params(override.method, self.server)
+            identity = json.dumps(
+                {"method": override.method, "budget": override.budget, "params": params}, sort_keys=True
+            )
+        return ResolvedSetting(override.method, policy, plan_for, override.context, identity)

@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict import metrics
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
+from vllm_kvevict.layout.context_reuse import context_plan, entry_blocks, keeps_entry
 from vllm_kvevict.layout.shared_prefix import (
     freed_range,
     private_plan,
@@ -30,7 +31,8 @@ from vllm_kvevict.layout.shared_prefix import (
     reads_prefix_cache,
 )
 from vllm_kvevict.settings.config import EvictionConfig, eviction_config_from_json, get_eviction_config
-from vllm_kvevict.settings.request_settings import RequestSettings
+from vllm_kvevict.settings.request_settings import RequestSettings, ResolvedSetting
+from vllm_kvevict.vllm_adapter.kept_contexts import KeptContexts
 
 logger = init_logger("vllm.kvevict")
 
@@ -85,6 +87,12 @@ class EvictingAttentionManager(FullAttentionManager):
         # request -> prompt tokens it found in the prefix cache when it was admitted (shared blocks)
         self.shared_tokens: dict[str, int] = {}
         self.saved_blocks: dict[str, int] = {}  # request -> blocks freed (metrics)
+        # Kept contexts (layout/context_reuse.py): request -> identity of its setting, for requests asking
+        # kv_context "keep"; creator -> chain hash of its context, until its entry is published.
+        self.context_requests: dict[str, str] = {}
+        self.pending_contexts: dict[str, bytes] = {}
+        self.contexts = KeptContexts(self.block_pool, block_size, self.kv_cache_group_id)
+        self.num_layers = num_layers
         # A quantised cache cannot be read back (model_support.cache_refusal): a request that evicts must be
         # computed in one step, so it must not start from cached blocks.
         self.cache_readable = torch.empty(0, dtype=kv_cache_spec.dtype).element_size() > 1
@@ -92,10 +100,13 @@ class EvictingAttentionManager(FullAttentionManager):
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         logger.info("%s", capacity_summary(config, self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
 
-    def admit_request(self, request_id: str, sampling_params: Any, cached_tokens: int = 0) -> None:
+    def admit_request(
+        self, request_id: str, sampling_params: Any, cached_tokens: int = 0, request: Any = None
+    ) -> None:
         """Note a request's own setting (its ``extra_args``) and the prompt tokens it found in the prefix
         cache before its first blocks are counted; called by the ``KVCacheManager.allocate_slots`` wrapper
-        (runner_hooks.py) on every allocation, cheap after the first."""
+        (runner_hooks.py) on every allocation, cheap after the first. ``request`` (vLLM's): a creator of a
+        kept context notes its context's chain hash from it."""
         if request_id in self.req_to_blocks:
             return
         setting = self.settings.resolve(getattr(sampling_params, "extra_args", None))
@@ -107,11 +118,57 @@ class EvictingAttentionManager(FullAttentionManager):
             self.shared_tokens[request_id] = cached_tokens
         else:
             self.shared_tokens.pop(request_id, None)
+        self._admit_context(request_id, setting, cached_tokens, request)
+
+    def _admit_context(
+        self, request_id: str, setting: ResolvedSetting | None, cached_tokens: int, request: Any
+    ) -> None:
+        """A kv_context request: a reader (it starts from an entry) or a creator (it may leave one)."""
+        self.pending_contexts.pop(request_id, None)
+        if setting is None or not setting.keeps_context:
+            self.context_requests.pop(request_id, None)
+            return
+        self.context_requests[request_id] = setting.identity
+        if cached_tokens > 0 or request is None:
+            return
+        plan = self.request_plan(request_id, request.num_prompt_tokens)
+        if keeps_entry(plan):
+            chain = self.contexts.chain_hash(request.block_hashes, plan.prompt_len)
+            if chain is not None:
+                self.pending_contexts[request_id] = chain
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Any, *args: Any, **kwargs: Any):
+        super().add_local_computed_blocks(request_id, new_computed_blocks, *args, **kwargs)
+        if request_id in self.context_requests and self.shared_tokens.get(request_id, 0):
+            metrics.record_context_read()  # once: the request now holds the entry's blocks
 
     def request_plan(self, request_id: str, num_prompt_tokens: int) -> RequestPlan:
         """The plan of one request's private part: its own setting when it has one, else the server's."""
         planner = self.request_planners.get(request_id, self.plan_for)
-        return private_plan(planner, num_prompt_tokens, self.shared_tokens.get(request_id, 0))
+        shared = self.shared_tokens.get(request_id, 0)
+        if request_id in self.context_requests:
+            return context_plan(planner, num_prompt_tokens, shared, self.block_size, self.num_layers)
+        return private_plan(planner, num_prompt_tokens, shared)
+
+    def kept_context_hit(self, request: Any) -> tuple[list[Any], int] | None:
+        """(blocks, computed tokens) a kv_context request starts from — ``[null] × (C/bs - m)`` and an entry's
+        m blocks — or None when no intact entry of its setting starts its prompt (it then computes its
+        prompt and may leave one)."""
+        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
+        if setting is None or not setting.keeps_context or not self.block_pool.enable_caching:
+            return None
+        entry = self.contexts.lookup(setting.identity, request.block_hashes, request.num_tokens - 1)
+        if entry is None:
+            return None
+        where = entry_blocks(setting.plan_for(entry.context_tokens))
+        if where.count != len(entry.blocks):  # cannot happen for one identity; never serve a mismatch
+            return None
+        return [self.block_pool.null_block] * where.reader_first + list(entry.blocks), entry.context_tokens
+
+    def keeps_context(self, request: Any) -> bool:
+        """True when ``request`` asked ``kv_context: "keep"`` (its sampling parameters, before admission)."""
+        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
+        return setting is not None and setting.keeps_context
 
     def skips_prefix_cache(self, request: Any) -> bool:
         """True when ``request``'s plan rewrites its blocks over time (it evicts between chunks or while
@@ -134,9 +191,14 @@ class EvictingAttentionManager(FullAttentionManager):
         return (setting.plan_for if setting else self.plan_for)(request.num_prompt_tokens)
 
     def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
-        """Publish only blocks no compaction ever writes (``shared_prefix.publishable_tokens``)."""
-        plan = self.request_plan(request.request_id, request.num_prompt_tokens)
-        limit = publishable_tokens(plan, self.shared_tokens.get(request.request_id, 0))
+        """Publish only blocks no compaction ever writes (``shared_prefix.publishable_tokens``); a reader of a
+        kept context publishes nothing (its own tokens were computed against a compacted context)."""
+        shared = self.shared_tokens.get(request.request_id, 0)
+        if shared and request.request_id in self.context_requests:
+            limit: int | None = shared  # a reader: nothing after the entry it started from
+        else:
+            plan = self.request_plan(request.request_id, request.num_prompt_tokens)
+            limit = publishable_tokens(plan, shared)
         if limit is not None:
             num_tokens = min(num_tokens, limit)
         super().cache_blocks(request, num_tokens, *args, **kwargs)
@@ -161,11 +223,39 @@ class EvictingAttentionManager(FullAttentionManager):
             if self.saved_blocks.get(request_id) != freed and request_id in self.req_to_blocks:
                 self.saved_blocks[request_id] = freed
                 self._publish_saved_blocks()
+            if request_id in self.pending_contexts:
+                self._publish_context(request_id, plan)
+
+    def finish_request(self, request: Any) -> None:
+        """Before ``request``'s blocks are freed (finished, aborted or preempted; the ``KVCacheManager.free``
+        wrapper): a creator whose context was processed in a step that completed publishes it now, also when
+        it never got another allocation (a request generating one token)."""
+        request_id = request.request_id
+        if request_id not in self.pending_contexts:
+            return
+        processed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        plan = self.request_plan(request_id, request.num_prompt_tokens)
+        if processed >= plan.prompt_len:
+            self._publish_context(request_id, plan)
+        else:
+            self.pending_contexts.pop(request_id)
+
+    def _publish_context(self, request_id: str, plan: RequestPlan) -> None:
+        """A creator's context is compacted (its freed range is applied): its m blocks become the entry."""
+        chain = self.pending_contexts.pop(request_id)
+        where = entry_blocks(plan)
+        blocks = self.req_to_blocks.get(request_id, [])[where.first : where.first + where.count]
+        if self.block_pool.enable_caching and len(blocks) == where.count:
+            identity = self.context_requests[request_id]
+            if self.contexts.publish(identity, chain, plan.prompt_len, blocks):
+                metrics.record_context_kept()
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self.request_planners.pop(request_id, None)
         self.shared_tokens.pop(request_id, None)
+        self.context_requests.pop(request_id, None)
+        self.pending_contexts.pop(request_id, None)
         if self.saved_blocks.pop(request_id, None) is not None:
             self._publish_saved_blocks()
 

@@ -88,10 +88,28 @@ def _extra_args(runner, req_id: str) -> dict[str, Any] | None:
 
 
 def get_computed_blocks(original, manager, request, *args: Any, **kwargs: Any):
-    for single_type in manager.coordinator.single_type_managers:
+    single_types = manager.coordinator.single_type_managers
+    if any(getattr(m, "keeps_context", None) and m.keeps_context(request) for m in single_types):
+        return _kept_context_blocks(original, manager, request, *args, **kwargs)
+    for single_type in single_types:
         skips = getattr(single_type, "skips_prefix_cache", None)
         if skips is not None and skips(request):
             request.skip_reading_prefix_cache = True
+    return original(manager, request, *args, **kwargs)
+
+
+def _kept_context_blocks(original, manager, request, *args: Any, **kwargs: Any):
+    """A ``kv_context: "keep"`` request starts from a kept context of its setting (layout/context_reuse.py)
+    or computes its whole prompt: it never reads vLLM's ordinary prefix cache. A request vLLM itself keeps
+    off the cache (prompt logprobs) computes its prompt; one KV-cache group only."""
+    single_types = manager.coordinator.single_type_managers
+    if not request.get_skip_reading_prefix_cache() and len(single_types) == 1:
+        hit = single_types[0].kept_context_hit(request)
+        if hit is not None:
+            blocks, num_tokens = hit
+            request.skip_reading_prefix_cache = False  # vLLM counts the hit in its prefix-cache metrics
+            return manager.create_kv_cache_blocks((blocks,)), num_tokens, 0
+    request.skip_reading_prefix_cache = True
     return original(manager, request, *args, **kwargs)
 
 
@@ -111,8 +129,16 @@ def allocate_slots(
     for single_type in manager.coordinator.single_type_managers:
         admit = getattr(single_type, "admit_request", None)
         if admit is not None:
-            admit(request.request_id, request.sampling_params, cached)
+            admit(request.request_id, request.sampling_params, cached, request)
     return original(manager, request, num_new_tokens, num_new_computed_tokens, *args, **kwargs)
+
+
+def free_request(original, manager, request, *args: Any, **kwargs: Any) -> None:
+    for single_type in manager.coordinator.single_type_managers:
+        finish = getattr(single_type, "finish_request", None)
+        if finish is not None:
+            finish(request)
+    return original(manager, request, *args, **kwargs)
 
 
 def scheduler_init(original, scheduler, *args: Any, **kwargs: Any) -> None:

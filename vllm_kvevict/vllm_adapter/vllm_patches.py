@@ -94,6 +94,12 @@ def install_eviction_hooks() -> None:
     # blocks other requests share; it is marked skip_reading_prefix_cache (vLLM's own per-request switch)
     # before the lookup. Whole-prompt eviction reads the cache (layout/shared_prefix.py).
     _wrap(KVCacheManager, "get_computed_blocks", runner_hooks.get_computed_blocks, _EVICTION_MARK)
+    # The same wrapper serves a request asking kv_context "keep": it starts from a kept context of its
+    # setting (computed blocks: nulls, then the entry's blocks; layout/context_reuse.py) or computes all.
+    # Wraps KVCacheManager.free (vLLM 0.32.0, scheduler side): the one call that sees a finished, aborted or
+    # preempted Request (with its computed tokens) before its blocks go back; a kept-context creator whose
+    # context was processed enters the prefix cache there if no later allocation published it already.
+    _wrap(KVCacheManager, "free", runner_hooks.free_request, _EVICTION_MARK)
     # Wraps Scheduler.__init__ and Scheduler._mamba_block_aligned_split (vLLM 0.32.0, private): the split is
     # vLLM's one hook that clips a prefill chunk where a state must be saved (Mamba "align" mode; eviction
     # refuses Mamba models). With eviction the scheduler routes every prefill chunk through it

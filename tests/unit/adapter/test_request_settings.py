@@ -45,6 +45,7 @@ HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 16, 32, 4
         ({"kv_eviction": "none"}, RequestOverride("none", None)),
         ({"kv_prefill": "chunked"}, RequestOverride("ada-snapkv", 64, prefill="chunked")),
         ({"kv_eviction": "snapkv", "kv_prefill": "whole"}, RequestOverride("snapkv", 64, prefill="whole")),
+        ({"kv_eviction": "knorm", "kv_context": "keep"}, RequestOverride("knorm", 64, context=True)),
     ],
 )
 def test_valid_overrides(extra_args, expected):
@@ -72,6 +73,11 @@ def test_valid_overrides(extra_args, expected):
         ({"kv_eviction": "none", "kv_prefill": "chunked"}, "kv_prefill='chunked' with kv_eviction='none'"),
         ({"kv_prefill": "streamed"}, "kv_prefill='streamed' is not valid; valid: chunked, whole"),
         ({"kv_prefill": True}, "kv_prefill=True is not valid; valid: chunked, whole"),
+        ({"kv_eviction": "snapkv", "kv_context": "share"}, "kv_context='share' is not valid; valid: keep"),
+        ({"kv_context": "keep"}, "kv_context='keep' with kv_eviction='ada-snapkv': a kept context needs a "
+         "method that keeps the same count in every head and layer; valid: "),
+        ({"kv_eviction": "none", "kv_context": "keep"}, "kv_context='keep' with kv_eviction='none'"),
+        ({"kv_eviction": "snapkv", "kv_context": "keep", "kv_prefill": "chunked"}, "set kv_prefill='whole'"),
     ],
 )
 def test_bad_overrides_name_the_value_and_the_valid_ones(extra_args, message):
@@ -113,6 +119,26 @@ def test_a_server_with_a_decode_cap_refuses_chunked_prompts():
     assert parse_override({"kv_prefill": "whole"}, capped) == whole
     with pytest.raises(EvictionConfigError, match="runs a decode-time cap.*valid here: whole"):
         parse_override({"kv_prefill": "chunked"}, capped)
+
+
+def test_a_kept_context_needs_equal_counts_and_a_server_without_a_decode_cap():
+    from vllm_kvevict.settings.config import DecodeConfig
+
+    with pytest.raises(EvictionConfigError) as raised:
+        parse_override({"kv_context": "keep"}, SERVER)
+    valid = str(raised.value).split("valid: ")[1].split(", ")
+    assert {"snapkv", "knorm", "keydiff", "streamingllm", "expected-attention"} <= set(valid)
+    assert not {"ada-snapkv", "pyramidkv", "critical-snapkv", "nacl"} & set(valid)
+    capped = EvictionConfig("snapkv", 64, decode=DecodeConfig("roco", 256))
+    with pytest.raises(EvictionConfigError, match="decode-time cap"):
+        parse_override({"kv_context": "keep"}, capped)
+    settings = RequestSettings(SERVER, BS, LAYERS)
+    keep = settings.resolve({"kv_eviction": "snapkv", "kv_context": "keep"})
+    assert keep.keeps_context and keep.identity
+    assert settings.resolve({"kv_eviction": "snapkv", "kv_context": "keep", "kv_budget": 0.1}).identity != (
+        keep.identity
+    )
+    assert not settings.resolve({"kv_eviction": "snapkv"}).keeps_context
 
 
 def test_the_server_method_keeps_its_parameters_and_others_use_their_defaults():

@@ -76,6 +76,11 @@ class SimulatedEngine:
         its first step then has ``num_blocks * BS`` computed tokens."""
         self.rows[req_id] = list(self.rows[owner][:num_blocks])
 
+    def read_context(self, req_id: str, creator: str, first: int, count: int, reader_first: int) -> None:
+        """``req_id`` starts from a kept context: ``reader_first`` null blocks (block 0), then blocks
+        ``[first, first + count)`` of ``creator``'s row (what the scheduler's ``kept_context_hit`` gives)."""
+        self.rows[req_id] = [0] * reader_first + list(self.rows[creator][first : first + count])
+
     def step(self, requests: list[tuple[str, int, int, int, dict | None]]) -> None:
         """One engine step over (req_id, prompt_len, computed, scheduled, extra_args) in batch order."""
         ids = [r[0] for r in requests]

@@ -1,0 +1,104 @@
+"""Worker side of a kept context (``layout/context_reuse.py``): a creator compacts the block-aligned part of
+its prompt into whole blocks that nothing writes again, and a reader that starts from those blocks reads
+exactly the creator's kept entries, then its own tokens, from fresh blocks. ``SimulatedEngine`` drives the
+worker as the CPU backend does; every cached row says which (position, head, layer) it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from simulated_engine import BS, LAYERS, SimulatedEngine
+
+from vllm_kvevict.layout.context_reuse import context_len, entry_blocks, keeps_entry
+from vllm_kvevict.settings.config import EvictionConfig
+
+PROMPT = 410  # not block-aligned: the context is its first 400 tokens
+QUESTION = 30
+KEEP = {"kv_context": "keep"}
+
+
+def server(method: str) -> EvictionConfig:
+    return EvictionConfig.from_dict(
+        {"method": method, "budget": 0.25, "prefill": "whole", "decode": {"method": "none"}}
+    )
+
+
+def create(engine: SimulatedEngine, chunks: list[int], args: dict) -> None:
+    done = 0
+    for end in chunks:
+        engine.step([("creator", PROMPT, done, end - done, args)])
+        done = end
+
+
+@pytest.mark.parametrize(
+    ("method", "args"),
+    [
+        ("snapkv", KEEP),
+        ("knorm", KEEP),
+        ("keydiff", KEEP),
+        ("expected-attention", KEEP),
+        ("streamingllm", KEEP),
+        ("ada-snapkv", {**KEEP, "kv_eviction": "snapkv"}),  # per-layer tables on the server
+    ],
+)
+@pytest.mark.parametrize(
+    "chunks", [[PROMPT], [256, PROMPT], [405, PROMPT]], ids=["whole", "2-chunks", "tail"]
+)
+def test_a_reader_reads_the_creators_kept_context_and_nothing_writes_it(method, args, chunks):
+    engine = SimulatedEngine(server(method))
+    worker = engine.worker
+    create(engine, chunks, args)
+    setting = worker.settings.resolve(args)
+    context = setting.plan_for(context_len(PROMPT, BS))
+    assert keeps_entry(context) and context.prompt_len == 400
+    entry = entry_blocks(context)
+    kept = context.kept_bound
+    creator = [engine.held("creator", layer) for layer in range(LAYERS)]
+    for layer in range(LAYERS):
+        for head in creator[layer]:
+            assert len(head) == kept + PROMPT - 400
+            assert all(p < 400 for p in head[:kept]) and head[:kept] == sorted(set(head[:kept]))
+            assert head[kept:] == list(range(400, PROMPT))  # the prompt's tail is kept after the context
+    entry_rows = engine.rows["creator"][entry.first : entry.first + entry.count]
+    snapshot = [cache[entry_rows].clone() for cache in engine.caches]
+
+    engine.read_context("reader", "creator", entry.first, entry.count, entry.reader_first)
+    reader_prompt = 400 + QUESTION
+    engine.step([("creator", PROMPT, PROMPT, 1, args), ("reader", reader_prompt, 400, QUESTION, args)])
+    for t in range(BS + 2):  # both decode; the reader crosses into a second block of its own
+        engine.step(
+            [
+                ("creator", PROMPT, PROMPT + 1 + t, 1, args),
+                ("reader", reader_prompt, reader_prompt + t, 1, args),
+            ]
+        )
+    own = set(engine.rows["reader"][400 // BS :])
+    for layer in range(LAYERS):
+        assert torch.equal(engine.caches[layer][entry_rows], snapshot[layer]), "an entry block was written"
+        for head, context_entries in zip(engine.held("reader", layer), creator[layer], strict=True):
+            assert head[:kept] == context_entries[:kept]
+            assert head[kept:] == list(range(400, reader_prompt + BS + 2))
+        read = engine.blocks_read("reader", layer)
+        assert 0 not in read  # never a null block
+        assert read == set(entry_rows) | own
+    assert "reader" not in worker.context_readers  # set up once, then an ordinary compacted request
+
+
+def test_a_creator_whose_budget_fills_no_whole_block_keeps_its_prompt_as_usual():
+    """Ada-KV keeps ragged counts per head: no entry, and the request is planned like any other."""
+    engine = SimulatedEngine(server("ada-snapkv"))
+    create(engine, [PROMPT], KEEP)
+    assert "creator" not in engine.worker.context_lens
+    assert engine.worker.requests["creator"] == engine.worker.plan_for(PROMPT)
+
+
+def test_dropping_requests_leaves_no_context_state():
+    engine = SimulatedEngine(server("snapkv"))
+    create(engine, [PROMPT], KEEP)
+    entry = entry_blocks(engine.worker.plan_for(400))
+    engine.read_context("reader", "creator", entry.first, entry.count, entry.reader_first)
+    engine.step([("reader", 400 + QUESTION, 400, QUESTION, KEEP)])
+    assert engine.worker.context_lens == {"creator": 400}
+    engine.worker.drop(["creator", "reader"])
+    assert not engine.worker.context_lens and not engine.worker.context_readers
+    assert not engine.worker.shared_tokens and not engine.worker.requests
