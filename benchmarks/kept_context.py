@@ -1,0 +1,234 @@
+"""A compressed document asked many questions (``vllm_xargs.kv_context: "keep"``): one prefill instead of one
+per question, and the answers of HF's question-agnostic run over the same document.
+
+One document (essay prose, ``--tokens`` long, eight keyed 7-digit needles at evenly spread depths) and eight
+questions, one per needle. Servers, one after the other, same KV pool:
+
+- vanilla vLLM at its defaults (prefix caching on): the eight questions in order; the first computes the
+  document, the others find it in the prefix cache (full KV);
+- an eviction server (``--kv-eviction snapkv --kv-budget 0.25``): for each setting (``--setting
+  METHOD:FRACTION``, asked per request), the document alone with ``kv_context: "keep"`` (the creator, one
+  token), then the eight questions with ``kv_context: "keep"`` (readers of the kept context); with
+  ``--per-question``, also the eight questions compressed one by one (question-aware, each its own
+  ``cache_salt``: no reuse).
+
+TTFT is measured by streaming (first token received). Each answer is scored (the needle's value in the
+output). HF transformers (float32) then runs the question-agnostic mode the readers serve: the document's
+block-aligned part compressed alone by the same method and budget (``accounting.plan_request`` of that
+length, as the server plans it), each question run on the compressed cache, greedy. Prints one table per
+setting; ``--out`` saves everything as JSON.
+
+    python -m benchmarks.kept_context --tokens 7000 --setting snapkv:0.25 --setting snapkv:0.1 \
+        --setting expected-attention:0.25 --setting expected-attention:0.1 --per-question \
+        --out docs/results/2026-11-27-kept-context/kept_context.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_kvevict.cli.prepare_model import prepared_model_dir
+from vllm_kvevict.evaluation.haystacks import haystack_sentences, insert_at_depths
+from vllm_kvevict.evaluation.tasks.needles import INSTRUCTION, distinct_keys, distinct_values, needle
+from vllm_kvevict.server_process import VLLMServer
+
+BLOCK_SIZE = 32
+NEEDLES = 8
+NEW_TOKENS = 12
+SERVER_ARGS = ("--block-size", str(BLOCK_SIZE), "--max-model-len", "8192")
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    ids: list[int]
+    questions: list[list[int]]  # token ids appended to the document
+    answers: list[str]
+
+
+def build_document(tokenizer, target_tokens: int, seed: int = 0) -> Document:
+    rng = random.Random(seed)
+    keys, values = distinct_keys(rng, NEEDLES), distinct_values(rng, NEEDLES)
+    depths = [(i + 0.5) / NEEDLES for i in range(NEEDLES)]
+    words = int(target_tokens * 0.7)
+    while True:
+        sentences = haystack_sentences("essay", seed, words)
+        text = (
+            INSTRUCTION
+            + "\n\n"
+            + insert_at_depths(sentences, [needle(k, v) for k, v in zip(keys, values, strict=True)], depths)
+        )
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) >= target_tokens:
+            break
+        words = int(words * 1.05) + 10
+    questions = [
+        tokenizer(
+            f"\n\nQuestion: What is the special magic number for {key} mentioned in the provided text?\n"
+            f"Answer: The special magic number for {key} mentioned in the provided text is"
+        )["input_ids"]
+        for key in keys
+    ]
+    return Document(ids, questions, values)
+
+
+def stream_ttft(client, model: str, prompt: list[int], xargs: dict | None, salt: str | None = None):
+    """(seconds to the first streamed token, the whole greedy output)."""
+    body: dict = {}
+    if xargs:
+        body["vllm_xargs"] = xargs
+    if salt:
+        body["cache_salt"] = salt
+    start = time.perf_counter()
+    first, text = None, ""
+    for chunk in client.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True, extra_body=body
+    ):
+        if first is None:
+            first = time.perf_counter() - start
+        text += chunk.choices[0].text if chunk.choices else ""
+    return first, text
+
+
+def served_runs(model_dir: Path, document: Document, settings: list[tuple[str, float]], per_question: bool):
+    from openai import OpenAI
+
+    runs: dict = {"vanilla": [], "settings": {}}
+    with VLLMServer(model_dir, extra_args=SERVER_ARGS, enforce_eager=True) as server:
+        client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
+        for question in document.questions:
+            runs["vanilla"].append(
+                stream_ttft(client, server.served_model_name, document.ids + question, None)
+            )
+    evicting = (*SERVER_ARGS, "--kv-eviction", "snapkv", "--kv-budget", "0.25")
+    with VLLMServer(model_dir, extra_args=evicting, enforce_eager=True) as server:
+        client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
+        model = server.served_model_name
+        for method, fraction in settings:
+            keep = {"kv_eviction": method, "kv_budget": fraction, "kv_context": "keep"}
+            label = f"{method}:{fraction}"
+            run = {"creator": stream_ttft(client, model, document.ids, keep)}
+            run["readers"] = [stream_ttft(client, model, document.ids + q, keep) for q in document.questions]
+            run["contexts"] = {
+                s[0]["event"]: s[1] for s in server.metric_samples("vllm_kvevict_kept_contexts_total")
+            }
+            if per_question:
+                own = {"kv_eviction": method, "kv_budget": fraction}
+                run["per_question"] = [
+                    stream_ttft(client, model, document.ids + q, own, salt=f"{label}-{i}")
+                    for i, q in enumerate(document.questions)
+                ]
+            runs["settings"][label] = run
+    return runs
+
+
+def hf_agnostic(
+    model_dir: Path, document: Document, settings: list[tuple[str, float]]
+) -> dict[str, list[str]]:
+    """Per setting, HF's greedy answers to each question over the document compressed alone."""
+    from vllm_kvevict.hf_reference import (
+        context_layers,
+        decode_with_kept,
+        kept_per_layer,
+        load_reference_model,
+        prefill,
+    )
+    from vllm_kvevict.layout.accounting import plan_request
+    from vllm_kvevict.policies.registry import build_policy
+
+    model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
+    prompt = prefill(model, torch.tensor(document.ids), query_window=None)
+    context_len = BLOCK_SIZE * (len(document.ids) // BLOCK_SIZE)
+    layers = context_layers(prompt, context_len, None)
+    answers = {}
+    for method, fraction in settings:
+        policy = build_policy(method)
+        plan = plan_request(context_len, fraction, BLOCK_SIZE, policy, len(layers))
+        kept = kept_per_layer(policy, layers, plan.kept_bound)
+        outputs = []
+        for question in document.questions:
+            asked = dataclasses.replace(prompt, input_ids=torch.tensor(document.ids + question))
+            tokens, _ = decode_with_kept(
+                model,
+                asked,
+                kept,
+                NEW_TOKENS,
+                context_len=context_len,
+                stop_token_ids=[tokenizer.eos_token_id],
+            )
+            outputs.append(tokenizer.decode(tokens, skip_special_tokens=True))
+        answers[f"{method}:{fraction}"] = outputs
+    return answers
+
+
+def correct(outputs: list[str], answers: list[str]) -> int:
+    return sum(answer in output for output, answer in zip(outputs, answers, strict=True))
+
+
+def report(document: Document, runs: dict, hf: dict[str, list[str]]) -> str:
+    lines = []
+    vanilla = runs["vanilla"]
+    lines.append(
+        f"document {len(document.ids)} tokens, {NEEDLES} questions; vanilla (prefix caching, full KV): "
+        f"TTFT q1 {vanilla[0][0]:.2f} s, q2-8 median {sorted(t for t, _ in vanilla[1:])[3]:.3f} s, "
+        f"correct {correct([o for _, o in vanilla], document.answers)}/{NEEDLES}"
+    )
+    for label, run in runs["settings"].items():
+        creator = run["creator"][0]
+        readers = [t for t, _ in run["readers"]]
+        lines.append(f"\n{label}: creator (the one prefill) TTFT {creator:.2f} s; contexts {run['contexts']}")
+        lines.append("| | TTFT q1 | TTFT q2-8 (median, max) | max reader TTFT / creator TTFT | correct |")
+        lines.append("|---|---|---|---|---|")
+        rest = sorted(readers[1:])
+        right = correct([o for _, o in run["readers"]], document.answers)
+        lines.append(
+            f"| kept context (readers) | {readers[0]:.3f} s | {rest[3]:.3f} s, {rest[-1]:.3f} s | "
+            f"{max(readers) / creator:.3f} | {right}/{NEEDLES} |"
+        )
+        if "per_question" in run:
+            own = [t for t, _ in run["per_question"]]
+            rest = sorted(own[1:])
+            lines.append(
+                f"| compressed per question (question-aware, no reuse) | {own[0]:.3f} s | {rest[3]:.3f} s, "
+                f"{rest[-1]:.3f} s | {max(own) / creator:.3f} | "
+                f"{correct([o for _, o in run['per_question']], document.answers)}/{NEEDLES} |"
+            )
+        if label in hf:
+            same = sum(a.strip() == b.strip() for a, (_, b) in zip(hf[label], run["readers"], strict=True))
+            lines.append(
+                f"| HF question-agnostic (float32) | | | | {correct(hf[label], document.answers)}/{NEEDLES} "
+                f"(readers' text identical on {same}/{NEEDLES}) |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=7000)
+    parser.add_argument("--setting", action="append", default=None, help="METHOD:FRACTION (repeatable)")
+    parser.add_argument("--per-question", action="store_true")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    settings = [(s.split(":")[0], float(s.split(":")[1])) for s in (args.setting or ["snapkv:0.25"])]
+    from transformers import AutoTokenizer
+
+    model_dir = prepared_model_dir()
+    document = build_document(AutoTokenizer.from_pretrained(str(model_dir)), args.tokens)
+    runs = served_runs(model_dir, document, settings, args.per_question)
+    hf = {} if args.no_hf else hf_agnostic(model_dir, document, settings)
+    print(report(document, runs, hf))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"tokens": len(document.ids), "answers": document.answers, "runs": runs, "hf": hf}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
