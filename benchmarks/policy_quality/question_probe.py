@@ -9,6 +9,8 @@ kept fraction, with the server's whole-prompt plan (32-token blocks):
   window is set to the probe's length (it always keeps that many last tokens);
 - ``<method> head+window``: the prompt's own last W queries together with those of the last user turn's
   first W tokens run alone after the prompt (the question's place in a question-first prompt), window 2W;
+- ``<method> head-echo+window``: as head+window, but the user turn's first W tokens are run again after the
+  prompt with its whole cache in view (an echo), so their queries in every layer have read the document;
 - ``h2o whole``: accumulated attention of every prompt query, the question-position-free baseline.
 
 ``--variants`` picks the rows (default: all).
@@ -35,6 +37,7 @@ from sweep import decode_limits, run_samples, scored_row, summarise  # noqa: E40
 
 from vllm_kvevict.hf_reference import prefill  # noqa: E402
 from vllm_kvevict.hf_reference.probe import (  # noqa: E402
+    echo_queries,
     head_tokens,
     probe_queries,
     probe_tokens,
@@ -49,7 +52,7 @@ TASKS = ",".join(f"qfirst_{task}" for task in NEEDLES.split(",")) + "," + NEEDLE
 BLOCK_SIZE = 32
 
 
-VARIANTS = ("full", "whole", "probe", "head-window", "h2o")
+VARIANTS = ("full", "whole", "probe", "head-window", "head-echo", "h2o")
 
 
 def rows_for_prompt(
@@ -77,6 +80,10 @@ def rows_for_prompt(
     if "head-window" in chosen:
         both = probed_layers(whole.layers, probe_queries(model, head, n), window=width)
         variants.append((f"{method} head+window", build_policy(method, window=width + len(head)), both))
+    if "head-echo" in chosen and head:
+        echoed = probed_layers(whole.layers, echo_queries(model, whole, head), window=width)
+        echo_policy = build_policy(method, window=width + len(head))
+        variants.append((f"{method} head-echo+window", echo_policy, echoed))
     if "h2o" in chosen:
         variants.append(("h2o whole", build_policy("h2o"), whole.layers))
     for label, policy, layers in variants:

@@ -58,3 +58,23 @@ def test_probe_queries_are_those_of_the_tokens_alone_at_the_given_positions(refe
     n = len(tokens)
     assert both[0].positions().tolist() == [n - 2, n - 1, *range(n, 2 * n)]
     torch.testing.assert_close(both[0].queries[:, :2], plain[0].queries[:, -2:])
+
+
+def test_echo_queries_are_those_of_the_tokens_run_after_the_whole_prompt(reference):
+    """An echo of tokens t after prompt p has the queries the last |t| positions of a prefill of p + t have
+    (every layer read p), and it leaves p's cache as it was."""
+    from vllm_kvevict.hf_reference import prefill
+    from vllm_kvevict.hf_reference.probe import echo_queries, probe_queries
+
+    model, tokenizer = reference
+    prompt = tokenizer("The blue door hides the number 4417. The red door hides nothing at all.")["input_ids"]
+    echo = tokenizer(" Which door hides the number?")["input_ids"]
+    prefilled = prefill(model, torch.tensor(prompt))
+    keys_before = [k.clone() for k in prefilled.keys]
+    echoed = echo_queries(model, prefilled, echo)
+    joined = prefill(model, torch.tensor(prompt + echo)).layers
+    for queries, layer in zip(echoed, joined, strict=True):
+        torch.testing.assert_close(queries, layer.queries[:, -len(echo) :], rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(keys_before, prefilled.keys, strict=True))
+    alone = probe_queries(model, echo, len(prompt))  # the same tokens without the prompt differ past layer 0
+    assert not torch.allclose(alone[5], echoed[5], atol=1e-3)

@@ -1,6 +1,7 @@
 """The question probe (issue 32 item 3), in the reference runner: a few of the prompt's own tokens run as a
 short side sequence, without the rest of the prompt, at the positions right after the prompt's end; their
-per-layer queries then judge the prompt's keys as SnapKV's last window would.
+per-layer queries then judge the prompt's keys as SnapKV's last window would. ``echo_queries`` runs such
+tokens with the whole prompt's cache in view instead (an echo of the question after the document).
 
 Which tokens: ``probe_tokens`` takes the first ``width`` tokens of the last user turn (where a question-first
 prompt puts its instruction and question) and the prompt's last ``width`` tokens (where a question-last
@@ -14,9 +15,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from vllm_kvevict.hf_reference.capture import recording
+from vllm_kvevict.hf_reference.capture import PrefilledPrompt, recording
 from vllm_kvevict.policies.base import LayerKV
 
 
@@ -56,6 +57,22 @@ def probe_queries(model: PreTrainedModel, probe: list[int], first_position: int)
     positions = torch.arange(first_position, first_position + len(probe), device=model.device)[None]
     with recording(model, None) as recorders:
         model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+    return [recorder.queries for recorder in recorders]
+
+
+@torch.inference_mode()
+def echo_queries(model: PreTrainedModel, prompt: PrefilledPrompt, tokens: list[int]) -> list[torch.Tensor]:
+    """Per layer [q_heads, w, d] float32 post-RoPE queries of ``tokens`` run again right after the whole
+    prompt, its full cache in view (an echo: unlike ``probe_queries``, every layer's queries have read the
+    context), at positions ``n`` .. ``n + w - 1``. The prompt's cache is copied, not changed."""
+    cache = DynamicCache(config=model.config)
+    for layer, (keys, values) in enumerate(zip(prompt.keys, prompt.values, strict=True)):
+        cache.update(keys.clone(), values.clone(), layer)
+    n = prompt.num_tokens
+    ids = torch.tensor([tokens], device=model.device)
+    positions = torch.arange(n, n + len(tokens), device=model.device)[None]
+    with recording(model, None) as recorders:
+        model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return [recorder.queries for recorder in recorders]
 
 
