@@ -37,6 +37,10 @@ FALLBACK_REASONS = ("raised", "wrong_counts", "nan_scores")
 STEP_PHASES = ("total", "selection")
 
 
+#: events of ``vllm_kvevict_kept_contexts_total``: a creator's context entered the prefix cache / was read.
+CONTEXT_EVENTS = ("kept", "read")
+
+
 class EvictionMetrics:
     """Every eviction metric, in one registry (the global one in production, a fresh one in tests)."""
 
@@ -192,7 +196,13 @@ class EvictionMetrics:
         self.kv_tokens_resident.set(tokens)
 
     def record_context(self, event: str) -> None:
+        if event not in CONTEXT_EVENTS:
+            raise ValueError(f"event={event!r} is not one of {', '.join(CONTEXT_EVENTS)}")
         self.contexts.labels(event=event).inc()
+
+    def start_contexts(self) -> None:
+        for event in CONTEXT_EVENTS:  # series at 0 from the start: a rate() panel shows 0, not "no data"
+            self.contexts.labels(event=event)
 
     def set_worker_requests(self, count: int) -> None:
         self.worker_requests.set(count)
@@ -307,6 +317,11 @@ def set_kv_tokens_resident(tokens: float) -> None:
 def record_policy_fallback(method: str, reason: str) -> None:
     """One layer of one request fell back to its most recent tokens because its policy failed."""
     process_metrics().record_policy_fallback(method, reason)
+
+
+def start_kept_contexts() -> None:
+    """Create the kept-context series at 0 (scheduler side, once the evicting manager exists)."""
+    process_metrics().start_contexts()
 
 
 def record_context_kept() -> None:

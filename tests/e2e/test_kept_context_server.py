@@ -2,13 +2,14 @@
 document compressed once is read by later requests that start with it, and their answers equal HF's
 question-agnostic run over the creator's kept entries.
 
-One server (``--kv-eviction snapkv --kv-budget 0.25``, prefix caching on, ``KVEVICT_DEBUG_DUMP_DIR`` set so
-the worker saves what the creator kept). In order: the creator (the document alone, one token); reader A
-(document + question A, 48 greedy tokens with log-probabilities) and reader B; the document under another
-``cache_salt`` (no entry: it computes and keeps its own); a request asking for it with a method whose heads
-keep different counts (HTTP 400). HF transformers (float32) then prefills the document alone, hides every
-entry the creator evicted and is fed reader A's question and vLLM's tokens (teacher forcing): each step's
-log-probability must match; a full-cache run is the control that lets the check fail.
+One server (``--kv-eviction snapkv --kv-budget 0.25``, the requests asking 10 %; prefix caching on;
+``KVEVICT_DEBUG_DUMP_DIR`` set so the worker saves what the creator kept). In order: the creator (the
+document alone, one token); reader A (document + question A, 128 greedy tokens with log-probabilities) and
+reader B; the document under another ``cache_salt`` (no entry: it computes and keeps its own); a request
+asking for it with a method whose heads keep different counts (HTTP 400). HF transformers (float32) then
+prefills the document alone, hides every entry the creator evicted and is fed reader A's question and
+vLLM's tokens (teacher forcing): each step's log-probability must match; a full-cache run is the control
+that lets the check fail.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ SERVER_ARGS = (
     "--max-model-len",
     "4096",
 )
-KEEP = {"kv_context": "keep"}
-NEW_TOKENS = 48
+KEEP = {"kv_context": "keep", "kv_budget": 0.1}  # the server's method; 10 %: the control sees eviction
+NEW_TOKENS = 128
 CONTEXTS = "vllm_kvevict_kept_contexts_total"
 HITS = "vllm:prefix_cache_hits_total"
 
@@ -135,7 +136,7 @@ def served(model_dir, tmp_path_factory) -> Served:
 
 
 def test_readers_start_from_the_kept_context_and_nothing_else_finds_it(served: Served):
-    assert served.contexts["creator"] == {"kept": 1.0}
+    assert served.contexts["creator"] == {"kept": 1.0, "read": 0.0}
     assert served.hits["creator"] == 0
     assert served.contexts["A"] == {"kept": 1.0, "read": 1.0}
     assert served.hits["A"] == served.context_len  # vLLM's own counters see the hit

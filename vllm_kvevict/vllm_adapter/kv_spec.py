@@ -93,6 +93,7 @@ class EvictingAttentionManager(FullAttentionManager):
         self.pending_contexts: dict[str, bytes] = {}
         self.contexts = KeptContexts(self.block_pool, block_size, self.kv_cache_group_id)
         self.num_layers = num_layers
+        metrics.start_kept_contexts()
         # A quantised cache cannot be read back (model_support.cache_refusal): a request that evicts must be
         # computed in one step, so it must not start from cached blocks.
         self.cache_readable = torch.empty(0, dtype=kv_cache_spec.dtype).element_size() > 1

@@ -13,10 +13,14 @@ from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager, Evicting
 
 
 def evicting_manager(
-    config: EvictionConfig, block_size: int, num_blocks: int, dtype: torch.dtype = torch.bfloat16
+    config: EvictionConfig,
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype = torch.bfloat16,
+    enable_caching: bool = False,
 ) -> tuple[EvictingAttentionManager, BlockPool]:
     """A manager for the bundled model's shapes (30 layers, 3 KV heads of 64) over ``num_blocks`` blocks
-    (``dtype``: the cache's, torch.uint8 for an fp8 cache)."""
+    (``dtype``: the cache's, torch.uint8 for an fp8 cache; ``enable_caching``: vLLM's prefix cache on)."""
     spec = EvictingAttentionSpec(
         block_size=block_size,
         num_kv_heads=3,
@@ -25,8 +29,12 @@ def evicting_manager(
         eviction=json.dumps(config.to_dict()),
         num_model_layers=30,
     )
-    pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=block_size)
+    pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=enable_caching, hash_block_size=block_size)
     manager = EvictingAttentionManager(
-        spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=block_size
+        spec,
+        block_pool=pool,
+        enable_caching=enable_caching,
+        kv_cache_group_id=0,
+        scheduler_block_size=block_size,
     )
     return manager, pool

@@ -10,14 +10,14 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
+from evicting_manager import evicting_manager
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.context_reuse import entry_blocks
 from vllm_kvevict.settings.config import EvictionConfig
-from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager, EvictingAttentionSpec
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager
 
 BS = 32
 NUM_BLOCKS = 600
@@ -27,19 +27,7 @@ KEEP = {"kv_eviction": "snapkv", "kv_budget": 0.25, "kv_context": "keep"}
 
 def manager_with_cache() -> tuple[EvictingAttentionManager, BlockPool]:
     config = EvictionConfig(method="ada-snapkv", budget=0.25, prefill="whole")
-    spec = EvictingAttentionSpec(
-        block_size=BS,
-        num_kv_heads=3,
-        head_size=64,
-        dtype=torch.bfloat16,
-        eviction=json.dumps(config.to_dict()),
-        num_model_layers=30,
-    )
-    pool = BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=BS)
-    manager = EvictingAttentionManager(
-        spec, block_pool=pool, enable_caching=True, kv_cache_group_id=0, scheduler_block_size=BS
-    )
-    return manager, pool
+    return evicting_manager(config, BS, NUM_BLOCKS, enable_caching=True)
 
 
 def token_hashes(tokens: list[int], salt: str = "") -> list[bytes]:
