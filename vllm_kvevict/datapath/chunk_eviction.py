@@ -214,7 +214,7 @@ class ChunkEviction:
         plan, heads, bs = r.plan, self.shape.num_kv_heads, self.shape.block_size
         slots, positions = self.held_entries(layer_idx, r, block_row, check)
         scored = slots.shape[1] - r.trailing  # the prompt's entries; trailing tokens are kept after them
-        keys, values = rows.read(slots[:, :scored].reshape(-1))
+        keys, values = rows.read(slots[:, :scored])
         keys = keys.view(heads, scored, -1)
         values = values.view(heads, scored, -1)
         prompt_end = r.q_start + (r.prompt_len - r.computed if r.final else r.q_len)

@@ -141,7 +141,7 @@ class DecodeEviction(DecodeSchedule):
         keys = None
         if self.policy.query_window:
             heads, width = slots.shape
-            keys = rows.read_keys(slots.clamp(min=0).reshape(-1)).reshape(heads, width, -1)
+            keys = rows.read_keys(slots.clamp(min=0)).reshape(heads, width, -1)
         queries = self._queries(layer_idx, r) if self.policy.query_window else None
         cap = plan.kept_length(r.generated)
         with timer.phase("selection"):

@@ -42,11 +42,12 @@ class CacheRows(Protocol):
     """One layer's cache as the datapath sees it (a backend's object, built per layer and step)."""
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys [N, D], values [N, D]) at one-head-view ``slots`` [N] int64."""
+        """(keys [N, D], values [N, D]) at one-head-view ``slots`` int64, [N] or [H, L] (each row a head's
+        held entries, which a backend may read a sub-block at a time); N = ``slots.numel()``."""
         ...
 
     def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
-        """keys [N, D] at one-head-view ``slots`` [N] int64."""
+        """keys [N, D] at one-head-view ``slots`` int64, [N] or [H, L] (as ``read``)."""
         ...
 
     def move(self, moves: Moves) -> None:

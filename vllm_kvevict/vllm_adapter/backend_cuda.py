@@ -65,6 +65,7 @@ class GPUCacheRows:
         self.head_size = kv_cache.shape[-1] // 2
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = slots.reshape(-1)
         rows = self.subblocks[slots // self.subblocks.shape[1], slots % self.subblocks.shape[1]]
         return rows[:, : self.head_size], rows[:, self.head_size :]
 

@@ -24,7 +24,8 @@ def part_view(cache: torch.Tensor, part: int) -> torch.Tensor:
 
 
 def read_rows(view: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[N, D] rows at one-head-view ``slots`` [N] of a ``part_view``."""
+    """[N, D] rows at one-head-view ``slots`` ([N] or [H, L]) of a ``part_view``."""
+    slots = slots.reshape(-1)
     return view[slots // BS, slots % BS]
 
 
