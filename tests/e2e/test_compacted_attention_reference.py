@@ -116,15 +116,11 @@ def kept_argument(evicting, kept: list) -> list:
 @torch.inference_mode()
 def teacher_forced(model, prompt_ids: list[int], tokens: torch.Tensor, kept) -> torch.Tensor:
     """[T, vocab] float32 HF log-probabilities of each step along ``tokens`` with per-layer ``kept`` sets."""
-    from transformers import DynamicCache
-
     from vllm_kvevict.hf_reference.capture import prefill
-    from vllm_kvevict.hf_reference.generation import evicting
+    from vllm_kvevict.hf_reference.generation import cache_prefix, evicting
 
     prompt = prefill(model, torch.tensor(prompt_ids), capture=False)
-    cache = DynamicCache(config=model.config)
-    for layer, (keys, values) in enumerate(zip(prompt.keys, prompt.values, strict=True)):
-        cache.update(keys.clone(), values.clone(), layer)
+    cache = cache_prefix(model, prompt)
     with evicting(model, kept_argument(evicting, kept), len(prompt_ids)):
         out = model(input_ids=tokens[None, :-1], past_key_values=cache, use_cache=True)
     # Step 0 comes from the prefill logits, before any eviction (as in vLLM).

@@ -174,15 +174,10 @@ def references(model_dir, served: Served) -> tuple[torch.Tensor, torch.Tensor]:
 def agnostic_teacher_forced(model, prompt: list[int], context_len: int, tokens: torch.Tensor, kept):
     """HF's question-agnostic run: the context prefilled alone, its evicted entries hidden, then the rest of
     the prompt and ``tokens`` fed through; [T, vocab] log-probabilities of each of ``tokens``."""
-    from transformers import DynamicCache
-
     from vllm_kvevict.hf_reference.capture import prefill
-    from vllm_kvevict.hf_reference.generation import evicting
+    from vllm_kvevict.hf_reference.generation import cache_prefix, evicting
 
-    context = prefill(model, torch.tensor(prompt[:context_len]), capture=False)
-    cache = DynamicCache(config=model.config)
-    for layer, (keys, values) in enumerate(zip(context.keys, context.values, strict=True)):
-        cache.update(keys.clone(), values.clone(), layer)
+    cache = cache_prefix(model, prefill(model, torch.tensor(prompt[:context_len]), capture=False))
     rest = torch.tensor(prompt[context_len:] + tokens[:-1].tolist())
     with evicting(model, [kept], context_len):
         out = model(input_ids=rest[None], past_key_values=cache, use_cache=True)

@@ -180,8 +180,8 @@ class EvictionWorker:
         setting = self.settings.resolve(inputs.extra_args[slot] if inputs.extra_args else None)
         shared = self.shared_tokens.get(inputs.req_ids[slot], 0)
         if setting is not None and setting.keeps_context:  # prompt_len: a creator's context already
-            plan_for = setting.plan_for
-            return context_plan(plan_for, prompt_len, shared, self.block_size, self.num_layers), setting
+            plan = context_plan(setting.plan_for, prompt_len, shared, self.block_size, self.num_layers)
+            return plan, setting
         return private_plan(setting.plan_for if setting else self.plan_for, prompt_len, shared), setting
 
     def layer_table(self, req_id: str, layer_idx: int) -> SubBlockTable:

@@ -52,13 +52,16 @@ def evicting(
             del module.kvevict_evicted
 
 
-def _cache_prefix(model: PreTrainedModel, prompt: PrefilledPrompt, length: int, batch: int) -> DynamicCache:
-    """A fresh cache holding the prompt's first ``length`` tokens for ``batch`` rows (copies; the prompt
-    stays reusable)."""
+def cache_prefix(
+    model: PreTrainedModel, prompt: PrefilledPrompt, length: int | None = None, batch: int = 1
+) -> DynamicCache:
+    """A fresh cache holding the prompt's first ``length`` tokens (default: all) for ``batch`` rows (copies;
+    the prompt stays reusable)."""
+    length = prompt.num_tokens if length is None else length
     cache = DynamicCache(config=model.config)
     for idx, (keys, values) in enumerate(zip(prompt.keys, prompt.values, strict=True)):
-        keys = keys[:, :, :length].expand(batch, -1, -1, -1).contiguous()
-        values = values[:, :, :length].expand(batch, -1, -1, -1).contiguous()
+        keys = keys[:, :, :length].expand(batch, -1, -1, -1).clone(memory_format=torch.contiguous_format)
+        values = values[:, :, :length].expand(batch, -1, -1, -1).clone(memory_format=torch.contiguous_format)
         cache.update(keys, values, idx)
     return cache
 
@@ -90,7 +93,7 @@ def decode_batch_with_kept(
     tokens: list[list[int]] = [[] for _ in range(batch)]
     logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     done = [False] * batch
-    cache = _cache_prefix(model, prompt, context_len, batch)
+    cache = cache_prefix(model, prompt, context_len, batch)
     with evicting(model, kept_rows, context_len):
         if context_len == n:
             step_logits = prompt.last_logits.expand(batch, -1)

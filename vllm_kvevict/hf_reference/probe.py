@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from vllm_kvevict.hf_reference.capture import PrefilledPrompt, recording
+from vllm_kvevict.hf_reference.generation import cache_prefix
 from vllm_kvevict.policies.base import LayerKV
 
 
@@ -65,9 +66,7 @@ def echo_queries(model: PreTrainedModel, prompt: PrefilledPrompt, tokens: list[i
     """Per layer [q_heads, w, d] float32 post-RoPE queries of ``tokens`` run again right after the whole
     prompt, its full cache in view (an echo: unlike ``probe_queries``, every layer's queries have read the
     context), at positions ``n`` .. ``n + w - 1``. The prompt's cache is copied, not changed."""
-    cache = DynamicCache(config=model.config)
-    for layer, (keys, values) in enumerate(zip(prompt.keys, prompt.values, strict=True)):
-        cache.update(keys.clone(), values.clone(), layer)
+    cache = cache_prefix(model, prompt)
     n = prompt.num_tokens
     ids = torch.tensor([tokens], device=model.device)
     positions = torch.arange(n, n + len(tokens), device=model.device)[None]

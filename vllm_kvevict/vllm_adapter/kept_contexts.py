@@ -62,8 +62,10 @@ class KeptContexts:
             if tokens > max_tokens:
                 continue
             chain = self.chain_hash(block_hashes, tokens)
-            key = (identity, chain) if chain is not None else None
-            entry = self.entries.get(key) if key is not None else None
+            if chain is None:
+                continue
+            key = (identity, chain)
+            entry = self.entries.get(key)
             if entry is None:
                 continue
             if entry.intact():

@@ -155,7 +155,7 @@ class EvictingAttentionManager(FullAttentionManager):
         """(blocks, computed tokens) a kv_context request starts from — ``[null] × (C/bs - m)`` and an entry's
         m blocks — or None when no intact entry of its setting starts its prompt (it then computes its
         prompt and may leave one)."""
-        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
+        setting = self.setting_of(request)
         if setting is None or not setting.keeps_context or not self.block_pool.enable_caching:
             return None
         entry = self.contexts.lookup(setting.identity, request.block_hashes, request.num_tokens - 1)
@@ -168,7 +168,7 @@ class EvictingAttentionManager(FullAttentionManager):
 
     def keeps_context(self, request: Any) -> bool:
         """True when ``request`` asked ``kv_context: "keep"`` (its sampling parameters, before admission)."""
-        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
+        setting = self.setting_of(request)
         return setting is not None and setting.keeps_context
 
     def skips_prefix_cache(self, request: Any) -> bool:
@@ -188,8 +188,12 @@ class EvictingAttentionManager(FullAttentionManager):
     def whole_prompt_plan(self, request: Any) -> RequestPlan:
         """The plan of ``request``'s whole prompt (nothing shared), from its sampling parameters: known before
         the request is admitted."""
-        setting = self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
+        setting = self.setting_of(request)
         return (setting.plan_for if setting else self.plan_for)(request.num_prompt_tokens)
+
+    def setting_of(self, request: Any) -> ResolvedSetting | None:
+        """``request``'s own setting from its sampling parameters (None: the server's)."""
+        return self.settings.resolve(getattr(request.sampling_params, "extra_args", None))
 
     def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         """Publish only blocks no compaction ever writes (``shared_prefix.publishable_tokens``); a reader of a

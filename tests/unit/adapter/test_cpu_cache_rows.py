@@ -18,6 +18,11 @@ def elementwise(view: torch.Tensor, slots: torch.Tensor, layout: str) -> torch.T
     return read_rows(view, slots.reshape(-1), layout)
 
 
+def by_subblock(view: torch.Tensor, slots: torch.Tensor, layout: str) -> torch.Tensor:
+    """What ``CPUCacheRows.read`` does with [H, L] slots: their runs found once, then read."""
+    return read_rows(view, slots, layout, subblock_runs(slots, BS))
+
+
 def standard(blocks: list[int], length: int) -> torch.Tensor:
     """[H, L] slots of a request's first ``length`` tokens in the standard layout over ``blocks``."""
     j = torch.arange(length)
@@ -32,12 +37,12 @@ def test_whole_subblock_runs_read_the_same_rows(layout, length):
     view = part_view(cache, 0, layout)
     slots = standard([7, 2, 31, 5], length)
     assert subblock_runs(slots, BS) is not None
-    assert torch.equal(read_rows(view, slots, layout), elementwise(view, slots, layout))
+    assert torch.equal(by_subblock(view, slots, layout), elementwise(view, slots, layout))
     # a compacted head's table: its own sub-blocks in any order
     table = torch.tensor([[4, 90, 17, 3], [8, 11, 50, 2], [60, 1, 33, 7]])
     j = torch.arange(length)
     compacted = table[:, j // BS] * BS + j % BS
-    assert torch.equal(read_rows(view, compacted, layout), elementwise(view, compacted, layout))
+    assert torch.equal(by_subblock(view, compacted, layout), elementwise(view, compacted, layout))
 
 
 @pytest.mark.parametrize("layout", ROW_LAYOUTS)
@@ -49,4 +54,4 @@ def test_slots_that_do_not_run_through_subblocks_are_read_row_by_row(layout):
     padded[1, 5] = 0  # a padding entry (decode re-score: -1 clamped to 0)
     for slots in (shifted, padded):
         assert subblock_runs(slots, BS) is None
-        assert torch.equal(read_rows(view, slots, layout), elementwise(view, slots, layout))
+        assert torch.equal(by_subblock(view, slots, layout), elementwise(view, slots, layout))
