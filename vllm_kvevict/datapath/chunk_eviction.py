@@ -62,6 +62,12 @@ class ChunkRescore:
     evicts: bool = True
     reads_statistics: bool = False  # judged by Expected Attention: every prompt query is folded in
     shared: int = 0
+    deferred: bool = False  # the last chunk, compacted after the step's forward by the question echo
+
+    @property
+    def rescores_now(self) -> bool:
+        """True when this step's forward re-scores it (not deferred to the echo pass)."""
+        return self.evicts and not self.deferred
 
     @property
     def prompt_len(self) -> int:
@@ -121,6 +127,36 @@ class ChunkEviction:
             current = torch.cat([saved, current])
         per_layer[layer_idx] = current[max(0, current.shape[0] - MAX_SAVED_QUERIES) :].clone()
 
+    def saved_window(self, layer_idx: int, r: ChunkRescore, window: int) -> torch.Tensor:
+        """[w <= window, Hq, D] the newest saved prompt queries of ``layer_idx`` (the prompt's own last window
+        once its last chunk ran)."""
+        saved = self.queries.get(r.req_id, [None] * self.shape.num_layers)[layer_idx]
+        if saved is None:
+            raise RuntimeError(f"request {r.req_id} layer {layer_idx}: no prompt queries saved for a window")
+        return saved[max(0, saved.shape[0] - window) :]
+
+    def rescore_echoed(
+        self,
+        layer_idx: int,
+        r: ChunkRescore,
+        block_row: torch.Tensor,
+        echo_query: torch.Tensor,
+        policy: EvictionPolicy,
+        rows: CacheRows,
+        o_proj: torch.Tensor | None,
+        timer: StepTimer,
+        check: bool,
+    ) -> tuple[Moves, KeptTokens]:
+        """The deferred last re-score of ``layer_idx`` (``question_echo``): judged by ``policy`` (the method,
+        window widened) from the prompt's own last window and the echo's queries echo_query [W, Hq, D]. Its
+        queries are dropped after the last layer."""
+        assert r.deferred and r.final, "only a deferred last chunk is re-scored by its echo"
+        echo = (policy, echo_query)
+        result = self._rescore(layer_idx, r, block_row, echo_query, rows, o_proj, timer, check, echo)
+        if layer_idx == self.shape.num_layers - 1:
+            self.queries.pop(r.req_id, None)
+        return result
+
     def held_entries(
         self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, check: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,13 +201,13 @@ class ChunkEviction:
         for r in rescores:
             self._update_statistics(layer_idx, r, query)
             result = None
-            if r.evicts:
+            if r.rescores_now:
                 move, result = self._rescore(
                     layer_idx, r, block_table[r.slot], query, rows, o_proj, timer, check
                 )
                 moves.append(move)
             results.append(result)
-            if not r.final:
+            if not r.final or r.deferred:
                 self.save_queries(layer_idx, r, query)
             elif layer_idx == self.shape.num_layers - 1:
                 self.statistics.pop(r.req_id, None)  # the prompt is complete: no later chunk reads them
@@ -210,6 +246,7 @@ class ChunkEviction:
         o_proj: torch.Tensor | None,
         timer: StepTimer,
         check: bool,
+        echo: tuple[EvictionPolicy, torch.Tensor] | None = None,
     ) -> tuple[Moves, KeptTokens]:
         plan, heads, bs = r.plan, self.shape.num_kv_heads, self.shape.block_size
         slots, positions = self.held_entries(layer_idx, r, block_row, check)
@@ -217,14 +254,24 @@ class ChunkEviction:
         keys, values = rows.read(slots[:, :scored])
         keys = keys.view(heads, scored, -1)
         values = values.view(heads, scored, -1)
-        prompt_end = r.q_start + (r.prompt_len - r.computed if r.final else r.q_len)
         budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len - r.shared)
-        policy = r.policy if r.final else between_chunks(r.policy, self.between, budget)
-        window = policy.query_window(scored - r.shared)
+        query_positions = None
+        if echo is not None:  # the prompt's own last window, then the echo's queries after the prompt
+            policy, echoed = echo
+            own = self.saved_window(layer_idx, r, r.policy.query_window(scored - r.shared))
+            queries = torch.cat([own.to(echoed.dtype), echoed]).transpose(0, 1)
+            first = scored - own.shape[0]
+            query_positions = torch.arange(first, scored + echoed.shape[0], device=keys.device)
+        else:
+            prompt_end = r.q_start + (r.prompt_len - r.computed if r.final else r.q_len)
+            policy = r.policy if r.final else between_chunks(r.policy, self.between, budget)
+            window = policy.query_window(scored - r.shared)
+            queries = self.observation(layer_idx, r, query, prompt_end, window)
         layer = LayerKV(
             keys=keys,
             values=values.to(keys.dtype),
-            queries=self.observation(layer_idx, r, query, prompt_end, window).to(keys.dtype),
+            queries=queries.to(keys.dtype),
+            query_positions=query_positions,
             layer_idx=layer_idx,
             num_layers=self.shape.num_layers,
             o_proj=o_proj,

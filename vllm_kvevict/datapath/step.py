@@ -16,6 +16,7 @@ from vllm_kvevict.datapath.decode_schedule import Rescore
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
+from vllm_kvevict.datapath.question_echo import EchoPass
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks, StepLayout
@@ -77,8 +78,11 @@ class EvictionStep:
         o_proj: dict[int, torch.Tensor],
         timer: StepTimer,
         check: bool,
+        echo: EchoPass | None = None,
     ) -> None:
         self.sizes = sizes
+        #: requests compacted after the step's forward, by the question echo (None: none this step)
+        self.echo = echo
         self.num_tokens = sizes.num_tokens
         self.shape = shape
         self.tables = tables
@@ -198,12 +202,43 @@ class EvictionStep:
                     record.positions[layer_idx] = result.indices
             if layer_idx == self.shape.num_layers - 1:
                 for r in self.chunks:
-                    if r.evicts:
+                    if r.rescores_now:
                         kept = self._chunk_kept.pop(r.req_id, None)
                         self._records.chunk_evicted(
                             r.as_request(), r.plan, r.final, kept, r.trailing, r.policy.name
                         )
             return moves
+
+    def echo_layer(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+        rows: CacheRows,
+        scale: float,
+        softcap: float | None = None,
+    ) -> None:
+        """One layer of the echo forward (``question_echo.EchoPass.layer``): attention into output [N, Hq, D]
+        from query [N, Hq, D], key/value [N, H, D], then the deferred compaction of the layer through
+        ``rows``; after the last layer the requests are recorded as compacted."""
+        echo = self.echo
+        assert echo is not None, "echo_layer runs only in a step with an echo pass"
+        moves = echo.layer(layer_idx, query, key, value, output, rows, scale, softcap)
+        if moves is not None and moves.slots.numel():
+            rows.move(moves)
+        for r in echo.requests:
+            record = self._decode.records.get(r.rescore.req_id) if self._decode is not None else None
+            if record is not None:  # the decode cap starts from the prompt's kept entries
+                record.positions[layer_idx] = echo.kept[r.rescore.req_id][layer_idx].indices
+        if layer_idx == self.shape.num_layers - 1:
+            for r in echo.requests:
+                rescore = r.rescore
+                kept = echo.kept.pop(rescore.req_id)
+                self._records.chunk_evicted(
+                    rescore.as_request(), rescore.plan, True, kept, 0, rescore.policy.name
+                )
 
     def rescore_layer(self, layer_idx: int, rows: CacheRows) -> Moves | None:
         """Re-score ``layer_idx`` of the requests whose decode cap re-scores in this step. Runs after the

@@ -3,6 +3,7 @@ requests of the step as the datapath sees them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ class StepInputs:
     computed: np.ndarray  # [R] tokens already in the cache before this step
     scheduled: np.ndarray  # [R] tokens computed in this step
     extra_args: list[dict | None] | None = None  # [R] SamplingParams.extra_args (per-request settings)
+    #: slot -> the request's prompt token ids (read only for prompts the question echo may judge)
+    prompt_token_ids: Callable[[int], Sequence[int]] | None = None
 
 
 @dataclass

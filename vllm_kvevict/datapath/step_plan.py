@@ -17,6 +17,7 @@ from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.decode_eviction import DecodeEviction
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
+from vllm_kvevict.datapath.question_echo import EchoPass, EchoRequest, QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
 from vllm_kvevict.datapath.step import EvictionStep, StepSizes
 from vllm_kvevict.datapath.step_inputs import StepInputs, StepRequest
@@ -46,6 +47,7 @@ class StepPlanner:
         setting_plan: SettingOf,
         shared_tokens: dict[str, int] | None = None,
         context_readers: dict[str, EntryBlocks] | None = None,
+        echo: QuestionEcho | None = None,
     ) -> None:
         self.shape = shape
         self.policy = policy
@@ -57,6 +59,7 @@ class StepPlanner:
         self.shared_tokens = shared_tokens or {}  # request -> prompt tokens it found in the prefix cache
         # request -> the kept context it starts from, until its tables are set up (taken out then)
         self.context_readers = context_readers if context_readers is not None else {}
+        self.echo = echo  # the question echo (None: off)
 
     def plan(
         self,
@@ -91,12 +94,19 @@ class StepPlanner:
                 block_table.device,
             )
         q_start = np.cumsum(q_lens) - q_lens
+        echoes = self._echoes(inputs, computed, seq_lens, prompt_lens)
         whole = ~compacted & (computed == 0) & (prompt_lens <= seq_lens)
+        whole[list(echoes)] = False  # an echoed prompt is compacted as a last chunk, after the forward
         prefilling = np.flatnonzero(~whole & (computed < prompt_lens))
         chunks = [
             self._chunk_rescore(inputs, int(i), compacted, computed, seq_lens, q_start, q_lens)
             for i in prefilling.tolist()
         ]
+        echo_requests = []
+        for c in chunks:
+            if c is not None and c.slot in echoes and c.final:
+                c.deferred = True
+                echo_requests.append(EchoRequest(c, *echoes[c.slot]))
         compacting = [
             self._compacting(inputs, int(i), q_start, q_lens, seq_lens) for i in np.flatnonzero(whole)
         ]
@@ -143,7 +153,30 @@ class StepPlanner:
             o_proj,
             timer,
             check,
+            EchoPass(echo_requests, self.chunks, block_table, o_proj, timer, check)
+            if echo_requests
+            else None,
         )
+
+    def _echoes(
+        self, inputs: StepInputs, computed: np.ndarray, seq_lens: np.ndarray, prompt_lens: np.ndarray
+    ) -> dict[int, tuple[list[int], EvictionPolicy]]:
+        """slot -> (echo tokens, the method with its window widened) of the requests whose prompt completes
+        in this step (no token after it) and is judged with the question echo."""
+        echo = self.echo
+        if echo is None or inputs.prompt_token_ids is None:
+            return {}
+        found = {}
+        for slot in np.flatnonzero((computed < prompt_lens) & (seq_lens == prompt_lens)).tolist():
+            _, setting = self.setting_plan(inputs, slot, int(prompt_lens[slot]))
+            if setting is not None and setting.keeps_context:  # a kept context is question-agnostic
+                continue
+            method = setting.policy if setting else self.policy
+            policy = echo.policy_for(method) if method is not None else None
+            tokens = echo.tokens(inputs.prompt_token_ids(slot)) if policy is not None else []
+            if tokens:
+                found[slot] = (tokens, policy)
+        return found
 
     def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
         """Requests starting from a kept context read it from their first step: each head holds the entry's

@@ -13,6 +13,7 @@ import torch
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
 from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.question_echo import QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.step import EvictionStep
 from vllm_kvevict.datapath.step_inputs import StepInputs
@@ -71,6 +72,10 @@ class EvictionWorker:
         # sees it); reader -> the entry it starts from, until its tables are set up.
         self.context_lens: dict[str, int] = {}
         self.context_readers: dict[str, EntryBlocks] = {}
+        #: echoed tokens of the last user turn (config ``question_echo``; 0: off) and the echo once the chat
+        #: template's user header is known (``use_user_header``)
+        self.echo_width = server.question_echo
+        self.echo: QuestionEcho | None = None
         self._seen_ids: list[str] = []
         self.pending: StepInputs | None = None
         self._step: EvictionStep | None = None
@@ -123,6 +128,15 @@ class EvictionWorker:
         if keeps_entry(plan) and plan.prompt_len != prompt_len:
             self.context_lens[req_id] = plan.prompt_len
 
+    def use_user_header(self, header: list[int] | None) -> None:
+        """Start the question echo with the chat template's user header (token ids); None or empty: the model
+        has no chat template with a user turn, and prompts are judged by their last window alone."""
+        self.echo = QuestionEcho(self.echo_width, header) if self.echo_width and header else None
+
+    def current_step(self) -> EvictionStep | None:
+        """This step's eviction data (None before the metadata builder made it, or for a dummy run)."""
+        return self._step
+
     def end_step(self) -> None:
         if self._step is not None:
             self._step.publish()
@@ -168,6 +182,7 @@ class EvictionWorker:
                 self._setting_plan,
                 self.shared_tokens,
                 self.context_readers,
+                self.echo,
             )
             self._step = planner.plan(inputs, block_table, slot_mapping, self.o_proj)
         return self._step

@@ -40,6 +40,7 @@ PREFILL_KEYS = (
     "between_share",
     "between_span",
     "between_scorer",
+    "question_echo",
 )
 _KNOWN_KEYS = ("method", "budget", "params", "decode", *PREFILL_KEYS)
 #: I between chunks, as a multiple of the final budget (docs/benchmarks.md: the memory it allows).
@@ -258,6 +259,9 @@ class EvictionConfig:
         chunk run past one, so what a request keeps depends on the request alone, not on how the scheduler's
         token budget cut its prompt under load. None: vLLM's chunk size (``max_num_batched_tokens``), set by
         ``get_eviction_config``.
+    question_echo: tokens of a chat prompt's last user turn run again after the prompt, whose queries judge
+        the prompt beside its own last window (``datapath/question_echo.py``); 0 turns the echo off. Only for
+        methods that judge by a query window (the SnapKV family, NaCl).
     """
 
     method: str
@@ -271,6 +275,7 @@ class EvictionConfig:
     between_span: int | None = BetweenRule.span_after
     between_scorer: str = BetweenRule.scorer
     chunk_stride: int | None = None
+    question_echo: int = 0
 
     def __post_init__(self) -> None:
         names = method_names()
@@ -298,6 +303,7 @@ class EvictionConfig:
                 f"kv_eviction.chunk_stride={stride!r} is not valid; use an integer >= 1 (prompt tokens "
                 "between evictions of a chunked prompt) or leave it unset (vLLM's chunk size)"
             )
+        self._check_question_echo()
         try:  # BetweenRule names a bad kind, share, span or scorer and its valid values
             _ = self.between_rule
         except ValueError as exc:
@@ -305,6 +311,23 @@ class EvictionConfig:
 
     def build_policy(self) -> EvictionPolicy:
         return build_policy(self.method, **self.params)
+
+    def _check_question_echo(self) -> None:
+        from vllm_kvevict.datapath.question_echo import echo_policy
+
+        echo = self.question_echo
+        if isinstance(echo, bool) or not isinstance(echo, int) or echo < 0:
+            raise EvictionConfigError(
+                f"kv_eviction.question_echo={echo!r} is not valid; use an integer >= 0 (tokens of the last "
+                "user turn echoed after the prompt; 0: off)"
+            )
+        if echo and echo_policy(self.build_policy(), echo) is None:
+            windowed = [name for name in method_names() if echo_policy(build_policy(name), echo) is not None]
+            raise EvictionConfigError(
+                f"kv_eviction.question_echo={echo} with method {self.method!r}, which judges no query "
+                "window; "
+                f"valid methods: {', '.join(windowed)} (or question_echo 0)"
+            )
 
     @property
     def between_rule(self) -> BetweenRule:
@@ -336,6 +359,8 @@ class EvictionConfig:
         }
         if self.chunk_stride is not None:
             raw["chunk_stride"] = self.chunk_stride
+        if self.question_echo:
+            raw["question_echo"] = self.question_echo
         if self.decode is not None:
             raw["decode"] = self.decode.to_dict()
         elif method_implies_decode_cap(self.method):  # the implied cap was turned off: say so explicitly
@@ -388,7 +413,8 @@ class EvictionConfig:
             prefill = "prefill=whole (a decode-time cap needs whole prompts)"
         else:
             prefill = "prefill=whole (one eviction after the prompt's last chunk)"
-        return f"method={self.method} budget={budget}{extra} {prefill}{decode}"
+        echo = f" question_echo={self.question_echo}" if self.question_echo else ""
+        return f"method={self.method} budget={budget}{extra} {prefill}{echo}{decode}"
 
 
 def parse_chunk_budget(raw: Any) -> int | float:

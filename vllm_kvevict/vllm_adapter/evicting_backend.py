@@ -218,6 +218,20 @@ class EvictingImpl:
         output_scale=None,
         output_block_scale=None,
     ):
+        echo_step = getattr(attn_metadata, "echo_step", None)
+        if echo_step is not None:  # the question echo's forward (vllm_adapter/echo_forward.py)
+            tokens = echo_step.echo.num_tokens
+            echo_step.echo_layer(
+                self.layer_index(layer),
+                query[:tokens].view(tokens, self.num_heads, self.head_size),
+                key[:tokens],
+                value[:tokens],
+                output[:tokens].view(tokens, self.num_heads, -1),
+                self.cache_rows(layer, kv_cache, key[:tokens], value[:tokens]),
+                self.scale,
+                getattr(self, "logits_soft_cap", None),
+            )
+            return output
         step = getattr(attn_metadata, "eviction", None)
         args = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if step is None or self.attn_type != AttentionType.DECODER:

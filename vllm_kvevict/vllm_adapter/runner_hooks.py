@@ -24,7 +24,13 @@ def execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any)
     worker.drop(scheduler_output.finished_req_ids)
     worker.drop(getattr(scheduler_output, "preempted_req_ids", None))
     try:
-        return original(runner, scheduler_output, *args, **kwargs)
+        output = original(runner, scheduler_output, *args, **kwargs)
+        step = worker.current_step()
+        if step is not None and step.echo is not None:  # compact echoed prompts before blocks are freed
+            from vllm_kvevict.vllm_adapter.echo_forward import run_echo
+
+            run_echo(runner, step)
+        return output
     finally:
         worker.end_step()
         # After every step, even an empty one: 0 once all requests are gone proves no state leaked (soak).
@@ -57,6 +63,10 @@ def prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *ar
         if not worker.o_proj_collected:
             worker.o_proj = o_proj_weights(runner.get_model())
             worker.chunks.rope_inv_freq = rope_inv_freq(runner.get_model())
+            if worker.echo_width:
+                from vllm_kvevict.vllm_adapter.echo_forward import load_user_header
+
+                worker.use_user_header(load_user_header(runner.vllm_config))
             worker.o_proj_collected = True
             _mute_metrics_off_tp_rank_0()
         batch = runner.input_batch
@@ -68,6 +78,7 @@ def prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *ar
                 computed=batch.num_computed_tokens_cpu[:num_reqs].copy(),
                 scheduled=num_scheduled_tokens[:num_reqs].copy(),
                 extra_args=[_extra_args(runner, req_id) for req_id in batch.req_ids[:num_reqs]],
+                prompt_token_ids=lambda slot: batch.token_ids_cpu[slot, : batch.num_prompt_tokens[slot]],
             )
         )
     return original(runner, scheduler_output, num_scheduled_tokens, *args, **kwargs)

@@ -1,0 +1,97 @@
+"""The question echo's vLLM-free parts: where the echo is found, which methods it widens, its attention
+against a plain full-sequence attention, and its configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_kvevict.datapath.question_echo import (
+    QuestionEcho,
+    echo_attention,
+    echo_policy,
+    echo_tokens,
+    user_turn_start,
+)
+from vllm_kvevict.policies.registry import available_methods, build_policy
+from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError
+
+HEADER = [2, 198, 1, 4093, 198]
+
+
+def test_the_echo_is_the_last_user_turns_first_tokens():
+    ids = [1, 9, 9, *HEADER, 50, 51, 52, 2, 198, *HEADER, 60, 61, 62, 63, 64, 2]
+    start = user_turn_start(ids, HEADER)
+    assert start == len(ids) - 6
+    assert echo_tokens(ids, HEADER, 3) == [60, 61, 62]
+    assert echo_tokens(ids, HEADER, 100) == [60, 61, 62, 63, 64, 2]  # what there is
+
+
+@pytest.mark.parametrize("ids", [[5, 6, 7, 8], [2, 198, 1, 4093], []])
+def test_a_prompt_without_the_header_has_no_echo(ids):
+    assert user_turn_start(ids, HEADER) is None
+    assert echo_tokens(ids, HEADER, 32) == []
+    assert echo_tokens([*HEADER, 3], [], 32) == []  # no header known
+
+
+@pytest.mark.parametrize("method", ["snapkv", "ada-snapkv", "pyramidkv", "critical-ada-snapkv", "nacl"])
+def test_windowed_methods_widen_their_window_by_the_echo(method):
+    policy = build_policy(method)
+    widened = echo_policy(policy, 32)
+    assert widened is not None and widened.name == policy.name
+    assert widened.query_window(10_000) == policy.query_window(10_000) + 32
+    assert type(widened) is type(policy)
+    assert policy.query_window(10_000) == 32  # the original is untouched
+
+
+def test_methods_without_a_bounded_window_have_no_echo():
+    windowed = {info.name for info in available_methods() if echo_policy(build_policy(info.name), 8)}
+    assert {"snapkv", "ada-snapkv", "nacl"} <= windowed
+    assert windowed.isdisjoint({"streamingllm", "h2o", "knorm", "keydiff", "expected-attention"})
+
+
+def test_question_echo_builds_one_widened_policy_per_policy():
+    echo = QuestionEcho(16, HEADER)
+    policy = build_policy("ada-snapkv")
+    first = echo.policy_for(policy)
+    assert first is echo.policy_for(policy)
+    assert echo.policy_for(build_policy("streamingllm")) is None
+    assert echo.tokens([*HEADER, 7, 8]) == [7, 8]
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_echo_attention_equals_attention_over_the_whole_sequence(softcap):
+    """The echo attends to every held entry and causally to itself: the rows of the echo in a plain causal
+    attention over [held, echo] (GQA by repeating KV heads)."""
+    gen = torch.Generator().manual_seed(0)
+    heads, group, held, width, dim = 2, 3, 11, 5, 8
+    q = torch.randn(width, heads * group, dim, generator=gen)
+    k_held, v_held = torch.randn(2, heads, held, dim, generator=gen)
+    k_echo, v_echo = torch.randn(2, width, heads, dim, generator=gen)
+    scale = dim**-0.5
+    got = echo_attention(q, k_held, v_held, k_echo, v_echo, scale, softcap)
+
+    keys = torch.cat([k_held, k_echo.transpose(0, 1)], dim=1).repeat_interleave(group, dim=0)
+    values = torch.cat([v_held, v_echo.transpose(0, 1)], dim=1).repeat_interleave(group, dim=0)
+    scores = torch.einsum("qhd,hkd->hqk", q, keys) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    positions = torch.arange(held + width)
+    visible = positions[None, :] <= (held + torch.arange(width))[:, None]
+    expected = torch.einsum("hqk,hkd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_config_takes_question_echo_and_refuses_bad_values():
+    config = EvictionConfig.from_dict({"method": "ada-snapkv", "budget": 0.25, "question_echo": 32})
+    assert config.question_echo == 32
+    assert EvictionConfig.from_dict(config.to_dict()) == config
+    assert "question_echo=32" in config.describe()
+    assert dataclasses.replace(config, question_echo=0).to_dict().get("question_echo") is None
+    for bad in (-1, 1.5, True, "32"):
+        with pytest.raises(EvictionConfigError, match=r"question_echo=.* is not valid; use an integer >= 0"):
+            EvictionConfig(method="snapkv", budget=0.25, question_echo=bad)
+    with pytest.raises(EvictionConfigError, match=r"'streamingllm', which judges no query window; valid"):
+        EvictionConfig(method="streamingllm", budget=0.25, question_echo=32)

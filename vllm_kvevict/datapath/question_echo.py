@@ -1,0 +1,231 @@
+"""The question echo in the server (docs/question_first.md, issue 32): a prompt's eviction judged by its own
+last window *and* by the queries of its last user turn's first tokens run again after the whole prompt.
+
+A question-first prompt (instruction, then the document) has document text in its last window, so SnapKV's
+window does not point at what the question needs. The echo finds the question where it is: the first
+``width`` tokens of the last user turn (after the chat template's user header), run once more at positions
+``P .. P + width - 1`` with the whole prompt in view, so that in every layer their queries have read the
+document as a question placed last would have. Those queries join the prompt's own last window, and the
+method (its window widened by ``width``) keeps what both attend to.
+
+In the server the echo runs after the step's forward that completes the prompt (whose first output token
+comes from the real prompt, unchanged): the request's compaction is deferred from that forward to the echo
+pass, which attends each layer to the held entries read back from the cache without writing them, then
+compacts that layer as the last chunk does (``ChunkEviction``). A prompt without a user header, or whose
+method reads no query window, is evicted as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
+from vllm_kvevict.datapath.moves import CacheRows, Moves
+from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.layout.batch_tables import host_to_device
+from vllm_kvevict.policies.base import EvictionPolicy
+
+#: tokens of the last user turn echoed after the prompt, as measured in the HF runner.
+DEFAULT_ECHO_WIDTH = 32
+
+
+def user_turn_start(token_ids: Sequence[int] | np.ndarray, header: Sequence[int]) -> int | None:
+    """Index of the first token after the last occurrence of ``header`` (the chat template's user header),
+    or None when the prompt has none."""
+    ids = np.asarray(token_ids)
+    size = len(header)
+    if size == 0 or ids.shape[0] < size:
+        return None
+    head = np.asarray(header, dtype=ids.dtype)
+    candidates = np.flatnonzero(ids[: ids.shape[0] - size + 1] == head[0])
+    for start in candidates[::-1].tolist():
+        if np.array_equal(ids[start : start + size], head):
+            return start + size
+    return None
+
+
+def echo_tokens(token_ids: Sequence[int] | np.ndarray, header: Sequence[int], width: int) -> list[int]:
+    """The echo of a prompt: its last user turn's first ``width`` tokens (empty without a user header)."""
+    start = user_turn_start(token_ids, header)
+    if start is None:
+        return []
+    return [int(t) for t in np.asarray(token_ids)[start : start + width]]
+
+
+def echo_policy(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
+    """``policy`` with its observation window widened by ``width`` (the echo's queries join the prompt's own
+    last window, and the widened window is kept as SnapKV keeps its own), or None for a method that reads no
+    bounded window of trailing queries (StreamingLLM, K-norm, KeyDiff, H2O, Expected Attention)."""
+    large = 1 << 20
+    if not 0 < policy.query_window(large) < large:
+        return None
+    widened = _widened(policy, width)
+    if widened is not None:
+        widened.name = policy.name  # set by the registry, not a field: metrics and logs name the method
+    return widened
+
+
+def _widened(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
+    names = {f.name for f in dataclasses.fields(policy)} if dataclasses.is_dataclass(policy) else set()
+    if "inner" in names:
+        inner = _widened(policy.inner, width)  # type: ignore[attr-defined]
+        return None if inner is None else dataclasses.replace(policy, inner=inner)  # type: ignore[type-var]
+    if "window" in names:
+        return dataclasses.replace(policy, window=policy.window + width)  # type: ignore[attr-defined,type-var]
+    return None
+
+
+class QuestionEcho:
+    """The server's echo setting: ``width`` tokens after the chat template's user ``header`` (token ids), and
+    each method's widened policy (built once per policy object)."""
+
+    def __init__(self, width: int, header: Sequence[int]) -> None:
+        self.width = width
+        self.header = list(header)
+        self._policies: dict[int, tuple[EvictionPolicy, EvictionPolicy | None]] = {}
+
+    def tokens(self, prompt_token_ids: Sequence[int] | np.ndarray) -> list[int]:
+        """The echo of one prompt (empty: the prompt has no user header; it is evicted as before)."""
+        return echo_tokens(prompt_token_ids, self.header, self.width)
+
+    def policy_for(self, policy: EvictionPolicy) -> EvictionPolicy | None:
+        """``policy`` widened by the echo, or None when the method reads no bounded query window."""
+        cached = self._policies.get(id(policy))
+        if cached is None or cached[0] is not policy:
+            cached = (policy, echo_policy(policy, self.width))
+            self._policies[id(policy)] = cached
+        return cached[1]
+
+
+@dataclass
+class EchoRequest:
+    """A request whose prompt completes in this step and is compacted by the echo pass: ``rescore`` is its
+    deferred last-chunk re-score (``rescore.deferred``), ``tokens`` its echo, run at positions
+    ``rescore.prompt_len ..``, rows ``[row, row + len(tokens))`` of the echo batch; ``policy`` the method
+    with its window widened by the echo."""
+
+    rescore: ChunkRescore
+    tokens: list[int]
+    policy: EvictionPolicy
+    row: int = 0
+
+    @property
+    def width(self) -> int:
+        return len(self.tokens)
+
+
+class EchoPass:
+    """The step's echo forward: which tokens run where, and each layer's attention and compaction."""
+
+    def __init__(
+        self,
+        requests: list[EchoRequest],
+        chunks: ChunkEviction,
+        block_table: torch.Tensor,
+        o_proj: dict[int, torch.Tensor],
+        timer: StepTimer,
+        check: bool,
+    ) -> None:
+        row = 0
+        for r in requests:
+            r.row, row = row, row + r.width
+        self.requests = requests
+        self.num_tokens = row
+        self._chunks = chunks
+        self._block_table = block_table
+        self._o_proj = o_proj
+        self._timer = timer
+        self._check = check
+        self.kept: dict[str, list] = {}  # req -> per layer KeptTokens (records after the last layer)
+
+    def input_ids(self, device: torch.device) -> torch.Tensor:
+        """[N] int64 the echo tokens of every request, in order."""
+        return host_to_device(np.array([t for r in self.requests for t in r.tokens]), device)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[N] int64 positions: each request's echo right after its prompt."""
+        spans = [np.arange(r.rescore.prompt_len, r.rescore.prompt_len + r.width) for r in self.requests]
+        return host_to_device(np.concatenate(spans), device)
+
+    def layer(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+        rows: CacheRows,
+        scale: float,
+        softcap: float | None = None,
+    ) -> Moves | None:
+        """One layer of the echo forward: every request's echo attends to its held entries (read from the
+        cache, nothing written) and to itself, into ``output`` [N, Hq, D]; then the layer is compacted, judged
+        by the prompt's own last window and the echo's queries. query [N, Hq, D], key/value [N, H, D]."""
+        moves = []
+        for r in self.requests:
+            rescore, rows_of = r.rescore, slice(r.row, r.row + r.width)
+            block_row = self._block_table[rescore.slot]
+            slots, _ = self._chunks.held_entries(layer_idx, rescore, block_row, self._check)
+            held_keys, held_values = rows.read(slots)
+            heads = slots.shape[0]
+            attended = echo_attention(
+                query[rows_of],
+                held_keys.view(heads, slots.shape[1], -1),
+                held_values.view(heads, slots.shape[1], -1),
+                key[rows_of],
+                value[rows_of],
+                scale,
+                softcap,
+            )
+            output[rows_of] = attended.to(output.dtype)
+            with self._timer.phase("total"):
+                move, kept = self._chunks.rescore_echoed(
+                    layer_idx,
+                    rescore,
+                    block_row,
+                    query[rows_of],
+                    r.policy,
+                    rows,
+                    self._o_proj.get(layer_idx),
+                    self._timer,
+                    self._check,
+                )
+            moves.append(move)
+            self.kept.setdefault(rescore.req_id, []).append(kept)
+        return Moves.join(moves)
+
+
+def echo_attention(
+    query: torch.Tensor,
+    held_keys: torch.Tensor,
+    held_values: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of an echo after its prompt, in float32: query [W, Hq, D] against the prompt's held entries
+    held_keys/held_values [H, L, D] (all visible) and the echo's own key/value [W, H, D] (causal).
+    Returns [W, Hq, D]."""
+    width, q_heads, _ = query.shape
+    heads = held_keys.shape[0]
+    group = q_heads // heads
+    keys = torch.cat([held_keys.float(), key.float().transpose(0, 1)], dim=1)  # [H, L + W, D]
+    values = torch.cat([held_values.float(), value.float().transpose(0, 1)], dim=1)
+    q = query.float().transpose(0, 1).reshape(heads, group * width, -1)  # [H, g*W, D], head-major groups
+    scores = torch.einsum("hqd,hkd->hqk", q, keys) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    held = held_keys.shape[1]
+    own = torch.arange(width, device=query.device)
+    hidden = own[None, :] > own[:, None]  # [W, W] echo token i sees echo tokens j <= i
+    mask = torch.zeros(width, held + width, dtype=torch.bool, device=query.device)
+    mask[:, held:] = hidden
+    scores = scores.view(heads, group, width, -1).masked_fill(mask, float("-inf"))
+    out = torch.einsum("hgqk,hkd->hgqd", scores.softmax(dim=-1), values)  # [H, g, W, D]
+    return out.reshape(q_heads, width, -1).transpose(0, 1)
