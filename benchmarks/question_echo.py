@@ -1,0 +1,126 @@
+"""The question echo through the API (issue 32): needle prompts with the question before the document and
+after it, vanilla vLLM against Ada-SnapKV with and without ``question_echo``, same samples, same KV pool.
+
+Servers, one after the other (block size 32, same ``--max-model-len``): vanilla vLLM at its defaults, then
+``--kv-eviction ada-snapkv --kv-budget F`` for each ``--budgets`` fraction, without the echo (the served
+default) and with ``--kv-eviction-config '{"question_echo": W}'``. Every server answers the same samples
+(``vllm-kvevict eval``'s generator: the four needle tasks in their question-first form ``qfirst_*`` and
+question-last form, ``--samples`` each, ``--lengths``), greedy through the completions API, scored as
+``eval`` scores them. Then the echo's cost: ``--ttft-prompts`` question-first prompts sent one at a time
+with ``max_tokens=1`` (time to the first token = the prefill, the eviction and, with the echo, the echo
+forward), mean seconds. Prints one table; ``--out`` saves rows, per-sample results and the command.
+
+    python -m benchmarks.question_echo --lengths 4096 --samples 4 --budgets 0.25,0.1 \
+        --out docs/results/2026-11-27-question-echo/question_echo-4k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from vllm_kvevict.cli.prepare_model import prepared_model_dir
+from vllm_kvevict.evaluation.generate import generate_samples
+from vllm_kvevict.evaluation.prompt_format import PromptFormat
+from vllm_kvevict.evaluation.runner import make_client, run_samples
+from vllm_kvevict.server_process import VLLMServer
+
+NEEDLES = ("niah_single_essay", "niah_multikey", "niah_single_noise", "niah_single_digits")
+BLOCK_SIZE = 32
+
+
+def server_configs(budgets: list[float], width: int) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, extra ``vllm serve`` args) of every server, vanilla first."""
+    configs = [("vanilla", ())]
+    for budget in budgets:
+        evicting = ("--kv-eviction", "ada-snapkv", "--kv-budget", f"{budget:g}")
+        configs.append((f"ada-snapkv-{budget:g}", evicting))
+        echo = json.dumps({"question_echo": width})
+        configs.append((f"ada-snapkv-echo{width}-{budget:g}", (*evicting, "--kv-eviction-config", echo)))
+    return configs
+
+
+def time_to_first_token(client, model: str, prompts: list[str]) -> float:
+    """Mean seconds of ``max_tokens=1`` requests, one at a time, each with its own ``cache_salt`` (the answered
+    samples' blocks in vLLM's prefix cache must not serve them)."""
+    seconds = []
+    for index, prompt in enumerate(prompts):
+        salt = {"cache_salt": f"ttft-{index}-{time.time_ns()}"}
+        start = time.perf_counter()
+        client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0, extra_body=salt)
+        seconds.append(time.perf_counter() - start)
+    return statistics.mean(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="4096", help="comma list of prompt lengths in tokens")
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--budgets", default="0.25,0.1")
+    parser.add_argument("--width", type=int, default=32, help="echoed tokens (question_echo)")
+    parser.add_argument("--ttft-prompts", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    budgets = [float(x) for x in args.budgets.split(",")]
+    model_dir = prepared_model_dir()
+    tasks = [f"qfirst_{t}" for t in NEEDLES] + list(NEEDLES)
+    samples = generate_samples(tasks, lengths, args.samples, 0, PromptFormat.from_path(model_dir))
+    ttft_prompts = [s.prompt for s in samples if s.task.startswith("qfirst_")][: args.ttft_prompts]
+    max_len = str(max(s.prompt_tokens for s in samples) + 256)
+    rows, results = [], []
+    for name, extra in server_configs(budgets, args.width):
+        server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", max_len, *extra)
+        with VLLMServer(model_dir, extra_args=server_args) as server:
+            client = make_client(server.base_url)
+            answered = run_samples(
+                client, server.served_model_name, samples, name, concurrency=args.concurrency, progress=False
+            )
+            ttft = time_to_first_token(client, server.served_model_name, ttft_prompts)
+        results += [asdict(r) for r in answered]
+        for length in lengths:
+            for first in (True, False):
+                cell = [
+                    r
+                    for r in answered
+                    if r.target_tokens == length and r.task.startswith("qfirst_") == first
+                ]
+                rows.append(
+                    {
+                        "config": name,
+                        "length": length,
+                        "question": "first" if first else "last",
+                        "correct": sum(1 for r in cell if (r.score or 0.0) >= 1.0),
+                        "mean_score": statistics.mean((r.score or 0.0) for r in cell),
+                        "prompts": len(cell),
+                        "errors": sum(1 for r in cell if r.error),
+                        "ttft_s": ttft,
+                    }
+                )
+        print(json.dumps(rows[-2:]), flush=True)
+    vanilla = {(r["length"], r["question"]): r["mean_score"] for r in rows if r["config"] == "vanilla"}
+    vanilla_ttft = next(r["ttft_s"] for r in rows if r["config"] == "vanilla")
+    print(f"{'config':28} {'length':>6} {'question':>8} {'score':>6} {'x vanilla':>9} {'ttft s':>7} {'x':>5}")
+    for r in rows:
+        base = vanilla[(r["length"], r["question"])]
+        ratio = r["mean_score"] / base if base else float("nan")
+        r["vs_vanilla"] = ratio
+        r["ttft_vs_vanilla"] = r["ttft_s"] / vanilla_ttft
+        print(
+            f"{r['config']:28} {r['length']:>6} {r['question']:>8} {r['mean_score']:>6.3f} {ratio:>9.2f} "
+            f"{r['ttft_s']:>7.2f} {r['ttft_vs_vanilla']:>5.2f}"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"command": " ".join(sys.argv), "rows": rows, "results": results}
+        args.out.write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The question echo through a real server equals HF's echo (``hf_reference.probe.echo_queries``).
+
+``vllm serve --kv-eviction ada-snapkv --kv-budget 0.25 --kv-eviction-config '{"question_echo": 32}'`` in
+float32. A chat prompt with its question before a ~1,000-token document (``qfirst_niah_single_essay`` from
+``eval``'s generator) is echoed: its last user turn's first 32 tokens run again after the prompt, and their
+queries with the prompt's own last 32 judge its compaction. Beside it in the same steps, a raw completion
+prompt (no chat template: no user header, judged by its window alone) and a ``kv_eviction: "none"`` request.
+
+HF transformers (float32) computes both kept sets independently: the echo's queries from a cache copy of the
+prompt (its own user-header search, ``probe.head_tokens``), the method with its window widened by 32. The
+served kept entries must match HF's echo selection, and differ from the window-only selection (the control
+that lets the check fail); decoding must follow HF with the served kept sets; the first token is the full
+prompt's own.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from reference_checks import logprob_gap, tokens_and_logprobs
+
+from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
+from vllm_kvevict.server_process import VLLMServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+WIDTH = 32
+NEW_TOKENS = 24
+SERVER_ARGS = (
+    "--kv-eviction", "ada-snapkv", "--kv-budget", "0.25", "--block-size", "32", "--max-model-len", "2048",
+    "--dtype", "float32", "--kv-eviction-config", f'{{"question_echo": {WIDTH}}}',
+)  # fmt: skip
+USAGE = "vllm:kv_cache_usage_perc"
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request's greedy tokens [T], their logprobs [T] and the worker's dump of its kept entries."""
+
+    prompt_ids: list[int]
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    kept: list  # per layer KeptTokens
+
+
+def overlap(served, reference) -> float:
+    """Mean over layers and KV heads of |served ∩ reference| / |reference| of the kept positions."""
+    shares = []
+    for got, want in zip(served, reference, strict=True):
+        for head in range(want.counts.shape[0]):
+            a, b = set(got.head(head).tolist()), set(want.head(head).tolist())
+            shares.append(len(a & b) / max(1, len(b)))
+    return sum(shares) / len(shares)
+
+
+def layer_budgets(kept) -> list[int]:
+    return [int(k.counts.sum()) // k.counts.shape[0] for k in kept]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from vllm_kvevict.hf_reference.model import load_reference_model
+
+    return load_reference_model(model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory, reference) -> dict[str, Served]:
+    from openai import OpenAI
+
+    from vllm_kvevict.evaluation.generate import generate_sample
+    from vllm_kvevict.evaluation.prompt_format import PromptFormat
+    from vllm_kvevict.evaluation.tasks import get_task
+    from vllm_kvevict.policies.base import KeptTokens
+
+    _, tokenizer = reference
+    question_first = generate_sample(
+        get_task("qfirst_niah_single_essay"), PromptFormat.from_path(model_dir), 1024, seed=0, index=0
+    ).token_ids
+    raw = tokenizer(" ".join(f"Line {i}: the lamp of room {i} is lit." for i in range(70)))["input_ids"]
+    prompts = {"echo": list(question_first), "raw": raw}
+    dump_dir = tmp_path_factory.mktemp("kept")
+    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
+        client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
+
+        def complete(ids: list[int], xargs: dict | None = None):
+            extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+            if xargs:
+                extra["vllm_xargs"] = xargs
+            return client.completions.create(
+                model=server.served_model_name, prompt=ids, max_tokens=NEW_TOKENS, temperature=0, logprobs=1,
+                extra_body=extra,
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            futures = {name: pool.submit(complete, ids) for name, ids in prompts.items()}
+            full = pool.submit(complete, prompts["echo"], {"kv_eviction": "none"})
+            outputs = {name: f.result() for name, f in futures.items()}
+            assert full.result().usage.completion_tokens == NEW_TOKENS
+        assert server.wait_for_metric(USAGE, 0.0, 60.0) == 0.0
+    records = {r["prompt_len"]: r for r in (torch.load(p) for p in Path(dump_dir).glob("*.pt"))}
+    result = {}
+    for name, ids in prompts.items():
+        record = records[len(ids)]
+        tokens, logprobs = tokens_and_logprobs(outputs[name].choices[0].logprobs)
+        kept = [KeptTokens(i, c) for i, c in zip(record["indices"], record["counts"], strict=True)]
+        result[name] = Served(ids, tokens, logprobs, kept)
+    return result
+
+
+def hf_kept(reference, ids: list[int], budgets: list[int], echo: bool) -> list:
+    """HF's kept sets of ``ids`` by the server's method: judged by its window, or with the echo."""
+    from vllm_kvevict.datapath.question_echo import echo_policy
+    from vllm_kvevict.hf_reference import prefill
+    from vllm_kvevict.hf_reference.probe import echo_queries, head_tokens, probed_layers
+    from vllm_kvevict.settings.config import EvictionConfig
+
+    model, tokenizer = reference
+    policy = EvictionConfig.from_dict({"method": "ada-snapkv", "budget": 0.25}).build_policy()
+    whole = prefill(model, torch.tensor(ids), query_window=2 * WIDTH)
+    layers = whole.layers
+    if echo:
+        head = head_tokens(ids, tokenizer, WIDTH)
+        assert len(head) == WIDTH
+        layers = probed_layers(whole.layers, echo_queries(model, whole, head), window=WIDTH)
+        policy = echo_policy(policy, WIDTH)
+    return [policy.select(layer, budget) for layer, budget in zip(layers, budgets, strict=True)]
+
+
+def test_the_echoed_prompt_keeps_what_hf_echo_keeps_not_what_its_window_keeps(served, reference):
+    run = served["echo"]
+    budgets = layer_budgets(run.kept)
+    with_echo = overlap(run.kept, hf_kept(reference, run.prompt_ids, budgets, echo=True))
+    window_only = overlap(run.kept, hf_kept(reference, run.prompt_ids, budgets, echo=False))
+    assert with_echo >= 0.97, f"served vs HF echo: {with_echo:.3f} (window only {window_only:.3f})"
+    assert window_only < with_echo - 0.05, f"the echo changed little: {window_only:.3f} vs {with_echo:.3f}"
+
+
+def test_a_prompt_without_a_user_turn_is_judged_by_its_window(served, reference):
+    run = served["raw"]
+    window_only = overlap(run.kept, hf_kept(reference, run.prompt_ids, layer_budgets(run.kept), echo=False))
+    assert window_only >= 0.97, f"served vs HF window-only: {window_only:.3f}"
+
+
+@pytest.mark.parametrize("name", ["echo", "raw"])
+def test_decoding_follows_hf_with_the_served_kept_entries(served, reference, name):
+    from vllm_kvevict.hf_reference.chunked import teacher_forced_after_chunks
+    from vllm_kvevict.policies.base import KeptTokens
+
+    model, _ = reference
+    run = served[name]
+    masked = teacher_forced_after_chunks(model, run.prompt_ids, [], run.kept, run.tokens)
+    gap = logprob_gap(run.logprobs, run.tokens, masked)
+    assert float(gap.max()) < 0.05, f"|delta logprob| per step {gap.tolist()}"
+    everything = [KeptTokens.everything(k.counts.shape[0], len(run.prompt_ids)) for k in run.kept]
+    full = teacher_forced_after_chunks(model, run.prompt_ids, [], everything, run.tokens[:1])
+    assert int(full[0].argmax()) == int(run.tokens[0]), "the first token comes from the whole prompt"
