@@ -46,8 +46,8 @@ def server_configs(budgets: list[float], width: int) -> list[tuple[str, tuple[st
 
 
 def time_to_first_token(client, model: str, prompts: list[str]) -> float:
-    """Mean seconds of ``max_tokens=1`` requests, one at a time, each with its own ``cache_salt`` (the answered
-    samples' blocks in vLLM's prefix cache must not serve them)."""
+    """Mean seconds of ``max_tokens=1`` requests, one at a time, each with its own ``cache_salt`` (the
+    answered samples' blocks in vLLM's prefix cache must not serve them)."""
     seconds = []
     for index, prompt in enumerate(prompts):
         salt = {"cache_salt": f"ttft-{index}-{time.time_ns()}"}
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32, help="echoed tokens (question_echo)")
     parser.add_argument("--ttft-prompts", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--ttft-only", action="store_true", help="measure the time to first token only")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -79,17 +80,22 @@ def main() -> None:
         server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", max_len, *extra)
         with VLLMServer(model_dir, extra_args=server_args) as server:
             client = make_client(server.base_url)
-            answered = run_samples(
-                client, server.served_model_name, samples, name, concurrency=args.concurrency, progress=False
-            )
+            answered = []
+            if not args.ttft_only:
+                answered = run_samples(
+                    client,
+                    server.served_model_name,
+                    samples,
+                    name,
+                    concurrency=args.concurrency,
+                    progress=False,
+                )
             ttft = time_to_first_token(client, server.served_model_name, ttft_prompts)
         results += [asdict(r) for r in answered]
         for length in lengths:
             for first in (True, False):
                 cell = [
-                    r
-                    for r in answered
-                    if r.target_tokens == length and r.task.startswith("qfirst_") == first
+                    r for r in answered if r.target_tokens == length and r.task.startswith("qfirst_") == first
                 ]
                 rows.append(
                     {
@@ -97,7 +103,9 @@ def main() -> None:
                         "length": length,
                         "question": "first" if first else "last",
                         "correct": sum(1 for r in cell if (r.score or 0.0) >= 1.0),
-                        "mean_score": statistics.mean((r.score or 0.0) for r in cell),
+                        "mean_score": statistics.mean((r.score or 0.0) for r in cell)
+                        if cell
+                        else float("nan"),
                         "prompts": len(cell),
                         "errors": sum(1 for r in cell if r.error),
                         "ttft_s": ttft,

@@ -3,8 +3,9 @@
 ``vllm serve --kv-eviction ada-snapkv --kv-budget 0.25 --kv-eviction-config '{"question_echo": 32}'`` in
 float32. A chat prompt with its question before a ~1,000-token document (``qfirst_niah_single_essay`` from
 ``eval``'s generator) is echoed: its last user turn's first 32 tokens run again after the prompt, and their
-queries with the prompt's own last 32 judge its compaction. Beside it in the same steps, a raw completion
-prompt (no chat template: no user header, judged by its window alone) and a ``kv_eviction: "none"`` request.
+queries with the prompt's own last 32 judge its compaction. Beside it in the same steps: a raw completion
+prompt (no chat template: no user header, judged by its window alone), another question-first prompt asking
+``kv_question_echo: 0`` (judged by its window alone) and a ``kv_eviction: "none"`` request.
 
 HF transformers (float32) computes both kept sets independently: the echo's queries from a cache copy of the
 prompt (its own user-header search, ``probe.head_tokens``), the method with its window widened by 32. The
@@ -78,11 +79,15 @@ def served(model_dir, tmp_path_factory, reference) -> dict[str, Served]:
     from vllm_kvevict.policies.base import KeptTokens
 
     _, tokenizer = reference
-    question_first = generate_sample(
-        get_task("qfirst_niah_single_essay"), PromptFormat.from_path(model_dir), 1024, seed=0, index=0
-    ).token_ids
+    task, fmt = get_task("qfirst_niah_single_essay"), PromptFormat.from_path(model_dir)
     raw = tokenizer(" ".join(f"Line {i}: the lamp of room {i} is lit." for i in range(70)))["input_ids"]
-    prompts = {"echo": list(question_first), "raw": raw}
+    prompts = {
+        "echo": list(generate_sample(task, fmt, 1024, seed=0, index=0).token_ids),
+        "raw": raw,
+        "off": list(generate_sample(task, fmt, 900, seed=0, index=1).token_ids),  # asks for no echo
+    }
+    xargs = {"off": {"kv_question_echo": 0}}
+    assert len({len(ids) for ids in prompts.values()}) == 3  # the dumps are told apart by prompt length
     dump_dir = tmp_path_factory.mktemp("kept")
     with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
@@ -96,8 +101,8 @@ def served(model_dir, tmp_path_factory, reference) -> dict[str, Served]:
                 extra_body=extra,
             )  # fmt: skip
 
-        with ThreadPoolExecutor(max_workers=3) as pool:
-            futures = {name: pool.submit(complete, ids) for name, ids in prompts.items()}
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futures = {name: pool.submit(complete, ids, xargs.get(name)) for name, ids in prompts.items()}
             full = pool.submit(complete, prompts["echo"], {"kv_eviction": "none"})
             outputs = {name: f.result() for name, f in futures.items()}
             assert full.result().usage.completion_tokens == NEW_TOKENS
@@ -140,10 +145,14 @@ def test_the_echoed_prompt_keeps_what_hf_echo_keeps_not_what_its_window_keeps(se
     assert window_only < with_echo - 0.05, f"the echo changed little: {window_only:.3f} vs {with_echo:.3f}"
 
 
-def test_a_prompt_without_a_user_turn_is_judged_by_its_window(served, reference):
-    run = served["raw"]
-    window_only = overlap(run.kept, hf_kept(reference, run.prompt_ids, layer_budgets(run.kept), echo=False))
+@pytest.mark.parametrize("name", ["raw", "off"])
+def test_a_prompt_without_a_user_turn_or_asking_no_echo_is_judged_by_its_window(served, reference, name):
+    run = served[name]
+    budgets = layer_budgets(run.kept)
+    window_only = overlap(run.kept, hf_kept(reference, run.prompt_ids, budgets, echo=False))
     assert window_only >= 0.97, f"served vs HF window-only: {window_only:.3f}"
+    if name == "off":  # the control: the echo would have kept other entries
+        assert overlap(run.kept, hf_kept(reference, run.prompt_ids, budgets, echo=True)) < window_only - 0.05
 
 
 @pytest.mark.parametrize("name", ["echo", "raw"])

@@ -81,24 +81,25 @@ def _widened(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
 
 
 class QuestionEcho:
-    """The server's echo setting: ``width`` tokens after the chat template's user ``header`` (token ids), and
-    each method's widened policy (built once per policy object)."""
+    """The chat template's user ``header`` (token ids), the server's echo ``width`` (a request may ask its
+    own), and each method's widened policy (built once per policy object and width)."""
 
     def __init__(self, width: int, header: Sequence[int]) -> None:
         self.width = width
         self.header = list(header)
-        self._policies: dict[int, tuple[EvictionPolicy, EvictionPolicy | None]] = {}
+        self._policies: dict[tuple[int, int], tuple[EvictionPolicy, EvictionPolicy | None]] = {}
 
-    def tokens(self, prompt_token_ids: Sequence[int] | np.ndarray) -> list[int]:
+    def tokens(self, prompt_token_ids: Sequence[int] | np.ndarray, width: int) -> list[int]:
         """The echo of one prompt (empty: the prompt has no user header; it is evicted as before)."""
-        return echo_tokens(prompt_token_ids, self.header, self.width)
+        return echo_tokens(prompt_token_ids, self.header, width)
 
-    def policy_for(self, policy: EvictionPolicy) -> EvictionPolicy | None:
-        """``policy`` widened by the echo, or None when the method reads no bounded query window."""
-        cached = self._policies.get(id(policy))
+    def policy_for(self, policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
+        """``policy`` widened by ``width``, or None when the method reads no bounded query window."""
+        key = (id(policy), width)
+        cached = self._policies.get(key)
         if cached is None or cached[0] is not policy:
-            cached = (policy, echo_policy(policy, self.width))
-            self._policies[id(policy)] = cached
+            cached = (policy, echo_policy(policy, width))
+            self._policies[key] = cached
         return cached[1]
 
 

@@ -172,8 +172,9 @@ class StepPlanner:
             if setting is not None and setting.keeps_context:  # a kept context is question-agnostic
                 continue
             method = setting.policy if setting else self.policy
-            policy = echo.policy_for(method) if method is not None else None
-            tokens = echo.tokens(inputs.prompt_token_ids(slot)) if policy is not None else []
+            width = echo.width if setting is None or setting.question_echo is None else setting.question_echo
+            policy = echo.policy_for(method, width) if method is not None and width else None
+            tokens = echo.tokens(inputs.prompt_token_ids(slot), width) if policy is not None else []
             if tokens:
                 found[slot] = (tokens, policy)
         return found

@@ -261,7 +261,8 @@ class EvictionConfig:
         ``get_eviction_config``.
     question_echo: tokens of a chat prompt's last user turn run again after the prompt, whose queries judge
         the prompt beside its own last window (``datapath/question_echo.py``); 0 turns the echo off. Only for
-        methods that judge by a query window (the SnapKV family, NaCl).
+        methods that judge by a query window (the SnapKV family, NaCl). None (the default): 32
+        (``DEFAULT_ECHO_WIDTH``) for such a method, 0 for the others.
     """
 
     method: str
@@ -275,7 +276,7 @@ class EvictionConfig:
     between_span: int | None = BetweenRule.span_after
     between_scorer: str = BetweenRule.scorer
     chunk_stride: int | None = None
-    question_echo: int = 0
+    question_echo: int | None = None
 
     def __post_init__(self) -> None:
         names = method_names()
@@ -313,9 +314,12 @@ class EvictionConfig:
         return build_policy(self.method, **self.params)
 
     def _check_question_echo(self) -> None:
-        from vllm_kvevict.datapath.question_echo import echo_policy
+        from vllm_kvevict.datapath.question_echo import DEFAULT_ECHO_WIDTH, echo_policy
 
         echo = self.question_echo
+        if echo is None:  # the default: the echo wherever the method judges by a query window
+            echo = DEFAULT_ECHO_WIDTH if echo_policy(self.build_policy(), DEFAULT_ECHO_WIDTH) else 0
+            object.__setattr__(self, "question_echo", echo)
         if isinstance(echo, bool) or not isinstance(echo, int) or echo < 0:
             raise EvictionConfigError(
                 f"kv_eviction.question_echo={echo!r} is not valid; use an integer >= 0 (tokens of the last "
@@ -359,8 +363,7 @@ class EvictionConfig:
         }
         if self.chunk_stride is not None:
             raw["chunk_stride"] = self.chunk_stride
-        if self.question_echo:
-            raw["question_echo"] = self.question_echo
+        raw["question_echo"] = self.question_echo
         if self.decode is not None:
             raw["decode"] = self.decode.to_dict()
         elif method_implies_decode_cap(self.method):  # the implied cap was turned off: say so explicitly

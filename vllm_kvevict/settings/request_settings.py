@@ -44,7 +44,8 @@ BUDGET_KEY = "kv_budget"
 DECODE_BUDGET_KEY = "kv_decode_budget"
 PREFILL_KEY = "kv_prefill"
 CONTEXT_KEY = "kv_context"
-OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY)
+ECHO_KEY = "kv_question_echo"
+OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY, ECHO_KEY)
 #: ``kv_context`` values: "keep" keeps the request's compacted prompt for later requests that start with it
 #: and reads such an entry when one matches its own prompt.
 CONTEXT_VALUES = ("keep",)
@@ -57,13 +58,15 @@ class RequestOverride:
     """A request's validated setting. method: a registered name or ``"none"``; budget: None for ``"none"``;
     decode_budget: the request's own decode-time cap (None: the server's); prefill: ``"whole"`` or
     ``"chunked"``, how a prompt computed in several steps is evicted (None: the server's); context: it
-    keeps or reads a compacted context (``kv_context: "keep"``)."""
+    keeps or reads a compacted context (``kv_context: "keep"``); question_echo: tokens of its last user turn
+    echoed after the prompt (0: off; None: the server's ``question_echo``)."""
 
     method: str
     budget: int | float | None
     decode_budget: int | float | None = None
     prefill: str | None = None
     context: bool = False
+    question_echo: int | None = None
 
 
 def per_request_methods(server: EvictionConfig) -> list[str]:
@@ -100,7 +103,7 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
             )
         raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r} {problem}; valid: {', '.join(valid)}")
     if method == NO_EVICTION:
-        for key in (BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY):
+        for key in (BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY, ECHO_KEY):
             if key in extra_args:
                 raise EvictionConfigError(
                     f"vllm_xargs.{key}={extra_args[key]!r} with {METHOD_KEY}='none': a request "
@@ -116,7 +119,37 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
         from_text=False,
     )
     context = parse_context(extra_args, server, method, policy, decode_budget, prefill)
-    return RequestOverride(method, budget, decode_budget, prefill, context)
+    echo = parse_question_echo(extra_args, method, policy, context)
+    return RequestOverride(method, budget, decode_budget, prefill, context, echo)
+
+
+def parse_question_echo(
+    extra_args: Mapping[str, Any], method: str, policy: EvictionPolicy, context: bool
+) -> int | None:
+    """``kv_question_echo``: tokens of the request's last user turn echoed after its prompt (an int >= 0; 0
+    turns the echo off for this request); None when not given (the server's ``question_echo``)."""
+    from vllm_kvevict.datapath.question_echo import echo_policy
+
+    if ECHO_KEY not in extra_args:
+        return None
+    raw = extra_args[ECHO_KEY]
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        raise EvictionConfigError(
+            f"vllm_xargs.{ECHO_KEY}={raw!r} is not valid; valid: an integer >= 0 (tokens of the last user "
+            "turn echoed after the prompt; 0: off)"
+        )
+    if raw and echo_policy(policy, raw) is None:
+        windowed = [m for m in method_names() if echo_policy(_policy(m, ()), raw) is not None]
+        raise EvictionConfigError(
+            f"vllm_xargs.{ECHO_KEY}={raw} with {METHOD_KEY}={method!r}, which judges no query window; valid "
+            f"methods: {', '.join(windowed)} (or {ECHO_KEY}=0)"
+        )
+    if raw and context:
+        raise EvictionConfigError(
+            f"vllm_xargs.{ECHO_KEY}={raw} with {CONTEXT_KEY}='keep': a kept context is compressed without "
+            f"its questions; set {ECHO_KEY}=0 or drop {CONTEXT_KEY}"
+        )
+    return raw
 
 
 def parse_context(
@@ -263,6 +296,7 @@ class ResolvedSetting:
     plan_for: Callable[[int], RequestPlan]
     keeps_context: bool = False
     identity: str = ""
+    question_echo: int | None = None  # None: the server's
 
 
 class RequestSettings:
@@ -331,4 +365,6 @@ class RequestSettings:
             identity = json.dumps(
                 {"method": override.method, "budget": override.budget, "params": params}, sort_keys=True
             )
-        return ResolvedSetting(override.method, policy, plan_for, override.context, identity)
+        return ResolvedSetting(
+            override.method, policy, plan_for, override.context, identity, override.question_echo
+        )

@@ -65,7 +65,12 @@ def load_user_header(vllm_config: Any) -> list[int] | None:
     """The user header of the served model's tokenizer (None when it has no chat template with one)."""
     from vllm.tokenizers import cached_tokenizer_from_config
 
-    header = user_header_ids(cached_tokenizer_from_config(vllm_config.model_config))
+    try:
+        tokenizer = cached_tokenizer_from_config(vllm_config.model_config)
+    except Exception as exc:  # the worker cannot load it: prompts are judged by their last window alone
+        logger.warning("kv eviction question echo off: the tokenizer did not load in the worker (%s)", exc)
+        return None
+    header = user_header_ids(tokenizer)
     if header is None:
         logger.warning("kv eviction question echo off: no user header in the chat template")
     else:

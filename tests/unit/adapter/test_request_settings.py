@@ -46,6 +46,9 @@ HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 16, 32, 4
         ({"kv_prefill": "chunked"}, RequestOverride("ada-snapkv", 64, prefill="chunked")),
         ({"kv_eviction": "snapkv", "kv_prefill": "whole"}, RequestOverride("snapkv", 64, prefill="whole")),
         ({"kv_eviction": "knorm", "kv_context": "keep"}, RequestOverride("knorm", 64, context=True)),
+        ({"kv_question_echo": 0}, RequestOverride("ada-snapkv", 64, question_echo=0)),
+        ({"kv_question_echo": 16}, RequestOverride("ada-snapkv", 64, question_echo=16)),
+        ({"kv_eviction": "h2o", "kv_question_echo": 0}, RequestOverride("h2o", 64, question_echo=0)),
     ],
 )
 def test_valid_overrides(extra_args, expected):
@@ -78,6 +81,14 @@ def test_valid_overrides(extra_args, expected):
          "method that keeps the same count in every head and layer; valid: "),
         ({"kv_eviction": "none", "kv_context": "keep"}, "kv_context='keep' with kv_eviction='none'"),
         ({"kv_eviction": "snapkv", "kv_context": "keep", "kv_prefill": "chunked"}, "set kv_prefill='whole'"),
+        ({"kv_question_echo": -1}, "kv_question_echo=-1 is not valid; valid: an integer >= 0"),
+        ({"kv_question_echo": "32"}, "kv_question_echo='32' is not valid; valid: an integer >= 0"),
+        ({"kv_question_echo": True}, "kv_question_echo=True is not valid"),
+        ({"kv_eviction": "streamingllm", "kv_question_echo": 32}, "kv_question_echo=32 with "
+         "kv_eviction='streamingllm', which judges no query window; valid methods: snapkv, pyramidkv, "),
+        ({"kv_eviction": "none", "kv_question_echo": 0}, "kv_question_echo=0 with kv_eviction='none'"),
+        ({"kv_eviction": "snapkv", "kv_context": "keep", "kv_question_echo": 8}, "kv_question_echo=8 with "
+         "kv_context='keep': a kept context is compressed without its questions"),
     ],
 )
 def test_bad_overrides_name_the_value_and_the_valid_ones(extra_args, message):

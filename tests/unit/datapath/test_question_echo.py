@@ -3,8 +3,6 @@ against a plain full-sequence attention, and its configuration."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -55,10 +53,11 @@ def test_methods_without_a_bounded_window_have_no_echo():
 def test_question_echo_builds_one_widened_policy_per_policy():
     echo = QuestionEcho(16, HEADER)
     policy = build_policy("ada-snapkv")
-    first = echo.policy_for(policy)
-    assert first is echo.policy_for(policy)
-    assert echo.policy_for(build_policy("streamingllm")) is None
-    assert echo.tokens([*HEADER, 7, 8]) == [7, 8]
+    first = echo.policy_for(policy, 16)
+    assert first is echo.policy_for(policy, 16)
+    assert echo.policy_for(policy, 8).query_window(10_000) == 40  # a request's own width
+    assert echo.policy_for(build_policy("streamingllm"), 16) is None
+    assert echo.tokens([*HEADER, 7, 8, 9], 2) == [7, 8]
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
@@ -89,7 +88,19 @@ def test_config_takes_question_echo_and_refuses_bad_values():
     assert config.question_echo == 32
     assert EvictionConfig.from_dict(config.to_dict()) == config
     assert "question_echo=32" in config.describe()
-    assert dataclasses.replace(config, question_echo=0).to_dict().get("question_echo") is None
+    off = EvictionConfig.from_dict({"method": "ada-snapkv", "budget": 0.25, "question_echo": 0})
+    assert off.question_echo == 0 and EvictionConfig.from_dict(off.to_dict()) == off
+    assert "question_echo" not in off.describe()
+
+
+@pytest.mark.parametrize(
+    ("method", "width"), [("ada-snapkv", 32), ("snapkv", 32), ("streamingllm", 0), ("h2o", 0)]
+)
+def test_the_echo_is_on_by_default_where_the_method_judges_by_a_window(method, width):
+    assert EvictionConfig(method=method, budget=0.25).question_echo == width
+
+
+def test_bad_question_echo_values_are_refused():
     for bad in (-1, 1.5, True, "32"):
         with pytest.raises(EvictionConfigError, match=r"question_echo=.* is not valid; use an integer >= 0"):
             EvictionConfig(method="snapkv", budget=0.25, question_echo=bad)
