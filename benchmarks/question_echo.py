@@ -2,16 +2,19 @@
 after it, vanilla vLLM against Ada-SnapKV with and without ``question_echo``, same samples, same KV pool.
 
 Servers, one after the other (block size 32, same ``--max-model-len``): vanilla vLLM at its defaults, then
-``--kv-eviction ada-snapkv --kv-budget F`` for each ``--budgets`` fraction, without the echo (the served
-default) and with ``--kv-eviction-config '{"question_echo": W}'``. Every server answers the same samples
-(``vllm-kvevict eval``'s generator: the four needle tasks in their question-first form ``qfirst_*`` and
-question-last form, ``--samples`` each, ``--lengths``), greedy through the completions API, scored as
-``eval`` scores them. Then the echo's cost: ``--ttft-prompts`` question-first prompts sent one at a time
-with ``max_tokens=1`` (time to the first token = the prefill, the eviction and, with the echo, the echo
-forward), mean seconds. Prints one table; ``--out`` saves rows, per-sample results and the command.
+``--kv-eviction ada-snapkv --kv-budget F`` for each ``--budgets`` fraction, without the echo
+(``--kv-eviction-config '{"question_echo": 0}'``, the default before the echo) and with
+``'{"question_echo": W}'``. Every server answers the same samples (``vllm-kvevict eval``'s generator: the
+four needle tasks in their question-first form ``qfirst_*`` and question-last form, ``--samples`` each,
+``--lengths``), greedy through the completions API, scored as ``eval`` scores them. Then the echo's cost:
+``--ttft-prompts`` question-first prompts sent one at a time with ``max_tokens=1``, each with its own
+``cache_salt`` (time to the first token = the prefill, the eviction and, with the echo, the echo forward),
+mean seconds. Prints one table; ``--out`` saves rows, per-sample results and the command.
 
-    python -m benchmarks.question_echo --lengths 4096 --samples 4 --budgets 0.25,0.1 \
-        --out docs/results/2026-11-27-question-echo/question_echo-4k.json
+    python -m benchmarks.question_echo --lengths 7168 --samples 4 --budgets 0.25,0.1 \
+        --out docs/results/2026-11-27-question-echo/question_echo-7k.json
+    python -m benchmarks.question_echo --lengths 4096 --ttft-only --ttft-prompts 8 \
+        --out docs/results/2026-11-27-question-echo/ttft-4k.json
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def server_configs(budgets: list[float], width: int) -> list[tuple[str, tuple[st
     configs = [("vanilla", ())]
     for budget in budgets:
         evicting = ("--kv-eviction", "ada-snapkv", "--kv-budget", f"{budget:g}")
-        configs.append((f"ada-snapkv-{budget:g}", evicting))
+        off = json.dumps({"question_echo": 0})  # the default before the echo
+        configs.append((f"ada-snapkv-{budget:g}", (*evicting, "--kv-eviction-config", off)))
         echo = json.dumps({"question_echo": width})
         configs.append((f"ada-snapkv-echo{width}-{budget:g}", (*evicting, "--kv-eviction-config", echo)))
     return configs
@@ -66,14 +70,18 @@ def main() -> None:
     parser.add_argument("--ttft-prompts", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--ttft-only", action="store_true", help="measure the time to first token only")
+    parser.add_argument(
+        "--tasks", help="comma list of eval tasks (default: the four needle tasks, question first and last)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     budgets = [float(x) for x in args.budgets.split(",")]
     model_dir = prepared_model_dir()
-    tasks = [f"qfirst_{t}" for t in NEEDLES] + list(NEEDLES)
+    tasks = args.tasks.split(",") if args.tasks else [f"qfirst_{t}" for t in NEEDLES] + list(NEEDLES)
     samples = generate_samples(tasks, lengths, args.samples, 0, PromptFormat.from_path(model_dir))
-    ttft_prompts = [s.prompt for s in samples if s.task.startswith("qfirst_")][: args.ttft_prompts]
+    first = [s.prompt for s in samples if s.task.startswith("qfirst_")]
+    ttft_prompts = (first or [s.prompt for s in samples])[: args.ttft_prompts]
     max_len = str(max(s.prompt_tokens for s in samples) + 256)
     rows, results = [], []
     for name, extra in server_configs(budgets, args.width):
@@ -97,6 +105,8 @@ def main() -> None:
                 cell = [
                     r for r in answered if r.target_tokens == length and r.task.startswith("qfirst_") == first
                 ]
+                if not cell and answered:
+                    continue
                 rows.append(
                     {
                         "config": name,
@@ -113,6 +123,10 @@ def main() -> None:
                 )
         print(json.dumps(rows[-2:]), flush=True)
     vanilla = {(r["length"], r["question"]): r["mean_score"] for r in rows if r["config"] == "vanilla"}
+    per_task = {}
+    for r in results:
+        key = (r["config"], r["task"], r["target_tokens"])
+        per_task.setdefault(key, []).append(r["score"] or 0.0)
     vanilla_ttft = next(r["ttft_s"] for r in rows if r["config"] == "vanilla")
     print(f"{'config':28} {'length':>6} {'question':>8} {'score':>6} {'x vanilla':>9} {'ttft s':>7} {'x':>5}")
     for r in rows:
@@ -126,7 +140,11 @@ def main() -> None:
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"command": " ".join(sys.argv), "rows": rows, "results": results}
+        tasks_table = [
+            {"config": c, "task": t, "length": n, "mean_score": statistics.mean(v)}
+            for (c, t, n), v in per_task.items()
+        ]
+        record = {"command": " ".join(sys.argv), "rows": rows, "per_task": tasks_table, "results": results}
         args.out.write_text(json.dumps(record, indent=1))
 
 
