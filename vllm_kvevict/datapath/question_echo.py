@@ -103,6 +103,19 @@ class QuestionEcho:
         return cached[1]
 
 
+@dataclass(frozen=True)
+class EchoLayer:
+    """One attention layer's tensors in the echo forward: query/output [N, Hq, D], key/value [N, H, D]
+    (post-RoPE, the echo tokens of every request in order), the softmax scale and the logits soft cap."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    output: torch.Tensor
+    scale: float
+    softcap: float | None = None
+
+
 @dataclass
 class EchoRequest:
     """A request whose prompt completes in this step and is compacted by the echo pass: ``rescore`` is its
@@ -153,20 +166,11 @@ class EchoPass:
         spans = [np.arange(r.rescore.prompt_len, r.rescore.prompt_len + r.width) for r in self.requests]
         return host_to_device(np.concatenate(spans), device)
 
-    def layer(
-        self,
-        layer_idx: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        output: torch.Tensor,
-        rows: CacheRows,
-        scale: float,
-        softcap: float | None = None,
-    ) -> Moves | None:
+    def layer(self, layer_idx: int, tensors: EchoLayer, rows: CacheRows) -> Moves | None:
         """One layer of the echo forward: every request's echo attends to its held entries (read from the
-        cache, nothing written) and to itself, into ``output`` [N, Hq, D]; then the layer is compacted, judged
-        by the prompt's own last window and the echo's queries. query [N, Hq, D], key/value [N, H, D]."""
+        cache, nothing written) and to itself, into ``tensors.output``; then the layer is compacted, judged
+        by the prompt's own last window and the echo's queries. Returns the layer's moves."""
+        query, key, value = tensors.query, tensors.key, tensors.value
         moves = []
         for r in self.requests:
             rescore, rows_of = r.rescore, slice(r.row, r.row + r.width)
@@ -180,10 +184,10 @@ class EchoPass:
                 held_values.view(heads, slots.shape[1], -1),
                 key[rows_of],
                 value[rows_of],
-                scale,
-                softcap,
+                tensors.scale,
+                tensors.softcap,
             )
-            output[rows_of] = attended.to(output.dtype)
+            tensors.output[rows_of] = attended.to(tensors.output.dtype)
             with self._timer.phase("total"):
                 move, kept = self._chunks.rescore_echoed(
                     layer_idx,

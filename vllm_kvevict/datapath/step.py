@@ -16,7 +16,7 @@ from vllm_kvevict.datapath.decode_schedule import Rescore
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
-from vllm_kvevict.datapath.question_echo import EchoPass
+from vllm_kvevict.datapath.question_echo import EchoLayer, EchoPass
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks, StepLayout
@@ -209,23 +209,13 @@ class EvictionStep:
                         )
             return moves
 
-    def echo_layer(
-        self,
-        layer_idx: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        output: torch.Tensor,
-        rows: CacheRows,
-        scale: float,
-        softcap: float | None = None,
-    ) -> None:
-        """One layer of the echo forward (``question_echo.EchoPass.layer``): attention into output [N, Hq, D]
-        from query [N, Hq, D], key/value [N, H, D], then the deferred compaction of the layer through
-        ``rows``; after the last layer the requests are recorded as compacted."""
+    def echo_layer(self, layer_idx: int, tensors: EchoLayer, rows: CacheRows) -> None:
+        """One layer of the echo forward (``question_echo.EchoPass.layer``): attention into
+        ``tensors.output``, then the deferred compaction of the layer through ``rows``; after the last layer
+        the requests are recorded as compacted."""
         echo = self.echo
         assert echo is not None, "echo_layer runs only in a step with an echo pass"
-        moves = echo.layer(layer_idx, query, key, value, output, rows, scale, softcap)
+        moves = echo.layer(layer_idx, tensors, rows)
         if moves is not None and moves.slots.numel():
             rows.move(moves)
         for r in echo.requests:

@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict import metrics
 from vllm_kvevict.datapath.moves import CacheRows
+from vllm_kvevict.datapath.question_echo import EchoLayer
 from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
 from vllm_kvevict.datapath.worker import EvictionWorker, current_worker, set_worker
 from vllm_kvevict.settings.config import EvictionConfigError, get_eviction_config
@@ -221,16 +222,16 @@ class EvictingImpl:
         echo_step = getattr(attn_metadata, "echo_step", None)
         if echo_step is not None:  # the question echo's forward (vllm_adapter/echo_forward.py)
             tokens = echo_step.echo.num_tokens
-            echo_step.echo_layer(
-                self.layer_index(layer),
+            tensors = EchoLayer(
                 query[:tokens].view(tokens, self.num_heads, self.head_size),
                 key[:tokens],
                 value[:tokens],
                 output[:tokens].view(tokens, self.num_heads, -1),
-                self.cache_rows(layer, kv_cache, key[:tokens], value[:tokens]),
                 self.scale,
                 getattr(self, "logits_soft_cap", None),
             )
+            rows = self.cache_rows(layer, kv_cache, key[:tokens], value[:tokens])
+            echo_step.echo_layer(self.layer_index(layer), tensors, rows)
             return output
         step = getattr(attn_metadata, "eviction", None)
         args = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
