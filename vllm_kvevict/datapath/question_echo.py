@@ -6,7 +6,7 @@ window does not point at what the question needs. The echo finds the question wh
 ``width`` tokens of the last user turn (after the chat template's user header), run once more at positions
 ``P .. P + width - 1`` with the whole prompt in view, so that in every layer their queries have read the
 document as a question placed last would have. Those queries join the prompt's own last window, and the
-method (its window widened by ``width``) keeps what both attend to.
+method keeps what both attend to (and its own window, as always).
 
 In the server the echo runs after the step's forward that completes the prompt (whose first output token
 comes from the real prompt, unchanged): the request's compaction is deferred from that forward to the echo
@@ -58,25 +58,25 @@ def echo_tokens(token_ids: Sequence[int] | np.ndarray, header: Sequence[int], wi
 
 
 def echo_policy(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
-    """``policy`` with its observation window widened by ``width`` (the echo's queries join the prompt's own
-    last window, and the widened window is kept as SnapKV keeps its own), or None for a method that reads no
-    bounded window of trailing queries (StreamingLLM, K-norm, KeyDiff, H2O, Expected Attention)."""
+    """``policy`` judged by its own window and ``width`` echo queries after the prompt (it keeps its own
+    window only: the echo tokens are no prompt tokens), or None for a method that reads no bounded window of
+    trailing queries (StreamingLLM, K-norm, KeyDiff, H2O, Expected Attention)."""
     large = 1 << 20
     if not 0 < policy.query_window(large) < large:
         return None
-    widened = _widened(policy, width)
-    if widened is not None:
-        widened.name = policy.name  # set by the registry, not a field: metrics and logs name the method
-    return widened
+    echoed = _with_echo(policy, width)
+    if echoed is not None:
+        echoed.name = policy.name  # set by the registry, not a field: metrics and logs name the method
+    return echoed
 
 
-def _widened(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
+def _with_echo(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
+    if hasattr(policy, "with_echo_queries"):  # the window's owner (SnapKV and its subclasses, NaCl)
+        return policy.with_echo_queries(width)
     names = {f.name for f in dataclasses.fields(policy)} if dataclasses.is_dataclass(policy) else set()
-    if "inner" in names:
-        inner = _widened(policy.inner, width)  # type: ignore[attr-defined]
+    if "inner" in names:  # a wrapper (Ada-KV, CriticalKV) around the window's owner
+        inner = _with_echo(policy.inner, width)  # type: ignore[attr-defined]
         return None if inner is None else dataclasses.replace(policy, inner=inner)  # type: ignore[type-var]
-    if "window" in names:
-        return dataclasses.replace(policy, window=policy.window + width)  # type: ignore[attr-defined,type-var]
     return None
 
 

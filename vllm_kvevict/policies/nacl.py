@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -35,6 +37,8 @@ class NaCl(EvictionPolicy):
     window: int = 32
     random_ratio: float = 0.5
     seed: int = 0
+    #: queries after the prompt that judge beside the proxies (the question echo; as ``SnapKV``'s)
+    echo_queries: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -47,7 +51,13 @@ class NaCl(EvictionPolicy):
         return self.window
 
     def query_window(self, num_tokens: int) -> int:
-        return min(self.window, num_tokens)
+        return min(self.window, num_tokens) + self.echo_queries
+
+    def with_echo_queries(self, count: int) -> NaCl:
+        """A copy judged by its proxies and ``count`` more queries after the prompt (as ``SnapKV``'s)."""
+        echoed = copy.copy(self)
+        echoed.echo_queries = count
+        return echoed
 
     def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
         return torch.arange(max(0, num_tokens - self.window), num_tokens)
@@ -57,7 +67,7 @@ class NaCl(EvictionPolicy):
         if (everything := self.keep_all_or_check(layer, budget)) is not None:
             return everything
         window = min(self.window, n)
-        queries, positions = window_queries(layer, window, type(self).__name__)
+        queries, positions = window_queries(layer, window + self.echo_queries, type(self).__name__)
         scores = group_mean(window_attention(queries, layer.keys, positions), kv_heads)
         candidates = torch.zeros(kv_heads, n, dtype=torch.bool, device=scores.device)
         candidates[:, : n - window] = True

@@ -5,7 +5,9 @@ https://arxiv.org/abs/2404.14469
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -37,6 +39,9 @@ class SnapKV(ScoredPolicy):
     kernel: int = 7
     pooling: str = "max"
     span_after: int = 8
+    #: queries placed after the prompt that judge beside the window (the question echo,
+    #: ``datapath/question_echo.py``); set on a copy by ``with_echo_queries``, not a method parameter
+    echo_queries: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -48,7 +53,14 @@ class SnapKV(ScoredPolicy):
         return self.window
 
     def query_window(self, num_tokens: int) -> int:
-        return min(self.window, num_tokens)
+        return min(self.window, num_tokens) + self.echo_queries
+
+    def with_echo_queries(self, count: int) -> SnapKV:
+        """A copy judged by its window and ``count`` more queries after the prompt (``LayerKV.queries`` then
+        ends with them, their positions >= n); it keeps the same window."""
+        echoed = copy.copy(self)
+        echoed.echo_queries = count
+        return echoed
 
     def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
         return torch.arange(max(0, num_tokens - self.window), num_tokens)
@@ -56,7 +68,7 @@ class SnapKV(ScoredPolicy):
     def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
         n = layer.num_tokens
         window = min(self.window, n)
-        queries, positions = window_queries(layer, window, type(self).__name__)
+        queries, positions = window_queries(layer, window + self.echo_queries, type(self).__name__)
         attention = window_attention(queries, layer.keys, positions)[:, : n - window]
         pooled = extend_forward(pool_scores(attention, self.kernel, self.pooling), self.span_after)
         scores = group_mean(pooled, layer.num_kv_heads)

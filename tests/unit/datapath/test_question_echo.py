@@ -3,6 +3,8 @@ against a plain full-sequence attention, and its configuration."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,6 +44,8 @@ def test_windowed_methods_widen_their_window_by_the_echo(method):
     assert widened.query_window(10_000) == policy.query_window(10_000) + 32
     assert type(widened) is type(policy)
     assert policy.query_window(10_000) == 32  # the original is untouched
+    # it keeps its own window only: the echo's tokens are no prompt tokens
+    assert torch.equal(widened.always_kept(1000, 100), policy.always_kept(1000, 100))
 
 
 def test_methods_without_a_bounded_window_have_no_echo():
@@ -106,3 +110,31 @@ def test_bad_question_echo_values_are_refused():
             EvictionConfig(method="snapkv", budget=0.25, question_echo=bad)
     with pytest.raises(EvictionConfigError, match=r"'streamingllm', which judges no query window; valid"):
         EvictionConfig(method="streamingllm", budget=0.25, question_echo=32)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "ada-snapkv", "nacl"])
+def test_the_echo_queries_decide_what_the_window_alone_would_not_keep(method):
+    """Echo queries placed after the prompt that point at one early key make the method keep it; the window
+    queries alone (pointing elsewhere) do not. The last window stays kept either way."""
+    from vllm_kvevict.policies.base import LayerKV
+
+    gen = torch.Generator().manual_seed(3)
+    heads, n, dim, window, echo = 2, 200, 16, 32, 8
+    keys = torch.randn(heads, n, dim, generator=gen)
+    target = 40
+    window_queries = torch.randn(heads, window, dim, generator=gen) * 0.1
+    echo_queries = keys[:, target : target + 1].expand(heads, echo, dim) * 4.0
+    budget = 48
+    plain = build_policy(method, window=window)
+    layer = LayerKV(keys=keys, values=torch.randn(heads, n, dim, generator=gen), queries=window_queries)
+    echoed_layer = dataclasses.replace(
+        layer,
+        queries=torch.cat([window_queries, echo_queries], dim=1),
+        query_positions=torch.arange(n - window, n + echo),
+    )
+    kept_plain = plain.select(layer, budget)
+    kept_echo = echo_policy(plain, echo).select(echoed_layer, budget)
+    for head in range(heads):
+        assert target in kept_echo.head(head).tolist()
+        assert set(range(n - window, n)) <= set(kept_echo.head(head).tolist())
+    assert not all(target in kept_plain.head(h).tolist() for h in range(heads))
