@@ -87,6 +87,17 @@ class ChunkRescore:
         return StepRequest(self.slot, self.req_id, self.q_start, self.q_len, self.seq_len, self.prompt_len)
 
 
+@dataclass(frozen=True)
+class HeldEntries:
+    """What one head-major layer of a request holds: slots/positions [H, L] int64 and, read from the cache,
+    the keys/values [H, scored, D] of its prompt entries (scored = L minus the trailing tokens)."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
 class ChunkEviction:
     """Held positions of the requests evicted between chunks, and their per-layer re-score."""
 
@@ -135,24 +146,35 @@ class ChunkEviction:
             raise RuntimeError(f"request {r.req_id} layer {layer_idx}: no prompt queries saved for a window")
         return saved[max(0, saved.shape[0] - window) :]
 
+    def read_held(
+        self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, rows: CacheRows, check: bool = True
+    ) -> HeldEntries:
+        """``held_entries`` of ``layer_idx`` and its prompt entries' keys and values, read from the cache."""
+        slots, positions = self.held_entries(layer_idx, r, block_row, check)
+        heads, scored = slots.shape[0], slots.shape[1] - r.trailing
+        keys, values = rows.read(slots[:, :scored])
+        return HeldEntries(slots, positions, keys.view(heads, scored, -1), values.view(heads, scored, -1))
+
     def rescore_echoed(
         self,
         layer_idx: int,
         r: ChunkRescore,
-        block_row: torch.Tensor,
+        held: HeldEntries,
         echo_query: torch.Tensor,
         policy: EvictionPolicy,
-        rows: CacheRows,
+        block_row: torch.Tensor,
         o_proj: torch.Tensor | None,
         timer: StepTimer,
         check: bool,
     ) -> tuple[Moves, KeptTokens]:
-        """The deferred last re-score of ``layer_idx`` (``question_echo``): judged by ``policy`` (the method,
-        window widened) from the prompt's own last window and the echo's queries echo_query [W, Hq, D]. Its
-        queries are dropped after the last layer."""
+        """The deferred last re-score of ``layer_idx`` (``question_echo``) over ``held`` (read once, for the
+        echo's attention too): judged by ``policy`` (the method's copy that reads echo queries) from the
+        prompt's own last window and the echo's queries echo_query [W, Hq, D]. Its queries are dropped after
+        the last layer."""
         assert r.deferred and r.final, "only a deferred last chunk is re-scored by its echo"
-        echo = (policy, echo_query)
-        result = self._rescore(layer_idx, r, block_row, echo_query, rows, o_proj, timer, check, echo)
+        result = self._rescore(
+            layer_idx, r, block_row, echo_query, held, o_proj, timer, check, (policy, echo_query)
+        )
         if layer_idx == self.shape.num_layers - 1:
             self.queries.pop(r.req_id, None)
         return result
@@ -202,9 +224,9 @@ class ChunkEviction:
             self._update_statistics(layer_idx, r, query)
             result = None
             if r.rescores_now:
-                move, result = self._rescore(
-                    layer_idx, r, block_table[r.slot], query, rows, o_proj, timer, check
-                )
+                block_row = block_table[r.slot]
+                held = self.read_held(layer_idx, r, block_row, rows, check)
+                move, result = self._rescore(layer_idx, r, block_row, query, held, o_proj, timer, check)
                 moves.append(move)
             results.append(result)
             if not r.final or r.deferred:
@@ -242,18 +264,15 @@ class ChunkEviction:
         r: ChunkRescore,
         block_row: torch.Tensor,
         query: torch.Tensor,
-        rows: CacheRows,
+        held: HeldEntries,
         o_proj: torch.Tensor | None,
         timer: StepTimer,
         check: bool,
         echo: tuple[EvictionPolicy, torch.Tensor] | None = None,
     ) -> tuple[Moves, KeptTokens]:
         plan, heads, bs = r.plan, self.shape.num_kv_heads, self.shape.block_size
-        slots, positions = self.held_entries(layer_idx, r, block_row, check)
-        scored = slots.shape[1] - r.trailing  # the prompt's entries; trailing tokens are kept after them
-        keys, values = rows.read(slots[:, :scored])
-        keys = keys.view(heads, scored, -1)
-        values = values.view(heads, scored, -1)
+        slots, positions, keys, values = held.slots, held.positions, held.keys, held.values
+        scored = keys.shape[1]  # the prompt's entries; trailing tokens are kept after them
         budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len - r.shared)
         query_positions = None
         if echo is not None:  # the prompt's own last window, then the echo's queries after the prompt

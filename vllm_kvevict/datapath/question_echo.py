@@ -70,6 +70,13 @@ def echo_policy(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
     return echoed
 
 
+def methods_with_echo(width: int) -> list[str]:
+    """The registered methods that take the echo (their default policies read a bounded query window)."""
+    from vllm_kvevict.policies.registry import available_methods, build_policy
+
+    return [m.name for m in available_methods() if echo_policy(build_policy(m.name), width) is not None]
+
+
 def _with_echo(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
     if hasattr(policy, "with_echo_queries"):  # the window's owner (SnapKV and its subclasses, NaCl)
         return policy.with_echo_queries(width)
@@ -82,7 +89,7 @@ def _with_echo(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
 
 class QuestionEcho:
     """The chat template's user ``header`` (token ids), the server's echo ``width`` (a request may ask its
-    own), and each method's widened policy (built once per policy object and width)."""
+    own), and each method's echo-reading copy (built once per policy object and width)."""
 
     def __init__(self, width: int, header: Sequence[int]) -> None:
         self.width = width
@@ -94,7 +101,7 @@ class QuestionEcho:
         return echo_tokens(prompt_token_ids, self.header, width)
 
     def policy_for(self, policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
-        """``policy`` widened by ``width``, or None when the method reads no bounded query window."""
+        """``policy`` reading ``width`` echo queries, or None when the method reads no bounded window."""
         key = (id(policy), width)
         cached = self._policies.get(key)
         if cached is None or cached[0] is not policy:
@@ -121,7 +128,7 @@ class EchoRequest:
     """A request whose prompt completes in this step and is compacted by the echo pass: ``rescore`` is its
     deferred last-chunk re-score (``rescore.deferred``), ``tokens`` its echo, run at positions
     ``rescore.prompt_len ..``, rows ``[row, row + len(tokens))`` of the echo batch; ``policy`` the method
-    with its window widened by the echo."""
+    reading the echo's queries beside its window."""
 
     rescore: ChunkRescore
     tokens: list[int]
@@ -175,13 +182,11 @@ class EchoPass:
         for r in self.requests:
             rescore, rows_of = r.rescore, slice(r.row, r.row + r.width)
             block_row = self._block_table[rescore.slot]
-            slots, _ = self._chunks.held_entries(layer_idx, rescore, block_row, self._check)
-            held_keys, held_values = rows.read(slots)
-            heads = slots.shape[0]
+            held = self._chunks.read_held(layer_idx, rescore, block_row, rows, self._check)
             attended = echo_attention(
                 query[rows_of],
-                held_keys.view(heads, slots.shape[1], -1),
-                held_values.view(heads, slots.shape[1], -1),
+                held.keys,
+                held.values,
                 key[rows_of],
                 value[rows_of],
                 tensors.scale,
@@ -192,10 +197,10 @@ class EchoPass:
                 move, kept = self._chunks.rescore_echoed(
                     layer_idx,
                     rescore,
-                    block_row,
+                    held,
                     query[rows_of],
                     r.policy,
-                    rows,
+                    block_row,
                     self._o_proj.get(layer_idx),
                     self._timer,
                     self._check,

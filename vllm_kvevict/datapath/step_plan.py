@@ -161,8 +161,8 @@ class StepPlanner:
     def _echoes(
         self, inputs: StepInputs, computed: np.ndarray, seq_lens: np.ndarray, prompt_lens: np.ndarray
     ) -> dict[int, tuple[list[int], EvictionPolicy]]:
-        """slot -> (echo tokens, the method with its window widened) of the requests whose prompt completes
-        in this step (no token after it) and is judged with the question echo."""
+        """slot -> (echo tokens, the method's copy that reads echo queries) of the requests whose prompt
+        completes in this step (no token after it) and is judged with the question echo."""
         echo = self.echo
         if echo is None or inputs.prompt_token_ids is None:
             return {}

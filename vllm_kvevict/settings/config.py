@@ -314,19 +314,19 @@ class EvictionConfig:
         return build_policy(self.method, **self.params)
 
     def _check_question_echo(self) -> None:
-        from vllm_kvevict.datapath.question_echo import DEFAULT_ECHO_WIDTH, echo_policy
+        from vllm_kvevict.datapath.question_echo import DEFAULT_ECHO_WIDTH, echo_policy, methods_with_echo
 
-        echo = self.question_echo
+        echo, policy = self.question_echo, self.build_policy()
         if echo is None:  # the default: the echo wherever the method judges by a query window
-            echo = DEFAULT_ECHO_WIDTH if echo_policy(self.build_policy(), DEFAULT_ECHO_WIDTH) else 0
+            echo = DEFAULT_ECHO_WIDTH if echo_policy(policy, DEFAULT_ECHO_WIDTH) else 0
             object.__setattr__(self, "question_echo", echo)
         if isinstance(echo, bool) or not isinstance(echo, int) or echo < 0:
             raise EvictionConfigError(
                 f"kv_eviction.question_echo={echo!r} is not valid; use an integer >= 0 (tokens of the last "
                 "user turn echoed after the prompt; 0: off)"
             )
-        if echo and echo_policy(self.build_policy(), echo) is None:
-            windowed = [name for name in method_names() if echo_policy(build_policy(name), echo) is not None]
+        if echo and echo_policy(policy, echo) is None:
+            windowed = methods_with_echo(echo)
             raise EvictionConfigError(
                 f"kv_eviction.question_echo={echo} with method {self.method!r}, which judges no query "
                 "window; "

@@ -128,7 +128,7 @@ def parse_question_echo(
 ) -> int | None:
     """``kv_question_echo``: tokens of the request's last user turn echoed after its prompt (an int >= 0; 0
     turns the echo off for this request); None when not given (the server's ``question_echo``)."""
-    from vllm_kvevict.datapath.question_echo import echo_policy
+    from vllm_kvevict.datapath.question_echo import echo_policy, methods_with_echo
 
     if ECHO_KEY not in extra_args:
         return None
@@ -139,10 +139,9 @@ def parse_question_echo(
             "turn echoed after the prompt; 0: off)"
         )
     if raw and echo_policy(policy, raw) is None:
-        windowed = [m for m in method_names() if echo_policy(_policy(m, ()), raw) is not None]
         raise EvictionConfigError(
             f"vllm_xargs.{ECHO_KEY}={raw} with {METHOD_KEY}={method!r}, which judges no query window; valid "
-            f"methods: {', '.join(windowed)} (or {ECHO_KEY}=0)"
+            f"methods: {', '.join(methods_with_echo(raw))} (or {ECHO_KEY}=0)"
         )
     if raw and context:
         raise EvictionConfigError(
