@@ -37,13 +37,17 @@ NEEDLES = ("niah_single_essay", "niah_multikey", "niah_single_noise", "niah_sing
 BLOCK_SIZE = 32
 
 
-def server_configs(budgets: list[float], width: int) -> list[tuple[str, tuple[str, ...]]]:
-    """(name, extra ``vllm serve`` args) of every server, vanilla first."""
+def server_configs(
+    budgets: list[float], width: int, without_echo: bool = True
+) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, extra ``vllm serve`` args) of every server, vanilla first; ``without_echo``: also a server
+    per budget with ``question_echo: 0``."""
     configs = [("vanilla", ())]
     for budget in budgets:
         evicting = ("--kv-eviction", "ada-snapkv", "--kv-budget", f"{budget:g}")
-        off = json.dumps({"question_echo": 0})  # the default before the echo
-        configs.append((f"ada-snapkv-{budget:g}", (*evicting, "--kv-eviction-config", off)))
+        if without_echo:
+            off = json.dumps({"question_echo": 0})  # the default before the echo
+            configs.append((f"ada-snapkv-{budget:g}", (*evicting, "--kv-eviction-config", off)))
         echo = json.dumps({"question_echo": width})
         configs.append((f"ada-snapkv-echo{width}-{budget:g}", (*evicting, "--kv-eviction-config", echo)))
     return configs
@@ -73,18 +77,26 @@ def main() -> None:
     parser.add_argument(
         "--tasks", help="comma list of eval tasks (default: the four needle tasks, question first and last)"
     )
+    parser.add_argument(
+        "--question", choices=("both", "first", "last"), default="both", help="which needle forms to ask"
+    )
+    parser.add_argument(
+        "--echo-only", action="store_true", help="no servers with question_echo: 0 (vanilla and the echo)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     budgets = [float(x) for x in args.budgets.split(",")]
     model_dir = prepared_model_dir()
-    tasks = args.tasks.split(",") if args.tasks else [f"qfirst_{t}" for t in NEEDLES] + list(NEEDLES)
+    forms = {"first": [f"qfirst_{t}" for t in NEEDLES], "last": list(NEEDLES)}
+    needles = [t for form, names in forms.items() if args.question in (form, "both") for t in names]
+    tasks = args.tasks.split(",") if args.tasks else needles
     samples = generate_samples(tasks, lengths, args.samples, 0, PromptFormat.from_path(model_dir))
     first = [s.prompt for s in samples if s.task.startswith("qfirst_")]
     ttft_prompts = (first or [s.prompt for s in samples])[: args.ttft_prompts]
     max_len = str(max(s.prompt_tokens for s in samples) + 256)
     rows, results = [], []
-    for name, extra in server_configs(budgets, args.width):
+    for name, extra in server_configs(budgets, args.width, without_echo=not args.echo_only):
         server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", max_len, *extra)
         with VLLMServer(model_dir, extra_args=server_args) as server:
             client = make_client(server.base_url)
