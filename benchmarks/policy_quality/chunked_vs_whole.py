@@ -12,6 +12,12 @@ each (method, kept fraction), both with the server's plan (``layout.accounting``
   ``--chunk-budgets none`` runs no such row;
 - ``chunked tw=W``: FastKVzip's rule instead of a(n) (``--trailing-windows``): after every chunk the tokens
   before the prompt's last W are held at r' = (B - W) / (L - W), the arrived part of the last W whole.
+- with ``--echo W`` (the question echo, ``datapath/question_echo.py``), three more rows per method and
+  fraction: ``whole echo`` (the served default: the last user turn's first W tokens run after the prompt,
+  their queries judging beside the method's own window), ``chunked@I echo-last`` (per chunk, the echo
+  judging the last chunk's selection only: the server with ``prefill: chunked``) and ``chunked@I echo``
+  (the echo after every evicting chunk too: there the user turn's first W tokens and the prompt's last W,
+  run right after the tokens so far, since a question-last prompt's question has not arrived yet).
 
 Methods that read every prompt query (Expected Attention, H2O) get them all in the whole-prompt prefill;
 per chunk, Expected Attention's query statistics are carried across chunks.
@@ -43,8 +49,15 @@ from sweep import (  # noqa: E402
     summarise,
 )
 
+from vllm_kvevict.datapath.question_echo import echo_policy  # noqa: E402
 from vllm_kvevict.hf_reference import prefill  # noqa: E402
 from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
+from vllm_kvevict.hf_reference.probe import (  # noqa: E402
+    echo_queries,
+    head_tokens,
+    probe_tokens,
+    probed_layers,
+)
 from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
 from vllm_kvevict.policies.between_chunks import (  # noqa: E402
@@ -90,6 +103,7 @@ def rows_for_prompt(
     betweens,
     references: bool = True,
     trailing_windows=(),
+    echo: int = 0,
 ):
     """Every (variant, fraction) row of one prompt, decoded and scored; ``references``: with the full-cache
     and whole-prompt rows (they depend on neither the chunk budget nor the between rule)."""
@@ -102,6 +116,9 @@ def rows_for_prompt(
     new_tokens, finished = decode_limits(sample, tokenizer)
     stops = [tokenizer.eos_token_id]
     runs = []
+    token_ids = list(sample.token_ids)
+    head = head_tokens(token_ids, tokenizer, echo) if echo else []
+    between_echo = probe_tokens(token_ids, tokenizer, echo) if echo else []
     if whole is not None:
         everything = [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers]
         runs.append(("full-cache", 1.0, whole, everything))
@@ -113,12 +130,24 @@ def rows_for_prompt(
                 budgets = [min(budget, n) for budget in plan.layer_budgets]
                 kept = [policy.select(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
                 runs.append((f"{method} whole", fraction, whole, kept))
+                if head:
+                    echoed = echo_policy(policy, len(head))
+                    window = policy.query_window(n)
+                    layers = probed_layers(whole.layers, echo_queries(model, whole, head), window=window)
+                    kept = [echoed.select(layer, b) for layer, b in zip(layers, budgets, strict=True)]
+                    runs.append((f"{method} whole echo", fraction, whole, kept))
             for factor in chunk_budgets:
                 chunk_plan = with_chunk_budget(plan, factor)
                 for between in betweens:
-                    chunked = chunked_prefill(model, ids, policy, chunk_plan, chunk, between)
                     label = f"{method} chunked@{factor:g}" + variant_suffix(between)
-                    runs.append((label, fraction, chunked.prompt, chunked.kept))
+                    echoes = [("", (), ())]
+                    if head:
+                        echoes += [(" echo-last", head, ()), (" echo", head, between_echo)]
+                    for suffix, last, each in echoes:
+                        chunked = chunked_prefill(
+                            model, ids, policy, chunk_plan, chunk, between, echo=last, between_echo=each
+                        )
+                        runs.append((label + suffix, fraction, chunked.prompt, chunked.kept))
             for trailing in trailing_windows:
                 for between in betweens:
                     chunked = chunked_prefill(model, ids, policy, plan, chunk, between, trailing)
@@ -161,6 +190,9 @@ def main() -> None:
         default=BetweenRule.scorer,
         help=f"blend's second score: {', '.join(BETWEEN_SCORERS)}",
     )
+    parser.add_argument(
+        "--echo", type=int, default=0, help="W > 0: the question echo's rows (whole, per chunk)"
+    )
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size (max_num_batched_tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -198,6 +230,7 @@ def main() -> None:
                 betweens,
                 references=not args.no_references,
                 trailing_windows=[int(w) for w in args.trailing_windows.split(",") if w],
+                echo=args.echo,
             ),
         )
     print(summarise(records))

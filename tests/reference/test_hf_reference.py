@@ -197,3 +197,72 @@ def test_trailing_window_rule_holds_the_prompt_tail_whole_and_the_rest_at_the_ch
                 assert set(range(n - window, end)) <= positions and len(positions) == held
     assert [k.total for k in run.kept] == [b * model.config.num_key_value_heads for b in plan.layer_budgets]
     assert trailing_window_held(n - chunk, n, budget, window, floor)[1] == 0
+
+
+def _echo_selection(model, ids: torch.Tensor, tokens: list[int], policy, budgets, window: int = 32):
+    """Per layer the kept sets of ``policy`` over the whole of ``ids`` judged by its own last ``window``
+    queries and those of ``tokens`` echoed after it (``hf_reference.probe``, independent of the runner)."""
+    from vllm_kvevict.hf_reference.probe import echo_queries, probed_layers
+
+    prompt = prefill(model, ids, query_window=window)
+    layers = probed_layers(prompt.layers, echo_queries(model, prompt, tokens), window=window)
+    return [policy.select(layer, budget) for layer, budget in zip(layers, budgets, strict=True)]
+
+
+def test_chunked_runner_echo_in_one_chunk_is_the_whole_prompt_echo(reference) -> None:
+    """One chunk covering the prompt: the runner's echo selection equals SnapKV judged by the prompt's own
+    window and the echo's queries over the full cache (``probe.echo_queries``), for Ada-SnapKV."""
+    from vllm_kvevict.datapath.question_echo import echo_policy
+    from vllm_kvevict.hf_reference.chunked import chunked_prefill
+    from vllm_kvevict.layout.accounting import plan_request
+    from vllm_kvevict.policies.registry import build_policy
+
+    model, _ = reference
+    n = 320
+    ids = torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(3))
+    echo = ids[40:56].tolist()
+    policy = build_policy("ada-snapkv")
+    plan = plan_request(n, 0.25, 32, policy, model.config.num_hidden_layers)
+    run = chunked_prefill(model, ids, policy, plan, n, echo=echo)
+    expected = _echo_selection(model, ids, echo, echo_policy(policy, len(echo)), plan.layer_budgets)
+    plain = chunked_prefill(model, ids, policy, plan, n)
+    differs = 0
+    for got, want, without in zip(run.kept, expected, plain.kept, strict=True):
+        assert torch.equal(got.to_mask(n), want.to_mask(n))
+        differs += int(not torch.equal(got.to_mask(n), without.to_mask(n)))
+    assert differs > 0  # the echo's queries changed some layer's selection
+    assert run.prompt.keys[0].shape[2] == n  # the echo left nothing in the cache
+
+
+def test_chunked_runner_echo_between_chunks_judges_the_held_prefix_with_the_echo(reference) -> None:
+    """``between_echo``: after the first evicting chunk every layer holds what the between rule keeps when
+    the chunk's last window and the echo's queries (run after the tokens so far, full cache in view) judge
+    them; the echo leaves nothing in the cache (replaying the held sets gives the same last logits)."""
+    from vllm_kvevict.datapath.question_echo import echo_policy
+    from vllm_kvevict.hf_reference.chunked import chunked_prefill, teacher_forced_after_chunks
+    from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget
+    from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN, between_chunks
+    from vllm_kvevict.policies.registry import build_policy
+
+    model, _ = reference
+    n, chunk = 384, 192
+    ids = torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(4))
+    echo = ids[-16:].tolist()
+    policy = build_policy("ada-snapkv")
+    layers = model.config.num_hidden_layers
+    plan = with_chunk_budget(plan_request(n, 0.1, 32, policy, layers), 128)
+    run = chunked_prefill(model, ids, policy, plan, chunk, between_echo=echo)
+    plain = chunked_prefill(model, ids, policy, plan, chunk)
+    end, kept = run.chunks[0]
+    budget = plan.kept_length_at(end)
+    assert budget < end
+    judge = between_chunks(echo_policy(policy, len(echo)), DEFAULT_BETWEEN, budget)
+    expected = _echo_selection(model, ids[:end], echo, judge, [budget] * layers)
+    for got, want in zip(kept, expected, strict=True):
+        assert torch.equal(got.to_mask(end), want.to_mask(end))
+    assert any(
+        not torch.equal(a.to_mask(end), b.to_mask(end)) for a, b in zip(kept, plain.chunks[0][1], strict=True)
+    )
+    first = run.prompt.last_logits.argmax().repeat(2)  # step 0 comes from the last chunk's logits
+    replayed = teacher_forced_after_chunks(model, ids.tolist(), run.chunks, run.kept, first)
+    torch.testing.assert_close(replayed[0], torch.log_softmax(run.prompt.last_logits, dim=-1))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from vllm_kvevict.datapath.question_echo import echo_policy
 from vllm_kvevict.hf_reference.capture import PrefilledPrompt, recording
 from vllm_kvevict.hf_reference.generation import evicting
 from vllm_kvevict.hf_reference.model import o_proj_weights, rope_inv_freq
@@ -82,6 +83,8 @@ def chunked_prefill(
     chunk: int,
     between: BetweenRule | str = DEFAULT_BETWEEN,
     trailing_window: int | None = None,
+    echo: Sequence[int] = (),
+    between_echo: Sequence[int] = (),
 ) -> ChunkedPrefill:
     """Prefill ``input_ids`` [n] in chunks of ``chunk`` tokens with ``plan``'s per-chunk rule (the server's
     ``RequestPlan``): after a chunk that moves the offset every layer keeps ``a(n)`` entries per head with
@@ -94,9 +97,16 @@ def chunked_prefill(
     ``trailing_window`` (FastKVzip's rule, ``between_chunks.trailing_window_held``): after every chunk the
     tokens before the prompt's last ``trailing_window`` are held at r' = (B - w) / (L - w) and the arrived
     part of the window is held whole (``KeepTail``), instead of the plan's ``a(n)``; B is the plan's
-    largest layer budget."""
+    largest layer budget.
+    ``echo`` (the question echo, ``datapath/question_echo.py``): tokens run after the last chunk at positions
+    ``n ..`` with what the heads hold in view; their queries judge the final selection beside the prompt's
+    own last window (the method's ``echo_policy`` copy), as the server does. ``between_echo``: tokens run
+    so after every earlier evicting chunk too (at the positions right after it), whose queries judge the
+    between-chunks selection beside the chunk's last window; the cache keeps none of them."""
     ids = input_ids.reshape(-1).to(model.device)
     total = int(ids.shape[0])
+    final_policy = _echoed(policy, len(echo))
+    between_policy = _echoed(policy, len(between_echo))
     intermediate = between_chunks(policy, between)  # its observation window (the span does not change it)
     if total != plan.prompt_len:
         raise ValueError(f"plan is for {plan.prompt_len} tokens, the prompt has {total}")
@@ -122,6 +132,8 @@ def chunked_prefill(
         for stats, recorder in zip(statistics, recorders, strict=True):
             stats.update(recorder.queries, torch.arange(start, end, device=ids.device))
         if final or trailing_window is not None or plan.chunk_rescores(start, end):
+            echoed = echo if final else between_echo
+            echo_query = _echo_queries(model, cache, echoed, end, held, held_end) if echoed else None
             kept = []
             for layer_idx, recorder in enumerate(recorders):
                 positions = torch.arange(end, device=ids.device)
@@ -134,10 +146,20 @@ def chunked_prefill(
                 values = recorder.values.gather(
                     1, positions[..., None].expand(-1, -1, recorder.values.shape[2])
                 )
+                own = recorder.queries[:, max(0, recorder.queries.shape[1] - window) :]
+                queries, query_positions = own, None
+                if echo_query is not None:  # the chunk's last window, then the echo after the held entries
+                    own = own[:, own.shape[1] - min(policy.query_window(end), own.shape[1]) :]
+                    queries = torch.cat([own, echo_query[layer_idx]], dim=1)
+                    held_count = positions.shape[1]
+                    query_positions = torch.arange(
+                        held_count - own.shape[1], held_count + len(echoed), device=ids.device
+                    )
                 layer = LayerKV(
                     keys=keys,
                     values=values,
-                    queries=recorder.queries[:, max(0, recorder.queries.shape[1] - window) :],
+                    queries=queries,
+                    query_positions=query_positions,
                     layer_idx=layer_idx,
                     num_layers=num_layers,
                     o_proj=weights[layer_idx],
@@ -145,16 +167,16 @@ def chunked_prefill(
                     query_statistics=statistics[layer_idx],
                 )
                 if final:
-                    budget, selector = plan.layer_budgets[layer_idx], policy
+                    budget, selector = plan.layer_budgets[layer_idx], final_policy
                 elif trailing_window is not None:
-                    judge = between_chunks(policy, between, max(plan.layer_budgets))
+                    judge = between_chunks(between_policy, between, max(plan.layer_budgets))
                     budget, tail = trailing_window_held(
                         end, total, max(plan.layer_budgets), trailing_window, floor=judge.min_budget
                     )
-                    selector = KeepTail(between_chunks(policy, between, budget - tail), tail)
+                    selector = KeepTail(between_chunks(between_policy, between, budget - tail), tail)
                 else:
                     budget = plan.kept_length_at(end)
-                    selector = between_chunks(policy, between, budget)
+                    selector = between_chunks(between_policy, between, budget)
                 choice = selector.select(layer, min(budget, layer.num_tokens))
                 kept.append(KeptTokens(gather_kept(positions, choice), choice.counts))
             if final:
@@ -163,6 +185,36 @@ def chunked_prefill(
             held, held_end = [k.indices for k in kept], end
         start = end
     raise AssertionError("unreachable: the last chunk returns")
+
+
+def _echoed(policy: EvictionPolicy, width: int) -> EvictionPolicy:
+    """``policy`` reading ``width`` echo queries after its own window (itself when ``width`` is 0)."""
+    if not width:
+        return policy
+    echoed = echo_policy(policy, width)
+    if echoed is None:
+        raise ValueError(f"{type(policy).__name__} reads no bounded query window: it cannot take an echo")
+    return echoed
+
+
+def _echo_queries(
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    tokens: Sequence[int],
+    end: int,
+    held: Sequence[torch.Tensor] | None,
+    held_end: int,
+) -> list[torch.Tensor]:
+    """Per layer [q_heads, w, d] post-RoPE queries of ``tokens`` run at positions ``end ..`` over the
+    ``end`` cached tokens as the heads hold them (``held`` before ``held_end``, every later one); the cache
+    is cut back to ``end`` tokens after."""
+    ids = torch.tensor([list(tokens)], device=model.device)
+    positions = torch.arange(end, end + len(tokens), device=model.device)[None]
+    masks = evicting(model, [positions_as_kept(held)], held_end) if held is not None else nullcontext()
+    with masks, recording(model, None) as recorders:
+        model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.crop(-len(tokens))
+    return [recorder.queries for recorder in recorders]
 
 
 def cached_prompt(ids: torch.Tensor, cache: DynamicCache, last_logits: torch.Tensor) -> PrefilledPrompt:
