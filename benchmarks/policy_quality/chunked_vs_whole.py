@@ -73,6 +73,8 @@ TASKS = (
     "niah_single_essay,niah_single_noise,vt"
 )
 BLOCK_SIZE = 32
+#: the echo's rows: whole-prompt, per chunk at the last chunk only, per chunk after every evicting chunk
+ECHO_ROWS = ("whole", "last", "each")
 
 
 def variant_suffix(rule: BetweenRule) -> str:
@@ -104,9 +106,13 @@ def rows_for_prompt(
     references: bool = True,
     trailing_windows=(),
     echo: int = 0,
+    echo_rows=ECHO_ROWS,
+    plain_chunked: bool = True,
 ):
     """Every (variant, fraction) row of one prompt, decoded and scored; ``references``: with the full-cache
-    and whole-prompt rows (they depend on neither the chunk budget nor the between rule)."""
+    and whole-prompt rows (they depend on neither the chunk budget nor the between rule); ``echo_rows``:
+    which echo rows (``ECHO_ROWS``) when ``echo`` > 0; ``plain_chunked``: with the per-chunk rows without
+    an echo."""
     ids = torch.tensor(sample.token_ids)
     n = len(sample.token_ids)
     needs_all = any(build_policy(method).query_window(n) > QUERY_WINDOW for method in methods)
@@ -130,7 +136,7 @@ def rows_for_prompt(
                 budgets = [min(budget, n) for budget in plan.layer_budgets]
                 kept = [policy.select(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
                 runs.append((f"{method} whole", fraction, whole, kept))
-                if head:
+                if head and "whole" in echo_rows:
                     echoed = echo_policy(policy, len(head))
                     window = policy.query_window(n)
                     layers = probed_layers(whole.layers, echo_queries(model, whole, head), window=window)
@@ -140,9 +146,11 @@ def rows_for_prompt(
                 chunk_plan = with_chunk_budget(plan, factor)
                 for between in betweens:
                     label = f"{method} chunked@{factor:g}" + variant_suffix(between)
-                    echoes = [("", (), ())]
-                    if head:
-                        echoes += [(" echo-last", head, ()), (" echo", head, between_echo)]
+                    echoes = [("", (), ())] if plain_chunked else []
+                    if head and "last" in echo_rows:
+                        echoes.append((" echo-last", head, ()))
+                    if head and "each" in echo_rows:
+                        echoes.append((" echo", head, between_echo))
                     for suffix, last, each in echoes:
                         chunked = chunked_prefill(
                             model, ids, policy, chunk_plan, chunk, between, echo=last, between_echo=each
@@ -193,6 +201,10 @@ def main() -> None:
     parser.add_argument(
         "--echo", type=int, default=0, help="W > 0: the question echo's rows (whole, per chunk)"
     )
+    parser.add_argument(
+        "--echo-rows", default=",".join(ECHO_ROWS), help=f"with --echo: which of {', '.join(ECHO_ROWS)}"
+    )
+    parser.add_argument("--no-plain-chunked", action="store_true", help="no per-chunk rows without the echo")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size (max_num_batched_tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -231,6 +243,8 @@ def main() -> None:
                 references=not args.no_references,
                 trailing_windows=[int(w) for w in args.trailing_windows.split(",") if w],
                 echo=args.echo,
+                echo_rows=args.echo_rows.split(","),
+                plain_chunked=not args.no_plain_chunked,
             ),
         )
     print(summarise(records))
