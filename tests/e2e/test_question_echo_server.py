@@ -1,11 +1,15 @@
 """The question echo through a real server equals HF's echo (``hf_reference.probe.echo_queries``).
 
 ``vllm serve --kv-eviction ada-snapkv --kv-budget 0.25 --kv-eviction-config '{"question_echo": 32}'`` in
-float32. A chat prompt with its question before a ~1,000-token document (``qfirst_niah_single_essay`` from
-``eval``'s generator) is echoed: its last user turn's first 32 tokens run again after the prompt, and their
-queries with the prompt's own last 32 judge its compaction. Beside it in the same steps: a raw completion
-prompt (no chat template: no user header, judged by its window alone), another question-first prompt asking
-``kv_question_echo: 0`` (judged by its window alone) and a ``kv_eviction: "none"`` request.
+float32, with vLLM's chunked prefill at 256 tokens per step. A chat prompt with its question before a
+~1,000-token document (``qfirst_niah_single_essay`` from ``eval``'s generator) is echoed: its last user
+turn's first 32 tokens run again after the prompt, and their queries with the prompt's own last 32 judge its
+compaction. Beside it in the same steps: a raw completion prompt (no chat template: no user header, judged
+by its window alone), another question-first prompt asking ``kv_question_echo: 0`` (judged by its window
+alone), a question-first prompt evicted chunk by chunk (``kv_prefill: chunked``: after every evicting chunk
+the user turn's first 32 tokens and the prompt's last 32 are echoed after the tokens so far and judge the
+held entries; HF's ``chunked_prefill`` with ``between_echo`` is its reference) and a ``kv_eviction: "none"``
+request.
 
 HF transformers (float32) computes both kept sets independently: the echo's queries from a cache copy of the
 prompt (its own user-header search, ``probe.head_tokens``), the method with its window widened by 32. The
@@ -31,9 +35,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 WIDTH = 32
 NEW_TOKENS = 24
+CHUNK = 256  # vLLM's chunk and the stride at which a prompt evicted chunk by chunk is evicted
+CHUNK_BUDGET = 128
 SERVER_ARGS = (
     "--kv-eviction", "ada-snapkv", "--kv-budget", "0.25", "--block-size", "32", "--max-model-len", "2048",
-    "--dtype", "float32", "--kv-eviction-config", f'{{"question_echo": {WIDTH}}}',
+    "--dtype", "float32", "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK),
+    "--kv-eviction-config", f'{{"question_echo": {WIDTH}, "chunk_budget": {CHUNK_BUDGET}}}',
 )  # fmt: skip
 USAGE = "vllm:kv_cache_usage_perc"
 
@@ -46,6 +53,7 @@ class Served:
     tokens: torch.Tensor
     logprobs: torch.Tensor
     kept: list  # per layer KeptTokens
+    chunks: list  # (tokens computed, per layer KeptTokens held) after each evicting chunk before the last
 
 
 def overlap(served, reference) -> float:
@@ -85,9 +93,10 @@ def served(model_dir, tmp_path_factory, reference) -> dict[str, Served]:
         "echo": list(generate_sample(task, fmt, 1024, seed=0, index=0).token_ids),
         "raw": raw,
         "off": list(generate_sample(task, fmt, 900, seed=0, index=1).token_ids),  # asks for no echo
+        "chunked": list(generate_sample(task, fmt, 1150, seed=0, index=2).token_ids),
     }
-    xargs = {"off": {"kv_question_echo": 0}}
-    assert len({len(ids) for ids in prompts.values()}) == 3  # the dumps are told apart by prompt length
+    xargs = {"off": {"kv_question_echo": 0}, "chunked": {"kv_prefill": "chunked"}}
+    assert len({len(ids) for ids in prompts.values()}) == 4  # the dumps are told apart by prompt length
     dump_dir = tmp_path_factory.mktemp("kept")
     with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
@@ -102,7 +111,7 @@ def served(model_dir, tmp_path_factory, reference) -> dict[str, Served]:
                 extra_body=extra,
             )  # fmt: skip
 
-        with ThreadPoolExecutor(max_workers=4) as pool:
+        with ThreadPoolExecutor(max_workers=5) as pool:
             futures = {name: pool.submit(complete, ids, xargs.get(name)) for name, ids in prompts.items()}
             full = pool.submit(complete, prompts["echo"], {"kv_eviction": "none"})
             outputs = {name: f.result() for name, f in futures.items()}
@@ -114,7 +123,8 @@ def served(model_dir, tmp_path_factory, reference) -> dict[str, Served]:
         record = records[len(ids)]
         tokens, logprobs = tokens_and_logprobs(outputs[name].choices[0].logprobs)
         kept = [KeptTokens(i, c) for i, c in zip(record["indices"], record["counts"], strict=True)]
-        result[name] = Served(ids, tokens, logprobs, kept)
+        chunks = [(end, [KeptTokens(i, c) for i, c in held]) for end, held in record.get("chunks", [])]
+        result[name] = Served(ids, tokens, logprobs, kept, chunks)
     return result
 
 
@@ -137,6 +147,26 @@ def hf_kept(reference, ids: list[int], budgets: list[int], echo: bool) -> list:
     return [policy.select(layer, budget) for layer, budget in zip(layers, budgets, strict=True)]
 
 
+def hf_chunked(reference, ids: list[int], echo: bool):
+    """HF's per-chunk eviction of ``ids`` with the server's plan (chunks of ``CHUNK``, I = ``CHUNK_BUDGET``)
+    and method, with the echo after every evicting chunk (its own token choice: ``probe.probe_tokens``, the
+    user turn's first 32 and the prompt's last 32; at the last chunk ``probe.head_tokens``) or without."""
+    from vllm_kvevict.hf_reference.chunked import chunked_prefill
+    from vllm_kvevict.hf_reference.probe import head_tokens, probe_tokens
+    from vllm_kvevict.layout.accounting import request_planner
+    from vllm_kvevict.settings.config import EvictionConfig
+
+    model, tokenizer = reference
+    policy = EvictionConfig.from_dict({"method": "ada-snapkv", "budget": 0.25}).build_policy()
+    planner = request_planner(0.25, 32, policy, model.config.num_hidden_layers, chunk_budget=CHUNK_BUDGET,
+                              chunk_stride=CHUNK)  # fmt: skip
+    head = head_tokens(ids, tokenizer, WIDTH) if echo else []
+    between = probe_tokens(ids, tokenizer, WIDTH) if echo else []
+    assert not echo or (len(head) == WIDTH and len(between) == 2 * WIDTH)
+    return chunked_prefill(model, torch.tensor(ids), policy, planner(len(ids)), CHUNK, echo=head,
+                           between_echo=between)  # fmt: skip
+
+
 def test_the_echoed_prompt_keeps_what_hf_echo_keeps_not_what_its_window_keeps(served, reference):
     run = served["echo"]
     budgets = layer_budgets(run.kept)
@@ -144,6 +174,27 @@ def test_the_echoed_prompt_keeps_what_hf_echo_keeps_not_what_its_window_keeps(se
     window_only = overlap(run.kept, hf_kept(reference, run.prompt_ids, budgets, echo=False))
     assert with_echo >= 0.97, f"served vs HF echo: {with_echo:.3f} (window only {window_only:.3f})"
     assert window_only < with_echo - 0.05, f"the echo changed little: {window_only:.3f} vs {with_echo:.3f}"
+
+
+def test_a_prompt_evicted_per_chunk_holds_what_hf_holds_with_the_echo_after_each_chunk(served, reference):
+    run = served["chunked"]
+    with_echo, without = (
+        hf_chunked(reference, run.prompt_ids, True),
+        hf_chunked(reference, run.prompt_ids, False),
+    )
+    assert len(run.chunks) >= 2 and [end for end, _ in run.chunks] == [end for end, _ in with_echo.chunks]
+    for (end, held), (_, want), (_, plain) in zip(run.chunks, with_echo.chunks, without.chunks, strict=True):
+        echoed, window_only = overlap(held, want), overlap(held, plain)
+        assert echoed >= 0.97, (
+            f"after {end} tokens: served vs HF echo {echoed:.3f} (without {window_only:.3f})"
+        )
+    first_echo, first_plain = (
+        overlap(run.chunks[0][1], with_echo.chunks[0][1]),
+        overlap(run.chunks[0][1], without.chunks[0][1]),
+    )
+    assert first_plain < first_echo - 0.02, f"the echo changed little: {first_plain:.3f} vs {first_echo:.3f}"
+    final = overlap(run.kept, with_echo.kept)
+    assert final >= 0.97, f"final kept entries: served vs HF echo {final:.3f}"
 
 
 @pytest.mark.parametrize("name", ["raw", "off"])
@@ -156,15 +207,17 @@ def test_a_prompt_without_a_user_turn_or_asking_no_echo_is_judged_by_its_window(
         assert overlap(run.kept, hf_kept(reference, run.prompt_ids, budgets, echo=True)) < window_only - 0.05
 
 
-@pytest.mark.parametrize("name", ["echo", "raw"])
+@pytest.mark.parametrize("name", ["echo", "raw", "chunked"])
 def test_decoding_follows_hf_with_the_served_kept_entries(served, reference, name):
     from vllm_kvevict.hf_reference import prefill
     from vllm_kvevict.hf_reference.chunked import teacher_forced_after_chunks
 
     model, _ = reference
     run = served[name]
-    masked = teacher_forced_after_chunks(model, run.prompt_ids, [], run.kept, run.tokens)
+    masked = teacher_forced_after_chunks(model, run.prompt_ids, run.chunks, run.kept, run.tokens)
     gap = logprob_gap(run.logprobs, run.tokens, masked)
     assert float(gap.max()) < 0.05, f"|delta logprob| per step {gap.tolist()}"
+    if run.chunks:  # the last chunk attended to what the earlier ones held
+        return
     full = prefill(model, torch.tensor(run.prompt_ids), capture=False).last_logits
     assert int(full.argmax()) == int(run.tokens[0]), "the first token comes from the whole prompt"

@@ -167,15 +167,15 @@ class ChunkEviction:
         timer: StepTimer,
         check: bool,
     ) -> tuple[Moves, KeptTokens]:
-        """The deferred last re-score of ``layer_idx`` (``question_echo``) over ``held`` (read once, for the
-        echo's attention too): judged by ``policy`` (the method's copy that reads echo queries) from the
-        prompt's own last window and the echo's queries echo_query [W, Hq, D]. Its queries are dropped after
-        the last layer."""
-        assert r.deferred and r.final, "only a deferred last chunk is re-scored by its echo"
+        """The deferred re-score of ``layer_idx`` (``question_echo``) over ``held`` (read once, for the echo's
+        attention too): judged by ``policy`` (the method's copy that reads echo queries; between chunks the
+        between-chunks rule around it) from the chunk's own last window and the echo's queries echo_query
+        [W, Hq, D]. After the prompt's last chunk its queries are dropped after the last layer."""
+        assert r.deferred, "only a deferred re-score is judged by an echo"
         result = self._rescore(
             layer_idx, r, block_row, echo_query, held, o_proj, timer, check, (policy, echo_query)
         )
-        if layer_idx == self.shape.num_layers - 1:
+        if r.final and layer_idx == self.shape.num_layers - 1:
             self.queries.pop(r.req_id, None)
         return result
 
@@ -275,8 +275,9 @@ class ChunkEviction:
         scored = keys.shape[1]  # the prompt's entries; trailing tokens are kept after them
         budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len - r.shared)
         query_positions = None
-        if echo is not None:  # the prompt's own last window, then the echo's queries after the prompt
-            policy, echoed = echo
+        if echo is not None:  # the chunk's own last window, then the echo's queries after it
+            echoing, echoed = echo
+            policy = echoing if r.final else between_chunks(echoing, self.between, budget)
             own = self.saved_window(layer_idx, r, r.policy.query_window(scored - r.shared))
             queries = torch.cat([own.to(echoed.dtype), echoed]).transpose(0, 1)
             first = scored - own.shape[0]

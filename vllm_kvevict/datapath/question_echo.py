@@ -13,6 +13,12 @@ comes from the real prompt, unchanged): the request's compaction is deferred fro
 pass, which attends each layer to the held entries read back from the cache without writing them, then
 compacts that layer as the last chunk does (``ChunkEviction``). A prompt without a user header, or whose
 method reads no query window, is evicted as before.
+
+A prompt evicted between chunks (``prefill: chunked``) is echoed after every evicting chunk too, at the
+positions right after the tokens computed so far: there the echo is the user turn's first ``width`` tokens
+*and* the prompt's last ``width`` (``between_echo_tokens``; all of a prompt's token ids are known when it
+arrives, so a question placed last is echoed before its chunk is computed), and the between-chunks rule's
+window part judges with their queries beside the chunk's own last window.
 """
 
 from __future__ import annotations
@@ -55,6 +61,23 @@ def echo_tokens(token_ids: Sequence[int] | np.ndarray, header: Sequence[int], wi
     if start is None:
         return []
     return [int(t) for t in np.asarray(token_ids)[start : start + width]]
+
+
+def between_echo_tokens(
+    token_ids: Sequence[int] | np.ndarray, header: Sequence[int], width: int
+) -> list[int]:
+    """The echo after an earlier chunk of a prompt: its last user turn's first ``width`` tokens, then the
+    prompt's last ``width`` (where a question placed last sits; each span once where they overlap); empty
+    without a user header."""
+    ids = np.asarray(token_ids)
+    start = user_turn_start(ids, header)
+    if start is None:
+        return []
+    tail = max(0, ids.shape[0] - width)
+    if start + width >= tail:
+        return [int(t) for t in ids[min(start, tail) :]]
+    spans = np.concatenate([ids[start : start + width], ids[tail:]])
+    return [int(t) for t in spans]
 
 
 def echo_policy(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
@@ -100,6 +123,10 @@ class QuestionEcho:
         """The echo of one prompt (empty: the prompt has no user header; it is evicted as before)."""
         return echo_tokens(prompt_token_ids, self.header, width)
 
+    def between_tokens(self, prompt_token_ids: Sequence[int] | np.ndarray, width: int) -> list[int]:
+        """The echo of one prompt after one of its earlier chunks (``between_echo_tokens``)."""
+        return between_echo_tokens(prompt_token_ids, self.header, width)
+
     def policy_for(self, policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
         """``policy`` reading ``width`` echo queries, or None when the method reads no bounded window."""
         key = (id(policy), width)
@@ -125,10 +152,11 @@ class EchoLayer:
 
 @dataclass
 class EchoRequest:
-    """A request whose prompt completes in this step and is compacted by the echo pass: ``rescore`` is its
-    deferred last-chunk re-score (``rescore.deferred``), ``tokens`` its echo, run at positions
-    ``rescore.prompt_len ..``, rows ``[row, row + len(tokens))`` of the echo batch; ``policy`` the method
-    reading the echo's queries beside its window."""
+    """A request compacted by the echo pass in this step: ``rescore`` is its deferred re-score
+    (``rescore.deferred``: its prompt's last chunk, or an earlier chunk that evicts), ``tokens`` its echo,
+    run at positions ``rescore.seq_len ..`` (right after the tokens computed so far), rows
+    ``[row, row + len(tokens))`` of the echo batch; ``policy`` the method reading the echo's queries beside
+    its window (between chunks, the between-chunks rule is built around it)."""
 
     rescore: ChunkRescore
     tokens: list[int]
@@ -169,14 +197,14 @@ class EchoPass:
         return host_to_device(np.array([t for r in self.requests for t in r.tokens]), device)
 
     def positions(self, device: torch.device) -> torch.Tensor:
-        """[N] int64 positions: each request's echo right after its prompt."""
-        spans = [np.arange(r.rescore.prompt_len, r.rescore.prompt_len + r.width) for r in self.requests]
+        """[N] int64 positions: each request's echo right after its tokens computed so far (its prompt)."""
+        spans = [np.arange(r.rescore.seq_len, r.rescore.seq_len + r.width) for r in self.requests]
         return host_to_device(np.concatenate(spans), device)
 
     def layer(self, layer_idx: int, tensors: EchoLayer, rows: CacheRows) -> Moves | None:
         """One layer of the echo forward: every request's echo attends to its held entries (read from the
         cache, nothing written) and to itself, into ``tensors.output``; then the layer is compacted, judged
-        by the prompt's own last window and the echo's queries. Returns the layer's moves."""
+        by the chunk's own last window and the echo's queries. Returns the layer's moves."""
         query, key, value = tensors.query, tensors.key, tensors.value
         moves = []
         for r in self.requests:

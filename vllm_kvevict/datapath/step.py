@@ -220,14 +220,20 @@ class EvictionStep:
             rows.move(moves)
         for r in echo.requests:
             record = self._decode.records.get(r.rescore.req_id) if self._decode is not None else None
-            if record is not None:  # the decode cap starts from the prompt's kept entries
+            if record is not None and r.rescore.final:  # the decode cap starts from the prompt's kept entries
                 record.positions[layer_idx] = echo.kept[r.rescore.req_id][layer_idx].indices
         if layer_idx == self.shape.num_layers - 1:
+            dumping = self._records.dump_dir is not None
             for r in echo.requests:
                 rescore = r.rescore
                 kept = echo.kept.pop(rescore.req_id)
                 self._records.chunk_evicted(
-                    rescore.as_request(), rescore.plan, True, kept, 0, rescore.policy.name
+                    rescore.as_request(),
+                    rescore.plan,
+                    rescore.final,
+                    kept if rescore.final or dumping else None,
+                    0,
+                    rescore.policy.name,
                 )
 
     def rescore_layer(self, layer_idx: int, rows: CacheRows) -> Moves | None:

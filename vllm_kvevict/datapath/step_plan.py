@@ -25,6 +25,7 @@ from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.context_reuse import EntryBlocks
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
+from vllm_kvevict.policies.between_chunks import WINDOW_KINDS
 
 if TYPE_CHECKING:
     from vllm_kvevict.settings.request_settings import ResolvedSetting
@@ -104,9 +105,12 @@ class StepPlanner:
         ]
         echo_requests = []
         for c in chunks:
-            if c is not None and c.slot in echoes and c.final:
+            if c is None or not c.evicts:
+                continue
+            echoed = echoes.get(c.slot) if c.final else self._between_echo(inputs, c)
+            if echoed is not None:
                 c.deferred = True
-                echo_requests.append(EchoRequest(c, *echoes[c.slot]))
+                echo_requests.append(EchoRequest(c, *echoed))
         compacting = [
             self._compacting(inputs, int(i), q_start, q_lens, seq_lens) for i in np.flatnonzero(whole)
         ]
@@ -168,16 +172,37 @@ class StepPlanner:
             return {}
         found = {}
         for slot in np.flatnonzero((computed < prompt_lens) & (seq_lens == prompt_lens)).tolist():
-            _, setting = self.setting_plan(inputs, slot, int(prompt_lens[slot]))
-            if setting is not None and setting.keeps_context:  # a kept context is question-agnostic
-                continue
-            method = setting.policy if setting else self.policy
-            width = echo.width if setting is None or setting.question_echo is None else setting.question_echo
-            policy = echo.policy_for(method, width) if method is not None and width else None
+            width, policy = self._echo_setting(inputs, slot, int(prompt_lens[slot]))
             tokens = echo.tokens(inputs.prompt_token_ids(slot), width) if policy is not None else []
             if tokens:
                 found[slot] = (tokens, policy)
         return found
+
+    def _between_echo(self, inputs: StepInputs, c: ChunkRescore) -> tuple[list[int], EvictionPolicy] | None:
+        """(echo tokens, the method's copy that reads echo queries) of a request evicted after an earlier
+        chunk of its prompt in this step, when it is judged with the question echo and the between-chunks
+        rule reads the method's window ("window", "blend"); else None."""
+        echo = self.echo
+        if echo is None or inputs.prompt_token_ids is None or c.shared or c.trailing:
+            return None
+        if self.chunks.between.kind not in WINDOW_KINDS:
+            return None
+        width, policy = self._echo_setting(inputs, c.slot, c.prompt_len)
+        tokens = echo.between_tokens(inputs.prompt_token_ids(c.slot), width) if policy is not None else []
+        return (tokens, policy) if tokens and policy is not None else None
+
+    def _echo_setting(
+        self, inputs: StepInputs, slot: int, prompt_len: int
+    ) -> tuple[int, EvictionPolicy | None]:
+        """(echo width, the method's copy reading that many echo queries, or None: no echo) of a request."""
+        echo = self.echo
+        assert echo is not None
+        _, setting = self.setting_plan(inputs, slot, prompt_len)
+        if setting is not None and setting.keeps_context:  # a kept context is question-agnostic
+            return 0, None
+        method = setting.policy if setting else self.policy
+        width = echo.width if setting is None or setting.question_echo is None else setting.question_echo
+        return width, echo.policy_for(method, width) if method is not None and width else None
 
     def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
         """Requests starting from a kept context read it from their first step: each head holds the entry's

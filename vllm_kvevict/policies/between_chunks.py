@@ -37,6 +37,8 @@ BETWEEN_SCORERS: dict[str, type[KeyScoredPolicy] | type[ExpectedAttention]] = {
 #: ("window"), by one such score alone ("keydiff", "knorm", "expected-attention"), or by both the method and
 #: one of them ("blend"); the rules measured first keep their place in the list.
 BETWEEN_KINDS: tuple[str, ...] = ("window", *KEY_SCORERS, "blend", "expected-attention")
+#: The kinds whose selection reads the method's own window of queries (the question echo joins it there).
+WINDOW_KINDS: tuple[str, ...] = ("window", "blend")
 #: The chunk's last queries are mid-document text that does not look at a needle the question will ask for;
 #: half the intermediate budget by a key score keeps it (docs/quality.md, "Per-chunk eviction").
 DEFAULT_BETWEEN = "blend"

@@ -10,6 +10,7 @@ import torch
 
 from vllm_kvevict.datapath.question_echo import (
     QuestionEcho,
+    between_echo_tokens,
     echo_attention,
     echo_policy,
     echo_tokens,
@@ -29,10 +30,20 @@ def test_the_echo_is_the_last_user_turns_first_tokens():
     assert echo_tokens(ids, HEADER, 100) == [60, 61, 62, 63, 64, 2]  # what there is
 
 
+def test_between_chunks_the_echo_is_the_user_turns_first_tokens_and_the_prompts_last():
+    document = list(range(100, 140))
+    ids = [1, 9, *HEADER, 60, 61, 62, *document, 70, 71, 72]
+    assert between_echo_tokens(ids, HEADER, 3) == [60, 61, 62, 70, 71, 72]
+    short = [1, *HEADER, 60, 61, 62, 63]  # the two spans overlap: their union, once
+    assert between_echo_tokens(short, HEADER, 3) == [60, 61, 62, 63]
+    assert between_echo_tokens(short, HEADER, 5) == [198, 60, 61, 62, 63]
+
+
 @pytest.mark.parametrize("ids", [[5, 6, 7, 8], [2, 198, 1, 4093], []])
 def test_a_prompt_without_the_header_has_no_echo(ids):
     assert user_turn_start(ids, HEADER) is None
     assert echo_tokens(ids, HEADER, 32) == []
+    assert between_echo_tokens(ids, HEADER, 32) == []
     assert echo_tokens([*HEADER, 3], [], 32) == []  # no header known
 
 
