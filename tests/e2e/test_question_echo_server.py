@@ -94,9 +94,14 @@ def served(model_dir, tmp_path_factory, reference) -> dict[str, Served]:
         "raw": raw,
         "off": list(generate_sample(task, fmt, 900, seed=0, index=1).token_ids),  # asks for no echo
         "chunked": list(generate_sample(task, fmt, 1150, seed=0, index=2).token_ids),
+        "chunked-off": list(generate_sample(task, fmt, 1100, seed=0, index=3).token_ids),
     }
-    xargs = {"off": {"kv_question_echo": 0}, "chunked": {"kv_prefill": "chunked"}}
-    assert len({len(ids) for ids in prompts.values()}) == 4  # the dumps are told apart by prompt length
+    xargs = {
+        "off": {"kv_question_echo": 0},
+        "chunked": {"kv_prefill": "chunked"},
+        "chunked-off": {"kv_prefill": "chunked", "kv_question_echo": 0},
+    }
+    assert len({len(ids) for ids in prompts.values()}) == 5  # the dumps are told apart by prompt length
     dump_dir = tmp_path_factory.mktemp("kept")
     with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
@@ -111,7 +116,7 @@ def served(model_dir, tmp_path_factory, reference) -> dict[str, Served]:
                 extra_body=extra,
             )  # fmt: skip
 
-        with ThreadPoolExecutor(max_workers=5) as pool:
+        with ThreadPoolExecutor(max_workers=6) as pool:
             futures = {name: pool.submit(complete, ids, xargs.get(name)) for name, ids in prompts.items()}
             full = pool.submit(complete, prompts["echo"], {"kv_eviction": "none"})
             outputs = {name: f.result() for name, f in futures.items()}
@@ -176,25 +181,25 @@ def test_the_echoed_prompt_keeps_what_hf_echo_keeps_not_what_its_window_keeps(se
     assert window_only < with_echo - 0.05, f"the echo changed little: {window_only:.3f} vs {with_echo:.3f}"
 
 
+def agreement(run: Served, reference_run) -> list[float]:
+    """Overlap of the served held entries with HF's after each evicting chunk, then of the final kept ones."""
+    stages = zip(run.chunks, reference_run.chunks, strict=True)
+    return [overlap(held, want) for (_, held), (_, want) in stages] + [overlap(run.kept, reference_run.kept)]
+
+
 def test_a_prompt_evicted_per_chunk_holds_what_hf_holds_with_the_echo_after_each_chunk(served, reference):
-    run = served["chunked"]
-    with_echo, without = (
-        hf_chunked(reference, run.prompt_ids, True),
-        hf_chunked(reference, run.prompt_ids, False),
-    )
+    """Per chunk the served held sets follow HF's ``chunked_prefill`` with the echo after each chunk as
+    closely as a request asking no echo follows HF without it (the float32 server and HF differ at the top-k
+    boundary, and a difference carries into later chunks), and not HF without the echo."""
+    run, control = served["chunked"], served["chunked-off"]
+    with_echo = hf_chunked(reference, run.prompt_ids, echo=True)
     assert len(run.chunks) >= 2 and [end for end, _ in run.chunks] == [end for end, _ in with_echo.chunks]
-    for (end, held), (_, want), (_, plain) in zip(run.chunks, with_echo.chunks, without.chunks, strict=True):
-        echoed, window_only = overlap(held, want), overlap(held, plain)
-        assert echoed >= 0.97, (
-            f"after {end} tokens: served vs HF echo {echoed:.3f} (without {window_only:.3f})"
-        )
-    first_echo, first_plain = (
-        overlap(run.chunks[0][1], with_echo.chunks[0][1]),
-        overlap(run.chunks[0][1], without.chunks[0][1]),
-    )
-    assert first_plain < first_echo - 0.02, f"the echo changed little: {first_plain:.3f} vs {first_echo:.3f}"
-    final = overlap(run.kept, with_echo.kept)
-    assert final >= 0.97, f"final kept entries: served vs HF echo {final:.3f}"
+    echoed = agreement(run, with_echo)
+    window_only = agreement(run, hf_chunked(reference, run.prompt_ids, echo=False))
+    floor = agreement(control, hf_chunked(reference, control.prompt_ids, echo=False))
+    detail = f"echo {echoed}, served vs HF without echo {window_only}, control {floor}"
+    assert echoed[0] >= 0.97 and min(echoed) >= min(floor) - 0.03, detail
+    assert all(e > w + 0.04 for e, w in zip(echoed, window_only, strict=True)), detail
 
 
 @pytest.mark.parametrize("name", ["raw", "off"])

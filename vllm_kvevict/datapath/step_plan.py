@@ -172,29 +172,32 @@ class StepPlanner:
             return {}
         found = {}
         for slot in np.flatnonzero((computed < prompt_lens) & (seq_lens == prompt_lens)).tolist():
-            width, policy = self._echo_setting(inputs, slot, int(prompt_lens[slot]))
-            tokens = echo.tokens(inputs.prompt_token_ids(slot), width) if policy is not None else []
-            if tokens:
+            width, method = self._echo_setting(inputs, slot, int(prompt_lens[slot]))
+            tokens = echo.tokens(inputs.prompt_token_ids(slot), width) if method is not None else []
+            policy = echo.policy_for(method, len(tokens)) if method is not None and tokens else None
+            if policy is not None:
                 found[slot] = (tokens, policy)
         return found
 
     def _between_echo(self, inputs: StepInputs, c: ChunkRescore) -> tuple[list[int], EvictionPolicy] | None:
-        """(echo tokens, the method's copy that reads echo queries) of a request evicted after an earlier
-        chunk of its prompt in this step, when it is judged with the question echo and the between-chunks
-        rule reads the method's window ("window", "blend"); else None."""
+        """(echo tokens, the method's copy that reads that many echo queries) of a request evicted after an
+        earlier chunk of its prompt in this step, when it is judged with the question echo and the
+        between-chunks rule reads the method's window ("window", "blend"); else None."""
         echo = self.echo
         if echo is None or inputs.prompt_token_ids is None or c.shared or c.trailing:
             return None
         if self.chunks.between.kind not in WINDOW_KINDS:
             return None
-        width, policy = self._echo_setting(inputs, c.slot, c.prompt_len)
-        tokens = echo.between_tokens(inputs.prompt_token_ids(c.slot), width) if policy is not None else []
-        return (tokens, policy) if tokens and policy is not None else None
+        width, method = self._echo_setting(inputs, c.slot, c.prompt_len)
+        tokens = echo.between_tokens(inputs.prompt_token_ids(c.slot), width) if method is not None else []
+        policy = echo.policy_for(method, len(tokens)) if method is not None and tokens else None
+        return None if policy is None else (tokens, policy)
 
     def _echo_setting(
         self, inputs: StepInputs, slot: int, prompt_len: int
     ) -> tuple[int, EvictionPolicy | None]:
-        """(echo width, the method's copy reading that many echo queries, or None: no echo) of a request."""
+        """(echo width, the request's method) of a request judged with the question echo, else (0, None): a
+        kept context, a width of 0, or a method that reads no bounded query window."""
         echo = self.echo
         assert echo is not None
         _, setting = self.setting_plan(inputs, slot, prompt_len)
@@ -202,7 +205,9 @@ class StepPlanner:
             return 0, None
         method = setting.policy if setting else self.policy
         width = echo.width if setting is None or setting.question_echo is None else setting.question_echo
-        return width, echo.policy_for(method, width) if method is not None and width else None
+        if method is None or not width or echo.policy_for(method, width) is None:
+            return 0, None
+        return width, method
 
     def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
         """Requests starting from a kept context read it from their first step: each head holds the entry's
