@@ -4,12 +4,14 @@ after it, vanilla vLLM against Ada-SnapKV with and without ``question_echo``, sa
 Servers, one after the other (block size 32, same ``--max-model-len``): vanilla vLLM at its defaults, then
 ``--kv-eviction ada-snapkv --kv-budget F`` for each ``--budgets`` fraction, without the echo
 (``--kv-eviction-config '{"question_echo": 0}'``, the default before the echo) and with
-``'{"question_echo": W}'``. Every server answers the same samples (``vllm-kvevict eval``'s generator: the
-four needle tasks in their question-first form ``qfirst_*`` and question-last form, ``--samples`` each,
-``--lengths``), greedy through the completions API, scored as ``eval`` scores them. Then the echo's cost:
-``--ttft-prompts`` question-first prompts sent one at a time with ``max_tokens=1``, each with its own
-``cache_salt`` (time to the first token = the prefill, the eviction and, with the echo, the echo forward),
-mean seconds. Prints one table; ``--out`` saves rows, per-sample results and the command.
+``'{"question_echo": W}'`` (``--echo-only``: the echo servers only); ``--prefill whole,chunked`` adds the
+same servers evicting per chunk (``"prefill": "chunked"``, 512-token chunks). Every server answers the same
+samples (``vllm-kvevict eval``'s generator: the four needle tasks in their question-first form ``qfirst_*``
+and question-last form, ``--samples`` each, ``--lengths``), greedy through the completions API, scored as
+``eval`` scores them. Then the echo's cost: ``--ttft-prompts`` question-first prompts sent one at a time
+with ``max_tokens=1``, each with its own ``cache_salt`` (time to the first token = the prefill, the
+eviction and, with the echo, the echo forward), mean seconds. Prints one table; ``--out`` saves rows,
+per-sample results and the command.
 
     python -m benchmarks.question_echo --lengths 7168 --samples 4 --budgets 0.25,0.1 \
         --out docs/results/2026-11-27-question-echo/question_echo-7k.json
@@ -37,19 +39,31 @@ NEEDLES = ("niah_single_essay", "niah_multikey", "niah_single_noise", "niah_sing
 BLOCK_SIZE = 32
 
 
+#: vLLM's chunk for the servers that evict a prompt chunk by chunk (``prefill: chunked``)
+CHUNK_TOKENS = 512
+
+
 def server_configs(
-    budgets: list[float], width: int, without_echo: bool = True
+    budgets: list[float], width: int, without_echo: bool = True, prefills: tuple[str, ...] = ("whole",)
 ) -> list[tuple[str, tuple[str, ...]]]:
-    """(name, extra ``vllm serve`` args) of every server, vanilla first; ``without_echo``: also a server
-    per budget with ``question_echo: 0``."""
+    """(name, extra ``vllm serve`` args) of every server, vanilla first; per budget and ``prefills`` mode
+    (``whole``: the default; ``chunked``: ``prefill: chunked`` at ``CHUNK_TOKENS``-token chunks) one with
+    the echo and, with ``without_echo``, one with ``question_echo: 0``."""
     configs = [("vanilla", ())]
     for budget in budgets:
-        evicting = ("--kv-eviction", "ada-snapkv", "--kv-budget", f"{budget:g}")
-        if without_echo:
-            off = json.dumps({"question_echo": 0})  # the default before the echo
-            configs.append((f"ada-snapkv-{budget:g}", (*evicting, "--kv-eviction-config", off)))
-        echo = json.dumps({"question_echo": width})
-        configs.append((f"ada-snapkv-echo{width}-{budget:g}", (*evicting, "--kv-eviction-config", echo)))
+        for prefill in prefills:
+            evicting: tuple[str, ...] = ("--kv-eviction", "ada-snapkv", "--kv-budget", f"{budget:g}")
+            mode, suffix = {}, ""
+            if prefill == "chunked":
+                evicting += ("--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK_TOKENS))
+                mode, suffix = {"prefill": "chunked"}, "-chunked"
+            if without_echo:
+                off = json.dumps({"question_echo": 0, **mode})  # the default before the echo
+                configs.append((f"ada-snapkv{suffix}-{budget:g}", (*evicting, "--kv-eviction-config", off)))
+            echo = json.dumps({"question_echo": width, **mode})
+            configs.append(
+                (f"ada-snapkv{suffix}-echo{width}-{budget:g}", (*evicting, "--kv-eviction-config", echo))
+            )
     return configs
 
 
@@ -83,6 +97,9 @@ def main() -> None:
     parser.add_argument(
         "--echo-only", action="store_true", help="no servers with question_echo: 0 (vanilla and the echo)"
     )
+    parser.add_argument(
+        "--prefill", default="whole", help="comma list of eviction modes: whole (the default), chunked"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -96,7 +113,8 @@ def main() -> None:
     ttft_prompts = (first or [s.prompt for s in samples])[: args.ttft_prompts]
     max_len = str(max(s.prompt_tokens for s in samples) + 256)
     rows, results = [], []
-    for name, extra in server_configs(budgets, args.width, without_echo=not args.echo_only):
+    prefills = tuple(args.prefill.split(","))
+    for name, extra in server_configs(budgets, args.width, not args.echo_only, prefills):
         server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", max_len, *extra)
         with VLLMServer(model_dir, extra_args=server_args) as server:
             client = make_client(server.base_url)
