@@ -1,21 +1,21 @@
 """The question echo through a real server equals HF's echo (``hf_reference.probe.echo_queries``).
 
-``vllm serve --kv-eviction ada-snapkv --kv-budget 0.25 --kv-eviction-config '{"question_echo": 32}'`` in
-float32, with vLLM's chunked prefill at 256 tokens per step. A chat prompt with its question before a
-~1,000-token document (``qfirst_niah_single_essay`` from ``eval``'s generator) is echoed: its last user
-turn's first 32 tokens run again after the prompt, and their queries with the prompt's own last 32 judge its
-compaction. Beside it in the same steps: a raw completion prompt (no chat template: no user header, judged
-by its window alone), another question-first prompt asking ``kv_question_echo: 0`` (judged by its window
-alone), a question-first prompt evicted chunk by chunk (``kv_prefill: chunked``: after every evicting chunk
-the user turn's first 32 tokens and the prompt's last 32 are echoed after the tokens so far and judge the
-held entries; HF's ``chunked_prefill`` with ``between_echo`` is its reference) and a ``kv_eviction: "none"``
-request.
+``vllm serve --kv-eviction ada-snapkv --kv-budget 0.25 --kv-eviction-config '{"question_echo": 32, ...}'``
+in float32, with vLLM's chunked prefill at 256 tokens per step and ``"echo_between_chunks": true``. A chat
+prompt with its question before a ~1,000-token document (``qfirst_niah_single_essay`` from ``eval``'s
+generator) is echoed: its last user turn's first 32 tokens run again after the prompt, and their queries
+with the prompt's own last 32 judge its compaction. Beside it in the same steps: a raw completion prompt (no
+chat template: no user header, judged by its window alone), another question-first prompt asking
+``kv_question_echo: 0`` (judged by its window alone), two question-first prompts evicted chunk by chunk
+(``kv_prefill: chunked``; one with the echo after every evicting chunk: the user turn's first 32 tokens and
+the prompt's last 32, run after the tokens so far, judge the held entries; one asking no echo, the control)
+and a ``kv_eviction: "none"`` request.
 
-HF transformers (float32) computes both kept sets independently: the echo's queries from a cache copy of the
-prompt (its own user-header search, ``probe.head_tokens``), the method with its window widened by 32. The
-served kept entries must match HF's echo selection, and differ from the window-only selection (the control
-that lets the check fail); decoding must follow HF with the served kept sets; the first token is the full
-prompt's own.
+HF transformers (float32) computes the kept sets independently: the echo's queries from a cache copy of the
+prompt (its own user-header search, ``probe.head_tokens``), the method judging with its window and the
+echo's 32 queries; per chunk ``hf_reference.chunked.chunked_prefill`` with ``between_echo``. The served kept
+entries must match HF's echo selection, and differ from the window-only selection (the control that lets
+the check fail); decoding must follow HF with the served kept sets; the first token is the full prompt's own.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ CHUNK_BUDGET = 128
 SERVER_ARGS = (
     "--kv-eviction", "ada-snapkv", "--kv-budget", "0.25", "--block-size", "32", "--max-model-len", "2048",
     "--dtype", "float32", "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK),
-    "--kv-eviction-config", f'{{"question_echo": {WIDTH}, "chunk_budget": {CHUNK_BUDGET}}}',
+    "--kv-eviction-config",
+    f'{{"question_echo": {WIDTH}, "chunk_budget": {CHUNK_BUDGET}, "echo_between_chunks": true}}',
 )  # fmt: skip
 USAGE = "vllm:kv_cache_usage_perc"
 

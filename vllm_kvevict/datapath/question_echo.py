@@ -14,11 +14,12 @@ pass, which attends each layer to the held entries read back from the cache with
 compacts that layer as the last chunk does (``ChunkEviction``). A prompt without a user header, or whose
 method reads no query window, is evicted as before.
 
-A prompt evicted between chunks (``prefill: chunked``) is echoed after every evicting chunk too, at the
-positions right after the tokens computed so far: there the echo is the user turn's first ``width`` tokens
-*and* the prompt's last ``width`` (``between_echo_tokens``; all of a prompt's token ids are known when it
-arrives, so a question placed last is echoed before its chunk is computed), and the between-chunks rule's
-window part judges with their queries beside the chunk's own last window.
+With ``echo_between_chunks`` (off by default), a prompt evicted between chunks (``prefill: chunked``) is
+echoed after every evicting chunk too, at the positions right after the tokens computed so far: there the
+echo is the user turn's first ``width`` tokens *and* the prompt's last ``width`` (``between_echo_tokens``;
+all of a prompt's token ids are known when it arrives, so a question placed last is echoed before its chunk
+is computed), and the between-chunks rule's window part judges with their queries beside the chunk's own
+last window.
 """
 
 from __future__ import annotations
@@ -112,11 +113,13 @@ def _with_echo(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
 
 class QuestionEcho:
     """The chat template's user ``header`` (token ids), the server's echo ``width`` (a request may ask its
-    own), and each method's echo-reading copy (built once per policy object and width)."""
+    own), whether prompts evicted chunk by chunk are echoed after every evicting chunk too
+    (``between_chunks``), and each method's echo-reading copy (built once per policy object and width)."""
 
-    def __init__(self, width: int, header: Sequence[int]) -> None:
+    def __init__(self, width: int, header: Sequence[int], between_chunks: bool = False) -> None:
         self.width = width
         self.header = list(header)
+        self.between_chunks = between_chunks
         self._policies: dict[tuple[int, int], tuple[EvictionPolicy, EvictionPolicy | None]] = {}
 
     def tokens(self, prompt_token_ids: Sequence[int] | np.ndarray, width: int) -> list[int]:

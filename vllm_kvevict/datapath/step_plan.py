@@ -181,10 +181,17 @@ class StepPlanner:
 
     def _between_echo(self, inputs: StepInputs, c: ChunkRescore) -> tuple[list[int], EvictionPolicy] | None:
         """(echo tokens, the method's copy that reads that many echo queries) of a request evicted after an
-        earlier chunk of its prompt in this step, when it is judged with the question echo and the
-        between-chunks rule reads the method's window ("window", "blend"); else None."""
+        earlier chunk of its prompt in this step, when the server echoes between chunks
+        (``echo_between_chunks``), the request is judged with the question echo and the between-chunks rule
+        reads the method's window ("window", "blend"); else None."""
         echo = self.echo
-        if echo is None or inputs.prompt_token_ids is None or c.shared or c.trailing:
+        if (
+            echo is None
+            or not echo.between_chunks
+            or inputs.prompt_token_ids is None
+            or c.shared
+            or c.trailing
+        ):
             return None
         if self.chunks.between.kind not in WINDOW_KINDS:
             return None

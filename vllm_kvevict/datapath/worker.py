@@ -75,6 +75,7 @@ class EvictionWorker:
         #: echoed tokens of the last user turn (config ``question_echo``; 0: off unless a request asks) and
         #: the echo once the chat template's user header is known (``use_user_header``)
         self.echo_width = server.question_echo or 0
+        self.echo_between_chunks = server.echo_between_chunks
         self.echo: QuestionEcho | None = None
         self._seen_ids: list[str] = []
         self.pending: StepInputs | None = None
@@ -131,7 +132,7 @@ class EvictionWorker:
     def use_user_header(self, header: list[int] | None) -> None:
         """Start the question echo with the chat template's user header (token ids); None or empty: the model
         has no chat template with a user turn, and prompts are judged by their last window alone."""
-        self.echo = QuestionEcho(self.echo_width, header) if header else None
+        self.echo = QuestionEcho(self.echo_width, header, self.echo_between_chunks) if header else None
 
     def current_step(self) -> EvictionStep | None:
         """This step's eviction data (None before the metadata builder made it, or for a dummy run)."""

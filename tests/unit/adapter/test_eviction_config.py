@@ -125,6 +125,7 @@ def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
         "between_span": None,
         "between_scorer": "keydiff",
         "question_echo": 32,
+        "echo_between_chunks": False,
     }
     assert engine_args.enable_prefix_caching is True  # evicting requests skip it themselves
     assert engine_args.enable_chunked_prefill is True  # prompts are evicted once, after their last chunk

@@ -108,6 +108,21 @@ def test_config_takes_question_echo_and_refuses_bad_values():
     assert "question_echo" not in off.describe()
 
 
+def test_the_echo_between_chunks_is_opt_in_and_needs_the_echo():
+    base = {"method": "ada-snapkv", "budget": 0.25, "prefill": "chunked"}
+    assert EvictionConfig.from_dict(base).echo_between_chunks is False
+    assert QuestionEcho(32, HEADER).between_chunks is False
+    config = EvictionConfig.from_dict({**base, "echo_between_chunks": True})
+    assert config.echo_between_chunks and EvictionConfig.from_dict(config.to_dict()) == config
+    assert "(also between chunks)" in config.describe()
+    with pytest.raises(
+        EvictionConfigError, match=r"echo_between_chunks='yes' is not valid; valid: true, false"
+    ):
+        EvictionConfig.from_dict({**base, "echo_between_chunks": "yes"})
+    with pytest.raises(EvictionConfigError, match=r"echo_between_chunks=true needs the question echo"):
+        EvictionConfig.from_dict({**base, "echo_between_chunks": True, "question_echo": 0})
+
+
 @pytest.mark.parametrize(
     ("method", "width"), [("ada-snapkv", 32), ("snapkv", 32), ("streamingllm", 0), ("h2o", 0)]
 )
