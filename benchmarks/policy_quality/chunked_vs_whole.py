@@ -122,9 +122,8 @@ def rows_for_prompt(
     new_tokens, finished = decode_limits(sample, tokenizer)
     stops = [tokenizer.eos_token_id]
     runs = []
-    token_ids = list(sample.token_ids)
-    head = head_tokens(token_ids, tokenizer, echo) if echo else []
-    between_echo = probe_tokens(token_ids, tokenizer, echo) if echo else []
+    head = head_tokens(sample.token_ids, tokenizer, echo) if echo else []
+    between_echo = probe_tokens(sample.token_ids, tokenizer, echo) if echo else []
     if whole is not None:
         everything = [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers]
         runs.append(("full-cache", 1.0, whole, everything))

@@ -36,6 +36,8 @@ def test_the_probe_takes_both_ends_of_the_last_user_turn(reference):
     union_start = min(user_turn_start(short, tokenizer), len(short) - 16)
     assert probe_tokens(short, tokenizer, 16) == short[union_start:]
     assert probe_tokens([5, 6, 7, 8], tokenizer, 2) == [7, 8]  # no user header: the last tokens
+    assert user_turn_start(tuple(ids), tokenizer) == start  # an eval sample's token ids are a tuple
+    assert probe_tokens(tuple(ids), tokenizer, 16) == probe
 
 
 def test_probe_queries_are_those_of_the_tokens_alone_at_the_given_positions(reference):

@@ -172,49 +172,42 @@ class StepPlanner:
             return {}
         found = {}
         for slot in np.flatnonzero((computed < prompt_lens) & (seq_lens == prompt_lens)).tolist():
-            width, method = self._echo_setting(inputs, slot, int(prompt_lens[slot]))
-            tokens = echo.tokens(inputs.prompt_token_ids(slot), width) if method is not None else []
-            policy = echo.policy_for(method, len(tokens)) if method is not None and tokens else None
-            if policy is not None:
-                found[slot] = (tokens, policy)
+            echoed = self._echo_of(inputs, slot, int(prompt_lens[slot]), between_chunks=False)
+            if echoed is not None:
+                found[slot] = echoed
         return found
 
     def _between_echo(self, inputs: StepInputs, c: ChunkRescore) -> tuple[list[int], EvictionPolicy] | None:
-        """(echo tokens, the method's copy that reads that many echo queries) of a request evicted after an
-        earlier chunk of its prompt in this step, when the server echoes between chunks
-        (``echo_between_chunks``), the request is judged with the question echo and the between-chunks rule
-        reads the method's window ("window", "blend"); else None."""
+        """``_echo_of`` a request evicted after an earlier chunk of its prompt in this step, when the server
+        echoes between chunks (``echo_between_chunks``) and the between-chunks rule reads the method's window
+        ("window", "blend"); else None."""
         echo = self.echo
-        if (
-            echo is None
-            or not echo.between_chunks
-            or inputs.prompt_token_ids is None
-            or c.shared
-            or c.trailing
-        ):
+        if echo is None or not echo.between_chunks or inputs.prompt_token_ids is None:
             return None
-        if self.chunks.between.kind not in WINDOW_KINDS:
+        if c.shared or c.trailing or self.chunks.between.kind not in WINDOW_KINDS:
             return None
-        width, method = self._echo_setting(inputs, c.slot, c.prompt_len)
-        tokens = echo.between_tokens(inputs.prompt_token_ids(c.slot), width) if method is not None else []
-        policy = echo.policy_for(method, len(tokens)) if method is not None and tokens else None
-        return None if policy is None else (tokens, policy)
+        return self._echo_of(inputs, c.slot, c.prompt_len, between_chunks=True)
 
-    def _echo_setting(
-        self, inputs: StepInputs, slot: int, prompt_len: int
-    ) -> tuple[int, EvictionPolicy | None]:
-        """(echo width, the request's method) of a request judged with the question echo, else (0, None): a
-        kept context, a width of 0, or a method that reads no bounded query window."""
+    def _echo_of(
+        self, inputs: StepInputs, slot: int, prompt_len: int, between_chunks: bool
+    ) -> tuple[list[int], EvictionPolicy] | None:
+        """(echo tokens, the method's copy that reads that many echo queries) of a request judged with the
+        question echo: after its last chunk (``QuestionEcho.tokens``) or an earlier one
+        (``QuestionEcho.between_tokens``); None for a kept context, a width of 0, a method that reads no
+        bounded query window, or a prompt without a user header."""
         echo = self.echo
-        assert echo is not None
+        assert echo is not None and inputs.prompt_token_ids is not None
         _, setting = self.setting_plan(inputs, slot, prompt_len)
         if setting is not None and setting.keeps_context:  # a kept context is question-agnostic
-            return 0, None
+            return None
         method = setting.policy if setting else self.policy
         width = echo.width if setting is None or setting.question_echo is None else setting.question_echo
         if method is None or not width or echo.policy_for(method, width) is None:
-            return 0, None
-        return width, method
+            return None
+        token_of = echo.between_tokens if between_chunks else echo.tokens
+        tokens = token_of(inputs.prompt_token_ids(slot), width)
+        policy = echo.policy_for(method, len(tokens)) if tokens else None  # as many queries as tokens
+        return None if policy is None else (tokens, policy)
 
     def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
         """Requests starting from a kept context read it from their first step: each head holds the entry's

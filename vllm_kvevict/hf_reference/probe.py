@@ -12,6 +12,7 @@ by its last tokens only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -22,19 +23,19 @@ from vllm_kvevict.hf_reference.generation import cache_prefix
 from vllm_kvevict.policies.base import LayerKV
 
 
-def user_turn_start(token_ids: list[int], tokenizer: PreTrainedTokenizerBase) -> int | None:
+def user_turn_start(token_ids: Sequence[int], tokenizer: PreTrainedTokenizerBase) -> int | None:
     """Index of the first token of the last user turn's content, or None when the prompt has no user
-    header the tokenizer knows."""
+    header the tokenizer knows. ``token_ids``: any sequence (a list, or an eval sample's tuple)."""
     header = tokenizer.encode("<|im_start|>user\n", add_special_tokens=False)
     if not header:
         return None
     for start in range(len(token_ids) - len(header), -1, -1):
-        if token_ids[start : start + len(header)] == header:
+        if list(token_ids[start : start + len(header)]) == header:
             return start + len(header)
     return None
 
 
-def probe_tokens(token_ids: list[int], tokenizer: PreTrainedTokenizerBase, width: int) -> list[int]:
+def probe_tokens(token_ids: Sequence[int], tokenizer: PreTrainedTokenizerBase, width: int) -> list[int]:
     """The probe: the last user turn's first ``width`` tokens, then the prompt's last ``width`` (each span
     once where they overlap)."""
     tail_start = max(0, len(token_ids) - width)
@@ -44,7 +45,7 @@ def probe_tokens(token_ids: list[int], tokenizer: PreTrainedTokenizerBase, width
     return list(token_ids[start : start + width]) + list(token_ids[tail_start:])
 
 
-def head_tokens(token_ids: list[int], tokenizer: PreTrainedTokenizerBase, width: int) -> list[int]:
+def head_tokens(token_ids: Sequence[int], tokenizer: PreTrainedTokenizerBase, width: int) -> list[int]:
     """The last user turn's first ``width`` tokens (empty without a user header)."""
     start = user_turn_start(token_ids, tokenizer)
     return [] if start is None else list(token_ids[start : start + width])
