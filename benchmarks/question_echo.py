@@ -5,7 +5,8 @@ Servers, one after the other (block size 32, same ``--max-model-len``): vanilla 
 ``--kv-eviction ada-snapkv --kv-budget F`` for each ``--budgets`` fraction, without the echo
 (``--kv-eviction-config '{"question_echo": 0}'``, the default before the echo) and with
 ``'{"question_echo": W}'`` (``--echo-only``: the echo servers only); ``--prefill whole,chunked`` adds the
-same servers evicting per chunk (``"prefill": "chunked"``, 512-token chunks). Every server answers the same
+same servers evicting per chunk (``"prefill": "chunked"``, 512-token chunks; ``chunked-tw<W>``: per chunk
+with FastKVzip's trailing window of W tokens, ``"trailing_window": W``). Every server answers the same
 samples (``vllm-kvevict eval``'s generator: the four needle tasks in their question-first form ``qfirst_*``
 and question-last form, ``--samples`` each, ``--lengths``), greedy through the completions API, scored as
 ``eval`` scores them. Then the echo's cost: ``--ttft-prompts`` question-first prompts sent one at a time
@@ -54,9 +55,13 @@ def server_configs(
         for prefill in prefills:
             evicting: tuple[str, ...] = ("--kv-eviction", "ada-snapkv", "--kv-budget", f"{budget:g}")
             mode, suffix = {}, ""
-            if prefill == "chunked":
+            if prefill.startswith("chunked"):
                 evicting += ("--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK_TOKENS))
-                mode, suffix = {"prefill": "chunked"}, "-chunked"
+                mode, suffix = {"prefill": "chunked"}, f"-{prefill}"
+                if prefill.startswith("chunked-tw"):
+                    mode["trailing_window"] = int(prefill.removeprefix("chunked-tw"))
+                elif prefill != "chunked":
+                    raise ValueError(f"--prefill {prefill!r}: valid modes are whole, chunked, chunked-tw<W>")
             if without_echo:
                 off = json.dumps({"question_echo": 0, **mode})  # the default before the echo
                 configs.append((f"ada-snapkv{suffix}-{budget:g}", (*evicting, "--kv-eviction-config", off)))
@@ -98,7 +103,9 @@ def main() -> None:
         "--echo-only", action="store_true", help="no servers with question_echo: 0 (vanilla and the echo)"
     )
     parser.add_argument(
-        "--prefill", default="whole", help="comma list of eviction modes: whole (the default), chunked"
+        "--prefill",
+        default="whole",
+        help="comma list of eviction modes: whole (the default), chunked, chunked-tw<W> (trailing window W)",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

@@ -10,8 +10,9 @@ each (method, kept fraction), both with the server's plan (``layout.accounting``
   after each chunk whose rule evicts, every layer keeps a(n) entries per head (``between_chunks``), the last
   chunk keeps the layer budgets — with the intermediate budget ``chunk_budget = I`` (a multiple of B');
   ``--chunk-budgets none`` runs no such row;
-- ``chunked tw=W``: FastKVzip's rule instead of a(n) (``--trailing-windows``): after every chunk the tokens
-  before the prompt's last W are held at r' = (B - W) / (L - W), the arrived part of the last W whole.
+- ``chunked tw=W``: FastKVzip's rule instead of I (``--trailing-windows``; the server's ``trailing_window``,
+  ``RequestPlan.trailing_held``): the tokens before the prompt's last W are held at r' = (B' - W) / (L - W),
+  the arrived part of the last W whole.
 - with ``--echo W`` (the question echo, ``datapath/question_echo.py``), three more rows per method and
   fraction: ``whole echo`` (the served default: the last user turn's first W tokens run after the prompt,
   their queries judging beside the method's own window), ``chunked@I echo-last`` (per chunk, the echo
@@ -65,6 +66,7 @@ from vllm_kvevict.policies.between_chunks import (  # noqa: E402
     BETWEEN_SCORERS,
     DEFAULT_BETWEEN,
     BetweenRule,
+    between_chunks,
 )
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 
@@ -157,7 +159,9 @@ def rows_for_prompt(
                         runs.append((label + suffix, fraction, chunked.prompt, chunked.kept))
             for trailing in trailing_windows:
                 for between in betweens:
-                    chunked = chunked_prefill(model, ids, policy, plan, chunk, between, trailing)
+                    floor = between_chunks(policy, between).min_budget
+                    trailing_plan = with_chunk_budget(plan, 1.0, 0, trailing, floor)
+                    chunked = chunked_prefill(model, ids, policy, trailing_plan, chunk, between)
                     label = f"{method} chunked tw={trailing}" + variant_suffix(between)
                     runs.append((label, fraction, chunked.prompt, chunked.kept))
     rows = []

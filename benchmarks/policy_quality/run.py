@@ -41,6 +41,7 @@ from vllm_kvevict.hf_reference import (  # noqa: E402
     prefill,
 )
 from vllm_kvevict.policies.base import KeptTokens, LayerKV  # noqa: E402
+from vllm_kvevict.policies.query_statistics import unrotate  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy, method_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,31 +77,44 @@ def answer_decided(expected: str, tokenizer):
     return finished
 
 
-def write_kvpress_case(path: Path, layers: list[LayerKV]) -> None:
-    torch.save(
-        {
-            "layers": [
-                {
-                    "keys": layer.keys,
-                    "values": layer.values,
-                    "queries": layer.queries[:, -KVPRESS_WINDOW:].contiguous(),
-                    "o_proj": layer.o_proj,
-                    "layer_idx": layer.layer_idx,
-                    "num_layers": layer.num_layers,
-                }
-                for layer in layers
-            ]
-        },
-        path,
-    )
+#: kvpress's Expected Attention presses: they read every position's query before RoPE.
+KVPRESS_EXPECTED = ("expected-attention", "ada-expected-attention")
+
+
+def write_kvpress_case(path: Path, layers: list[LayerKV], prerope: bool = False) -> None:
+    """The kvpress script's input for ``layers``; ``prerope``: with every position's pre-RoPE query and the
+    RoPE frequencies (the Expected Attention presses; ``layers`` must then hold every prompt query)."""
+    entries = []
+    for layer in layers:
+        entry = {
+            "keys": layer.keys,
+            "values": layer.values,
+            "queries": layer.queries[:, -KVPRESS_WINDOW:].contiguous(),
+            "o_proj": layer.o_proj,
+            "layer_idx": layer.layer_idx,
+            "num_layers": layer.num_layers,
+        }
+        if prerope:
+            n = layer.num_tokens
+            if layer.queries.shape[1] != n or layer.rope_inv_freq is None:
+                raise ValueError("Expected Attention presses need every prompt query and RoPE frequencies")
+            positions = torch.arange(n, device=layer.queries.device)
+            entry["prerope_queries"] = unrotate(layer.queries.float(), positions, layer.rope_inv_freq)
+            entry["inv_freq"] = layer.rope_inv_freq.float()
+        entries.append(entry)
+    torch.save({"layers": entries}, path)
 
 
 def start_kvpress(
-    work: Path, cases: list[Path], fractions: list[float], ref_python: Path
+    work: Path,
+    cases: list[Path],
+    fractions: list[float],
+    ref_python: Path,
+    presses: tuple[str, ...] = KVPRESS_PRESSES,
 ) -> subprocess.Popen:
     jobs = [
         {"key": f"{press}@{fraction}", "press": press, "compression_ratio": 1.0 - fraction, "params": {}}
-        for press in KVPRESS_PRESSES
+        for press in presses
         for fraction in fractions
     ]
     jobs_path = work / "jobs.json"
@@ -126,10 +140,12 @@ def our_rows(layers: list[LayerKV], methods: list[str], fractions: list[float]) 
     return rows
 
 
-def kvpress_rows(result_path: Path, fractions: list[float]) -> list[dict]:
+def kvpress_rows(
+    result_path: Path, fractions: list[float], presses: tuple[str, ...] = KVPRESS_PRESSES
+) -> list[dict]:
     masks = torch.load(result_path, weights_only=True)
     rows = []
-    for press in KVPRESS_PRESSES:
+    for press in presses:
         for fraction in fractions:
             mask = masks[f"{press}@{fraction}"]
             kept = [KeptTokens.from_mask(layer_mask) for layer_mask in mask]

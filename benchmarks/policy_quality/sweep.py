@@ -7,7 +7,9 @@ compressed, the first answer token comes from the full prefill, as in the server
 runner decodes them greedily. A variant is ``label=method`` or ``label=method:param=value,param=value``
 (values parsed as JSON, else kept as strings), so every parameter the registry knows can be swept.
 ``--kvpress`` adds kvpress 0.5.5's presses at their own defaults (window 64, average pooling 5), chosen on
-the same captured tensors in ``.venv-ref`` as ``run.py`` does, as variants ``kvpress:<press>``.
+the same captured tensors in ``.venv-ref`` as ``run.py`` does, as variants ``kvpress:<press>``;
+``--kvpress-presses`` picks them (``expected-attention`` and ``ada-expected-attention`` get every position's
+query before RoPE, recovered from the captured queries).
 Prompts run sample index first (every task and length gets sample 0 before any gets sample 1), so a run cut
 short still covers every task. ``--by-task`` prints the mean over tasks (each task's mean over its samples,
 tasks weighed equally, as ``eval`` reports it) instead of the mean over prompts.
@@ -31,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import (  # noqa: E402
+    KVPRESS_EXPECTED,
     KVPRESS_PRESSES,
     answer_decided,
     decode_in_batches,
@@ -152,19 +155,22 @@ def sweep_prompt(
     batch_bytes: float,
     kvpress_python: Path | None = None,
     work_dir: Path = Path("/tmp/kvevict-sweep"),
+    presses: tuple[str, ...] = KVPRESS_PRESSES,
 ) -> list[dict]:
-    """Every (variant, fraction) row of one prompt, decoded; plus the full-cache row, and kvpress's presses
-    (variants ``kvpress:<press>``) when ``kvpress_python`` is given."""
+    """Every (variant, fraction) row of one prompt, decoded; plus the full-cache row, and kvpress's
+    ``presses`` (variants ``kvpress:<press>``) when ``kvpress_python`` is given."""
     n = len(sample.token_ids)
-    # H2O and RoCo score with every prompt query; the others need their window only.
+    expected = kvpress_python is not None and any(press in KVPRESS_EXPECTED for press in presses)
+    # H2O, RoCo and Expected Attention score with every prompt query; the others need their window only.
     needed = max([QUERY_WINDOW, *(policy.query_window(n) for policy in variants.values())])
-    prompt = prefill(model, torch.tensor(sample.token_ids), query_window=None if needed >= n else needed)
+    everything = needed >= n or expected
+    prompt = prefill(model, torch.tensor(sample.token_ids), query_window=None if everything else needed)
     kvpress = None
     if kvpress_python is not None:
         work_dir.mkdir(parents=True, exist_ok=True)
         case = work_dir / f"{sample.id}.pt"
-        write_kvpress_case(case, prompt.layers)
-        kvpress = start_kvpress(work_dir, [case], fractions, kvpress_python)
+        write_kvpress_case(case, prompt.layers, prerope=expected)
+        kvpress = start_kvpress(work_dir, [case], fractions, kvpress_python, presses)
     rows = [
         {
             "variant": "full-cache",
@@ -185,7 +191,7 @@ def sweep_prompt(
         if kvpress.wait() != 0:
             raise RuntimeError(f"kvpress reference script failed with exit code {kvpress.returncode}")
         result = work_dir / f"{sample.id}.kvpress.pt"
-        for press_row in kvpress_rows(result, fractions):
+        for press_row in kvpress_rows(result, fractions, presses):
             rows.append(
                 {
                     "variant": f"kvpress:{press_row['method']}",
@@ -281,10 +287,16 @@ def main() -> None:
         action="store_true",
         help=f"also kvpress's presses ({', '.join(KVPRESS_PRESSES)}) at their defaults, via .venv-ref",
     )
+    parser.add_argument(
+        "--kvpress-presses",
+        default=",".join(KVPRESS_PRESSES),
+        help=f"with --kvpress: which presses (also {', '.join(KVPRESS_EXPECTED)}: every query is captured)",
+    )
     parser.add_argument("--ref-python", type=Path, default=ROOT / ".venv-ref" / "bin" / "python")
     args = parser.parse_args()
     variants = parse_variants(args.variants)
     fractions = [float(x) for x in args.fractions.split(",")]
+    presses = tuple(args.kvpress_presses.split(","))
     records = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
     if not args.summary_only:
         from vllm_kvevict.cli.prepare_model import prepared_model_dir
@@ -302,13 +314,15 @@ def main() -> None:
                 if any((sample.id, label, f) not in done for f in fractions)
             }
             press_todo = args.kvpress and any(
-                (sample.id, f"kvpress:{press}", f) not in done for press in KVPRESS_PRESSES for f in fractions
+                (sample.id, f"kvpress:{press}", f) not in done for press in presses for f in fractions
             )
             if not todo and not press_todo:
                 continue
             started = time.time()
             kvpress_python = args.ref_python if press_todo else None
-            rows = sweep_prompt(model, tokenizer, sample, todo, fractions, args.batch_bytes, kvpress_python)
+            rows = sweep_prompt(
+                model, tokenizer, sample, todo, fractions, args.batch_bytes, kvpress_python, presses=presses
+            )
             rows = [r for r in rows if (r["sample"], r["variant"], r["fraction"]) not in done]
             with args.out.open("a") as out:
                 for row in rows:

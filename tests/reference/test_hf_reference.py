@@ -169,34 +169,34 @@ def test_context_layers_equal_a_capture_of_the_context_alone(reference, prompt_i
 
 
 def test_trailing_window_rule_holds_the_prompt_tail_whole_and_the_rest_at_the_chunk_ratio(reference) -> None:
-    """FastKVzip's recipe in the chunked runner, judged by Expected Attention with carried statistics: after
-    every chunk each head holds ``trailing_window_held`` entries, every arrived token of the last 64 among
-    them; the prompt ends at the plan's layer budgets."""
+    """FastKVzip's recipe in the chunked runner (a plan with a trailing window, as the server builds it),
+    judged by Expected Attention with carried statistics: after every evicting chunk each head holds the
+    plan's a(n) entries, every arrived token of the last 64 among them; the prompt ends at the plan's layer
+    budgets."""
     from vllm_kvevict.hf_reference.chunked import chunked_prefill
-    from vllm_kvevict.layout.accounting import plan_request
-    from vllm_kvevict.policies.between_chunks import between_chunks, trailing_window_held
+    from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget
+    from vllm_kvevict.policies.between_chunks import between_chunks
     from vllm_kvevict.policies.registry import build_policy
 
     model, _ = reference
-    n, chunk, window = 384, 64, 64
+    n, chunk, window = 384, 48, 64
     ids = torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(0))
     policy = build_policy("ada-snapkv")
-    plan = plan_request(n, 0.4, 32, policy, model.config.num_hidden_layers)
-    budget = max(plan.layer_budgets)
-    run = chunked_prefill(
-        model, ids, policy, plan, chunk, between="expected-attention", trailing_window=window
-    )
     floor = between_chunks(policy, "expected-attention").min_budget
-    assert [end for end, _ in run.chunks] == list(range(chunk, n, chunk))
+    base = plan_request(n, 0.4, 32, policy, model.config.num_hidden_layers)
+    plan = with_chunk_budget(base, 1.0, 0, window, floor)
+    run = chunked_prefill(model, ids, policy, plan, chunk, between="expected-attention")
+    evicting = [end for end in range(chunk, n, chunk) if plan.chunk_rescores(end - chunk, end)]
+    assert [end for end, _ in run.chunks] == evicting and len(evicting) >= 2
     for end, kept in run.chunks:
-        held, protected = trailing_window_held(end, n, budget, window, floor)
+        held = plan.kept_length_at(end)
         for layer in kept:
             assert layer.counts.tolist() == [held] * layer.counts.shape[0]
             for head in range(layer.counts.shape[0]):
                 positions = set(layer.head(head).tolist())
                 assert set(range(n - window, end)) <= positions and len(positions) == held
+    assert any(plan.trailing_held(end)[1] for end, _ in run.chunks)  # the window arrived before the end
     assert [k.total for k in run.kept] == [b * model.config.num_key_value_heads for b in plan.layer_budgets]
-    assert trailing_window_held(n - chunk, n, budget, window, floor)[1] == 0
 
 
 def _echo_selection(model, ids: torch.Tensor, tokens: list[int], policy, budgets, window: int = 32):

@@ -274,17 +274,18 @@ class ChunkEviction:
         slots, positions, keys, values = held.slots, held.positions, held.keys, held.values
         scored = keys.shape[1]  # the prompt's entries; trailing tokens are kept after them
         budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len - r.shared)
+        tail = 0 if r.final else plan.trailing_held(r.seq_len - r.shared)[1]  # a trailing window, kept whole
         query_positions = None
         if echo is not None:  # the chunk's own last window, then the echo's queries after it
             echoing, echoed = echo
-            policy = echoing if r.final else between_chunks(echoing, self.between, budget)
+            policy = echoing if r.final else between_chunks(echoing, self.between, budget, tail)
             own = self.saved_window(layer_idx, r, r.policy.query_window(scored - r.shared))
             queries = torch.cat([own.to(echoed.dtype), echoed]).transpose(0, 1)
             first = scored - own.shape[0]
             query_positions = torch.arange(first, scored + echoed.shape[0], device=keys.device)
         else:
             prompt_end = r.q_start + (r.prompt_len - r.computed if r.final else r.q_len)
-            policy = r.policy if r.final else between_chunks(r.policy, self.between, budget)
+            policy = r.policy if r.final else between_chunks(r.policy, self.between, budget, tail)
             window = policy.query_window(scored - r.shared)
             queries = self.observation(layer_idx, r, query, prompt_end, window)
         layer = LayerKV(

@@ -22,9 +22,7 @@ from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
 from vllm_kvevict.policies.between_chunks import (
     DEFAULT_BETWEEN,
     BetweenRule,
-    KeepTail,
     between_chunks,
-    trailing_window_held,
 )
 from vllm_kvevict.policies.query_statistics import QueryStatistics
 
@@ -82,7 +80,6 @@ def chunked_prefill(
     plan: RequestPlan,
     chunk: int,
     between: BetweenRule | str = DEFAULT_BETWEEN,
-    trailing_window: int | None = None,
     echo: Sequence[int] = (),
     between_echo: Sequence[int] = (),
 ) -> ChunkedPrefill:
@@ -94,10 +91,8 @@ def chunked_prefill(
     ``between``: how the held entries are judged between chunks (a ``BetweenRule``, or its kind alone).
     Every layer's pre-RoPE query statistics are carried across chunks (``LayerKV.query_statistics``, what
     Expected Attention judges by, between chunks and at the end).
-    ``trailing_window`` (FastKVzip's rule, ``between_chunks.trailing_window_held``): after every chunk the
-    tokens before the prompt's last ``trailing_window`` are held at r' = (B - w) / (L - w) and the arrived
-    part of the window is held whole (``KeepTail``), instead of the plan's ``a(n)``; B is the plan's
-    largest layer budget.
+    A plan with a trailing window (``RequestPlan.trailing_window``, FastKVzip's rule) holds its ``a(n)`` with
+    the arrived part of the window kept whole (``between_chunks(..., tail=...)``), as the server does.
     ``echo`` (the question echo, ``datapath/question_echo.py``): tokens run after the last chunk at positions
     ``n ..`` with what the heads hold in view; their queries judge the final selection beside the prompt's
     own last window (the method's ``echo_policy`` copy), as the server does. ``between_echo``: tokens run
@@ -131,7 +126,7 @@ def chunked_prefill(
         logits = out.logits[0, -1].float()
         for stats, recorder in zip(statistics, recorders, strict=True):
             stats.update(recorder.queries, torch.arange(start, end, device=ids.device))
-        if final or trailing_window is not None or plan.chunk_rescores(start, end):
+        if final or plan.chunk_rescores(start, end):
             echoed = echo if final else between_echo
             echo_query = _echo_queries(model, cache, echoed, end, held, held_end) if echoed else None
             kept = []
@@ -168,15 +163,10 @@ def chunked_prefill(
                 )
                 if final:
                     budget, selector = plan.layer_budgets[layer_idx], final_policy
-                elif trailing_window is not None:
-                    judge = between_chunks(between_policy, between, max(plan.layer_budgets))
-                    budget, tail = trailing_window_held(
-                        end, total, max(plan.layer_budgets), trailing_window, floor=judge.min_budget
-                    )
-                    selector = KeepTail(between_chunks(between_policy, between, budget - tail), tail)
                 else:
                     budget = plan.kept_length_at(end)
-                    selector = between_chunks(between_policy, between, budget)
+                    tail = plan.trailing_held(end)[1]
+                    selector = between_chunks(between_policy, between, budget, tail)
                 choice = selector.select(layer, min(budget, layer.num_tokens))
                 kept.append(KeptTokens(gather_kept(positions, choice), choice.counts))
             if final:

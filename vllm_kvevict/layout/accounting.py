@@ -37,6 +37,13 @@ multiple of S: ``O(n) = O(S·floor(n/S))``. It then moves only when the computed
 and the scheduler never lets a chunk run past one (``runner_hooks.split_prefill_chunk``): every eviction sees
 the same entries and queries whichever way the token budget cut the prompt, so what a request keeps depends
 on the request alone. Between multiples a head holds at most I + bs - 1 + S entries.
+
+With a trailing window w (``trailing_window``, FastKVzip's rule, ``layout/trailing_window.py``) the held
+count follows the prompt length instead of I: ``O(n) = min(bs·floor((n - h(n))/bs), O0)`` (again 0 below
+2bs), where h(n) holds the tokens before the prompt's last w at r' = (B' - w)/(P - w) (at least the
+method's floor) and every arrived token of the window. n - h(n) never decreases (slope 1 - r' before the
+window, 0 inside it), so O is non-decreasing; a(n) lies in [h(n), h(n) + bs) and the worker keeps the
+arrived part of the window whole among them.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from vllm_kvevict.layout.trailing_window import trailing_window_held
 from vllm_kvevict.policies.base import EvictionPolicy
 
 
@@ -105,6 +113,10 @@ class RequestPlan:
         (>= kept_bound; 0: nothing is evicted before the prompt is complete).
     chunk_stride: S, prompt tokens between evictions before the prompt is complete: the offset moves only
         when the computed tokens reach a multiple of S (0: wherever a chunk ends).
+    trailing_window: w > 0: between chunks the prompt's last w tokens are held whole once arrived and the
+        tokens before them at r' = (B' - w)/(P - w) (FastKVzip's rule) instead of I; 0: I.
+    trailing_floor: under a trailing window, what each head holds of the tokens before it at least (the
+        between-chunks selection's minimum budget).
     """
 
     prompt_len: int
@@ -117,6 +129,8 @@ class RequestPlan:
     decode_interval: int = 0
     chunk_budget: int = 0
     chunk_stride: int = 0
+    trailing_window: int = 0
+    trailing_floor: int = 0
 
     @property
     def offset0(self) -> int:
@@ -152,8 +166,20 @@ class RequestPlan:
             return 0
         if self.chunk_stride:  # the last stride point reached: what is evicted depends on positions only
             computed_tokens -= computed_tokens % self.chunk_stride
-        aligned = self.block_size * ((computed_tokens - self.chunk_budget) // self.block_size)
+        held = self.chunk_budget
+        if self.trailing_window:
+            held = self.trailing_held(computed_tokens)[0]
+        aligned = min(self.block_size * ((computed_tokens - held) // self.block_size), self.offset0)
         return aligned if aligned >= 2 * self.block_size else 0
+
+    def trailing_held(self, computed_tokens: int) -> tuple[int, int]:
+        """Under a trailing window: (h(n), the arrived tokens of the window among them) after
+        ``computed_tokens`` < P prompt tokens (``layout/trailing_window.py``); (n, 0) without one."""
+        if not self.trailing_window:
+            return computed_tokens, 0
+        return trailing_window_held(
+            computed_tokens, self.prompt_len, self.kept_bound, self.trailing_window, self.trailing_floor
+        )
 
     def offset_at(self, computed_tokens: int) -> int:
         """O after ``computed_tokens`` tokens (prompt, then generated) are in the cache."""
@@ -220,19 +246,30 @@ CHUNK_BUDGET_FLOOR = 512
 
 
 def with_chunk_budget(
-    plan: RequestPlan, chunk_budget: int | float | None, chunk_stride: int = 0
+    plan: RequestPlan,
+    chunk_budget: int | float | None,
+    chunk_stride: int = 0,
+    trailing_window: int = 0,
+    trailing_floor: int = 0,
 ) -> RequestPlan:
     """``plan`` evicting between chunks down to I: ``chunk_budget`` an int (tokens per KV head) or a float
     >= 1 (a multiple of the plan's B', at least ``CHUNK_BUDGET_FLOOR`` tokens), never below B', at every
-    multiple of ``chunk_stride`` prompt tokens (0: after every chunk). None, or a prompt kept whole: nothing
-    between chunks."""
+    multiple of ``chunk_stride`` prompt tokens (0: after every chunk). ``trailing_window`` > 0: FastKVzip's
+    rule instead of I (the module docstring), holding at least ``trailing_floor`` of the tokens before the
+    window. None, or a prompt kept whole: nothing between chunks."""
     if chunk_budget is None or not plan.compacts:
         return plan
     if isinstance(chunk_budget, float):
         tokens = max(int(chunk_budget * plan.kept_bound), CHUNK_BUDGET_FLOOR)
     else:
         tokens = int(chunk_budget)
-    return dataclasses.replace(plan, chunk_budget=max(tokens, plan.kept_bound), chunk_stride=chunk_stride)
+    return dataclasses.replace(
+        plan,
+        chunk_budget=max(tokens, plan.kept_bound),
+        chunk_stride=chunk_stride,
+        trailing_window=min(trailing_window, plan.kept_bound),
+        trailing_floor=trailing_floor,
+    )
 
 
 def plan_request(
@@ -278,6 +315,8 @@ def request_planner(
     decode_min: int = 0,
     chunk_budget: int | float | None = None,
     chunk_stride: int = 0,
+    trailing_window: int = 0,
+    trailing_floor: int = 0,
 ) -> Callable[[int], RequestPlan]:
     """``plan_request`` (plus ``with_decode_cap`` and ``with_chunk_budget``) with everything but the prompt
     length fixed, memoised per prompt length (the scheduler and the worker both ask for the same plans on
@@ -286,7 +325,7 @@ def request_planner(
     @lru_cache(maxsize=4096)
     def plan_for(prompt_len: int) -> RequestPlan:
         plan = plan_request(prompt_len, budget, block_size, policy, num_layers)
-        plan = with_chunk_budget(plan, chunk_budget, chunk_stride)
+        plan = with_chunk_budget(plan, chunk_budget, chunk_stride, trailing_window, trailing_floor)
         return with_decode_cap(plan, decode_cap, decode_interval, decode_min)
 
     return plan_for

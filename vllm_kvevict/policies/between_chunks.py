@@ -124,12 +124,20 @@ class BetweenRule:
 
 
 def between_chunks(
-    policy: EvictionPolicy, rule: BetweenRule | str = DEFAULT_BETWEEN, budget: int | None = None
+    policy: EvictionPolicy,
+    rule: BetweenRule | str = DEFAULT_BETWEEN,
+    budget: int | None = None,
+    tail: int = 0,
 ) -> EvictionPolicy:
     """The policy that keeps a prompt's intermediate budget between chunks: ``policy`` with its per-head
     allocation taken out (Ada-KV's shared stage), so every head keeps the same count and the next chunk
     scores a dense ``[H, L]`` sequence, judged as ``rule`` says (a kind alone takes the default share and
-    span). ``budget``: the entries per head it will keep, which sets the span when the rule leaves it open."""
+    span). ``budget``: the entries per head it will keep, which sets the span when the rule leaves it open.
+    ``tail`` > 0: the newest ``tail`` held entries are kept whatever their scores (the arrived part of a
+    trailing window, ``layout/trailing_window.py``) and the rule chooses the rest among the others."""
+    if tail:
+        rest = None if budget is None else budget - tail
+        return KeepTail(between_chunks(policy, rule, rest), tail)
     rule = BetweenRule(rule) if isinstance(rule, str) else rule
     uniform = _uniform(policy)
     if rule.kind == "window":
@@ -146,37 +154,6 @@ def _uniform(policy: EvictionPolicy) -> EvictionPolicy:
     if isinstance(policy, CriticalKV) and isinstance(policy.inner, AdaKV):
         return dataclasses.replace(policy, inner=policy.inner.inner)
     return policy
-
-
-def trailing_window_ratio(budget: int, prompt_len: int, window: int) -> float:
-    """FastKVzip's per-chunk kept ratio r' = (B - w) / (L - w): the tokens before the prompt's trailing
-    ``window`` are kept at r' so that, with the window kept whole, the prompt ends at ``budget`` = r * L
-    entries per head. A window larger than the budget is cut to the budget (r' = 0)."""
-    check_int("trailing_window", "budget", budget, 0)
-    check_int("trailing_window", "prompt_len", prompt_len, 1)
-    check_int("trailing_window", "window", window, 0)
-    budget = min(budget, prompt_len)
-    window = min(window, budget)
-    if window >= prompt_len:
-        return 1.0
-    return (budget - window) / (prompt_len - window)
-
-
-def trailing_window_held(
-    computed: int, prompt_len: int, budget: int, window: int, floor: int = 0
-) -> tuple[int, int]:
-    """(entries each head holds after ``computed`` of ``prompt_len`` tokens, how many of them are the
-    protected trailing window) under FastKVzip's rule: the tokens before the window ``L - w`` are compressed
-    to ``floor(r' * m)`` of the m arrived so far (at least ``floor`` of them: what the scorer always keeps),
-    and every token of the trailing window that has arrived is held."""
-    check_int("trailing_window", "computed", computed, 0)
-    ratio = trailing_window_ratio(budget, prompt_len, window)
-    window = min(window, min(budget, prompt_len))
-    start = prompt_len - window  # the first protected position
-    before = min(computed, start)
-    compressed = min(before, max(int(ratio * before), floor))
-    protected = max(0, min(computed, prompt_len) - start)
-    return compressed + protected, protected
 
 
 @dataclass

@@ -36,6 +36,7 @@ PREFILL_KEYS = (
     "prefill",
     "chunk_budget",
     "chunk_stride",
+    "trailing_window",
     "between",
     "between_share",
     "between_span",
@@ -260,6 +261,10 @@ class EvictionConfig:
         chunk run past one, so what a request keeps depends on the request alone, not on how the scheduler's
         token budget cut its prompt under load. None: vLLM's chunk size (``max_num_batched_tokens``), set by
         ``get_eviction_config``.
+    trailing_window: with per-chunk eviction, FastKVzip's rule instead of ``chunk_budget`` (an int >= 0): the
+        prompt's last ``trailing_window`` tokens are never evicted before the prompt is complete, the tokens
+        before them are held at r' = (B - w) / (L - w) while they arrive, from the prompt length L known at
+        admission (``layout/trailing_window.py``). 0 (the default): ``chunk_budget``.
     question_echo: tokens of a chat prompt's last user turn run again after the prompt, whose queries judge
         the prompt beside its own last window (``datapath/question_echo.py``); 0 turns the echo off. Only for
         methods that judge by a query window (the SnapKV family, NaCl). None (the default): 32
@@ -281,6 +286,7 @@ class EvictionConfig:
     between_span: int | None = BetweenRule.span_after
     between_scorer: str = BetweenRule.scorer
     chunk_stride: int | None = None
+    trailing_window: int = 0
     question_echo: int | None = None
     echo_between_chunks: bool = False
 
@@ -309,6 +315,12 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"kv_eviction.chunk_stride={stride!r} is not valid; use an integer >= 1 (prompt tokens "
                 "between evictions of a chunked prompt) or leave it unset (vLLM's chunk size)"
+            )
+        window = self.trailing_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise EvictionConfigError(
+                f"kv_eviction.trailing_window={window!r} is not valid; use an integer >= 0 (prompt tokens "
+                "held whole between chunks, FastKVzip's rule) or 0 for chunk_budget"
             )
         self._check_question_echo()
         try:  # BetweenRule names a bad kind, share, span or scorer and its valid values
@@ -379,6 +391,8 @@ class EvictionConfig:
         }
         if self.chunk_stride is not None:
             raw["chunk_stride"] = self.chunk_stride
+        if self.trailing_window:
+            raw["trailing_window"] = self.trailing_window
         raw["question_echo"] = self.question_echo
         raw["echo_between_chunks"] = self.echo_between_chunks
         if self.decode is not None:
@@ -428,7 +442,10 @@ class EvictionConfig:
             floor = f" (x B', >= {CHUNK_BUDGET_FLOOR} tokens)" if isinstance(self.chunk_budget, float) else ""
             between = self.between_rule.describe()
             stride = f" every {self.chunk_stride} prompt tokens" if self.chunk_stride else ""
-            prefill = f"prefill=chunked chunk_budget={self.chunk_budget}{floor}{stride} {between}"
+            held = f"chunk_budget={self.chunk_budget}{floor}"
+            if self.trailing_window:
+                held = f"trailing_window={self.trailing_window} (FastKVzip's r' = (B - w) / (L - w))"
+            prefill = f"prefill=chunked {held}{stride} {between}"
         elif not self.keeps_chunked_prefill:
             prefill = "prefill=whole (a decode-time cap needs whole prompts)"
         else:

@@ -25,6 +25,7 @@ from typing import Any
 
 from vllm_kvevict.layout.accounting import RequestPlan, request_planner
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
+from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
 from vllm_kvevict.policies.registry import method_needs_o_proj
 from vllm_kvevict.settings.config import (
@@ -243,14 +244,19 @@ def planner(
     decode_budget: int | float | None = None,
     chunk_budget: int | float | None = None,
     chunk_stride: int = 0,
+    trailing_window: int = 0,
+    between: BetweenRule | None = None,
 ) -> Callable[[int], RequestPlan]:
-    """The plan per prompt length of a setting: prefill budget, ``chunk_budget`` between chunks (None: none)
-    and, with ``decode``, its decode-time cap (``decode_budget`` overriding the setting's). Scheduler and
-    workers build it from the same values."""
+    """The plan per prompt length of a setting: prefill budget, ``chunk_budget`` between chunks (None: none;
+    FastKVzip's rule instead with ``trailing_window`` > 0, holding at least what the ``between`` selection
+    always keeps) and, with ``decode``, its decode-time cap (``decode_budget`` overriding the setting's).
+    Scheduler and workers build it from the same values."""
+    chunks = {"chunk_budget": chunk_budget, "chunk_stride": chunk_stride}
+    if trailing_window:
+        floor = between_chunks(policy, between or BetweenRule()).min_budget
+        chunks.update(trailing_window=trailing_window, trailing_floor=floor)
     if decode is None:
-        return request_planner(
-            budget, block_size, policy, num_layers, chunk_budget=chunk_budget, chunk_stride=chunk_stride
-        )
+        return request_planner(budget, block_size, policy, num_layers, **chunks)
     cap = decode.budget if decode_budget is None else decode_budget
     minimum = decode_policy(decode).min_cap
     return request_planner(
@@ -261,8 +267,7 @@ def planner(
         cap,
         decode.interval,
         minimum,
-        chunk_budget=chunk_budget,
-        chunk_stride=chunk_stride,
+        **chunks,
     )
 
 
@@ -321,6 +326,8 @@ class RequestSettings:
             num_layers,
             chunk_budget=self.chunk_budget_for(None),
             chunk_stride=server.chunk_stride or 0,
+            trailing_window=server.trailing_window,
+            between=server.between_rule,
         )
 
     def chunk_budget_for(self, prefill: str | None) -> int | float | None:
@@ -357,6 +364,8 @@ class RequestSettings:
             override.decode_budget,
             self.chunk_budget_for(override.prefill),
             self.server.chunk_stride or 0,
+            self.server.trailing_window,
+            self.server.between_rule,
         )
         identity = ""
         if override.context:

@@ -290,3 +290,16 @@ def test_between_share_and_span_come_with_the_prefill_schedule_and_bad_ones_are_
         message = rf"kv_eviction\.{key}={value!r} is not valid.*{re.escape(valid)}"
         with pytest.raises(EvictionConfigError, match=message):
             EvictionConfig.from_dict({"method": "snapkv", "budget": 256, key: value})
+
+
+def test_a_trailing_window_comes_with_the_prefill_schedule_and_a_bad_one_is_named():
+    raw = {"method": "ada-snapkv", "budget": 0.1, "params": {"prefill": "chunked", "trailing_window": 256}}
+    config = EvictionConfig.from_dict(raw)
+    assert config.params == {} and config.trailing_window == 256
+    assert EvictionConfig.from_dict(config.to_dict()) == config
+    assert "prefill=chunked trailing_window=256 (FastKVzip's" in config.describe()
+    assert "trailing_window" not in EvictionConfig.from_dict({**raw, "params": {}}).to_dict()
+    for value in (-1, 1.5, True, "wide"):
+        message = rf"kv_eviction\.trailing_window={value!r} is not valid; use an integer >= 0"
+        with pytest.raises(EvictionConfigError, match=message):
+            EvictionConfig.from_dict({"method": "snapkv", "budget": 256, "trailing_window": value})

@@ -323,3 +323,17 @@ def test_scheduler_and_worker_agree_on_each_requests_plan():
     for req in requests.values():
         manager.free(req)
     assert manager.block_pool.get_num_free_blocks() == free_at_start
+
+
+def test_a_trailing_window_sets_the_plan_of_every_request_that_evicts_per_chunk():
+    """The server's ``trailing_window`` reaches the plans of the server's setting and of a request's own
+    budget alike (both sides build them from the same values); a whole-prompt request has none."""
+    config = EvictionConfig("ada-snapkv", 0.1, prefill="chunked", trailing_window=256)
+    settings = RequestSettings(config, 32, 30)
+    plan = settings.plan_for(4096)
+    assert (plan.trailing_window, plan.kept_bound) == (256, 416)
+    assert plan.trailing_floor == 36  # blend's minimum: the method's window of 32 and 4 sinks
+    assert plan.kept_length_at(512) == 64  # FastKVzip's ratio raised to the floor, block-aligned
+    quarter = settings.resolve({"kv_budget": 0.25}).plan_for(4096)
+    assert quarter.trailing_window == 256 and quarter.kept_length_at(512) < 512
+    assert settings.resolve({"kv_prefill": "whole"}).plan_for(4096).trailing_window == 0

@@ -13,7 +13,11 @@ CHUNK = 96  # chunks end at 96, 192, 288, 384, then 400
 
 
 def chunk_config(
-    method: str, budget: int = 64, chunk_budget: int | float = 96, between: str = "window"
+    method: str,
+    budget: int = 64,
+    chunk_budget: int | float = 96,
+    between: str = "window",
+    trailing_window: int = 0,
 ) -> EvictionConfig:
     """Prefill eviction only (StreamingLLM and H2O imply a decode-time cap, which keeps prompts whole)."""
     return EvictionConfig.from_dict(
@@ -23,6 +27,7 @@ def chunk_config(
             "prefill": "chunked",
             "chunk_budget": chunk_budget,
             "between": between,
+            "trailing_window": trailing_window,
             "decode": {"method": "none"},
         }
     )
@@ -88,6 +93,38 @@ def test_each_chunk_leaves_every_head_its_intermediate_budget_in_the_blocks_the_
     after = engine.held("r", LAYERS - 1)
     assert [len(h) for h in after] == [n + 40 for n in before]
     assert all(h[-40:] == list(range(PROMPT, PROMPT + 40)) for h in after)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], (
+        "a policy fell back to its newest entries"
+    )
+
+
+@pytest.mark.parametrize(("method", "between"), [("ada-snapkv", "blend"), ("snapkv", "expected-attention")])
+def test_a_trailing_window_is_held_whole_and_the_rest_follows_the_prompt_length(method, between, caplog):
+    """FastKVzip's rule (``trailing_window`` = 64 of a 400-token prompt, more than the method's window of 32):
+    after each evicting chunk every head holds the plan's a(n) (the rule's count, block-aligned) with every
+    arrived token of the prompt's last 64 among them; the prompt then ends at its layer budgets with its
+    last 32 (SnapKV's window) kept."""
+    engine = SimulatedEngine(chunk_config(method, between=between, trailing_window=64))
+    plan = engine.worker.plan_for(PROMPT)
+    assert plan.trailing_window == 64 and plan.trailing_held(384) == (plan.trailing_held(336)[0] + 48, 48)
+    done, protected_seen = 0, 0
+    while done < PROMPT:
+        step = min(CHUNK, PROMPT - done)
+        engine.step([("r", PROMPT, done, step, None)])
+        done += step
+        if done == PROMPT or plan.prefill_offset(done) == 0:
+            continue
+        window = set(range(PROMPT - 64, done))
+        protected_seen += len(window)
+        for layer in range(LAYERS):
+            held = engine.held("r", layer)
+            assert [len(h) for h in held] == [plan.kept_length_at(done)] * HEADS
+            assert all(window <= set(h) for h in held)
+    assert protected_seen == 48  # after 384 tokens: 336..383
+    for layer in range(LAYERS):
+        held = engine.held("r", layer)
+        assert sum(map(len, held)) == HEADS * plan.layer_budgets[layer]
+        assert all(h[-32:] == list(range(PROMPT - 32, PROMPT)) for h in held)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], (
         "a policy fell back to its newest entries"
     )

@@ -25,8 +25,6 @@ from vllm_kvevict.policies.between_chunks import (
     Blend,
     KeepTail,
     between_chunks,
-    trailing_window_held,
-    trailing_window_ratio,
 )
 
 
@@ -199,27 +197,6 @@ def test_expected_attention_between_chunks_reads_the_statistics_carried_in_the_l
     scorer = between_chunks(build_policy("snapkv"), "expected-attention", 48)
     assert torch.equal(scorer.select(carried, 48).indices, scorer.select(everything, 48).indices)
     assert not torch.equal(scorer.score(carried, 48), scorer.score(window_only, 48))
-
-
-def test_trailing_window_ratio_keeps_the_prompt_at_its_budget_with_the_window_whole() -> None:
-    # r = 10 % of L = 4,000 with w = 200: (400 - 200) / 3,800 of the first 3,800 tokens, then all 200.
-    ratio = trailing_window_ratio(400, 4000, 200)
-    assert ratio == pytest.approx(200 / 3800)
-    assert ratio * 3800 + 200 == pytest.approx(400)
-    assert trailing_window_ratio(100, 4000, 200) == 0.0  # the window is cut to the budget
-    assert trailing_window_ratio(400, 4000, 0) == pytest.approx(0.1)
-
-
-def test_trailing_window_held_counts_compressed_then_protected_entries() -> None:
-    L, B, w = 4000, 400, 200
-    assert trailing_window_held(512, L, B, w) == (int(512 * 200 / 3800), 0)
-    assert trailing_window_held(3800, L, B, w) == (200, 0)
-    assert trailing_window_held(3900, L, B, w) == (200 + 100, 100)  # half the window has arrived
-    assert trailing_window_held(4000, L, B, w) == (400, 200)  # the final budget, window whole
-    assert trailing_window_held(512, L, B, w, floor=36) == (36, 0)  # what the scorer always keeps
-    assert trailing_window_held(20, L, B, w, floor=36) == (20, 0)  # fewer arrived than the floor
-    with pytest.raises(ValueError, match="window=-1 is not valid"):
-        trailing_window_held(10, L, B, -1)
 
 
 def test_keep_tail_holds_the_newest_entries_and_lets_the_scorer_choose_among_the_rest() -> None:
