@@ -125,8 +125,9 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='Method parameters as a JSON object, e.g. \'{"window": 32, "kernel": 7, "alpha": 0.2}\', or a '
         "preset file such as configs/ada-snapkv.yaml (its method is used unless --kv-eviction names it). "
-        'The prompt schedule goes here too: "prefill" (whole|chunked), "chunk_budget", "between" '
-        f"({'|'.join(BETWEEN_KINDS)}, how a prompt is judged between chunks) and \"between_scorer\" "
+        'The prompt schedule goes here too: "prefill" (whole|chunked), "chunk_budget" or "trailing_window", '
+        '"between" '
+        f'({"|".join(BETWEEN_KINDS)}, how a prompt is judged between chunks) and "between_scorer" '
         f"({'|'.join(BETWEEN_SCORERS)}, blend's second score).",
     )
     decode_names = [*decode_method_names(), NO_DECODE]
