@@ -14,8 +14,9 @@ each (method, kept fraction), both with the server's plan (``layout.accounting``
   ``RequestPlan.trailing_held``): the tokens before the prompt's last W are held at r' = (B' - W) / (L - W),
   the arrived part of the last W whole.
 - with ``--echo W`` (the question echo, ``datapath/question_echo.py``), three more rows per method and
-  fraction: ``whole echo`` (the served default: the last user turn's first W tokens run after the prompt,
-  their queries judging beside the method's own window), ``chunked@I echo-last`` (per chunk, the echo
+  fraction (the per-chunk ones for every intermediate budget and trailing window): ``whole echo`` (the
+  served default: the last user turn's first W tokens run after the prompt, their queries judging beside
+  the method's own window), ``chunked@I echo-last`` (per chunk, the echo
   judging the last chunk's selection only: the server with ``prefill: chunked``) and ``chunked@I echo``
   (the echo after every evicting chunk too: there the user turn's first W tokens and the prompt's last W,
   run right after the tokens so far, since a question-last prompt's question has not arrived yet).
@@ -143,27 +144,26 @@ def rows_for_prompt(
                     layers = probed_layers(whole.layers, echo_queries(model, whole, head), window=window)
                     kept = [echoed.select(layer, b) for layer, b in zip(layers, budgets, strict=True)]
                     runs.append((f"{method} whole echo", fraction, whole, kept))
-            for factor in chunk_budgets:
-                chunk_plan = with_chunk_budget(plan, factor)
-                for between in betweens:
-                    label = f"{method} chunked@{factor:g}" + variant_suffix(between)
-                    echoes = [("", (), ())] if plain_chunked else []
-                    if head and "last" in echo_rows:
-                        echoes.append((" echo-last", head, ()))
-                    if head and "each" in echo_rows:
-                        echoes.append((" echo", head, between_echo))
+            echoes = [("", (), ())] if plain_chunked else []
+            if head and "last" in echo_rows:
+                echoes.append((" echo-last", head, ()))
+            if head and "each" in echo_rows:
+                echoes.append((" echo", head, between_echo))
+            for between in betweens:
+                floor = between_chunks(policy, between).min_budget
+                chunk_plans = [
+                    (f"chunked@{factor:g}", with_chunk_budget(plan, factor)) for factor in chunk_budgets
+                ]
+                chunk_plans += [
+                    (f"chunked tw={w}", with_chunk_budget(plan, 1.0, 0, w, floor)) for w in trailing_windows
+                ]
+                for name, chunk_plan in chunk_plans:
+                    label = f"{method} {name}" + variant_suffix(between)
                     for suffix, last, each in echoes:
                         chunked = chunked_prefill(
                             model, ids, policy, chunk_plan, chunk, between, echo=last, between_echo=each
                         )
                         runs.append((label + suffix, fraction, chunked.prompt, chunked.kept))
-            for trailing in trailing_windows:
-                for between in betweens:
-                    floor = between_chunks(policy, between).min_budget
-                    trailing_plan = with_chunk_budget(plan, 1.0, 0, trailing, floor)
-                    chunked = chunked_prefill(model, ids, policy, trailing_plan, chunk, between)
-                    label = f"{method} chunked tw={trailing}" + variant_suffix(between)
-                    runs.append((label, fraction, chunked.prompt, chunked.kept))
     rows = []
     for label, fraction, prompt, kept in runs:
         (tokens,) = decode_in_batches(model, prompt, [kept], new_tokens, n, stops, finished, batch_bytes)
