@@ -56,3 +56,40 @@ def test_no_prefix_is_plain_select():
     layer = random_layer(n=N, w=32)
     policy = build_policy("snapkv")
     assert torch.equal(policy.select_after(layer, BUDGET, 0).indices, policy.select(layer, BUDGET).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [
+        ("snapkv", {}),
+        ("snapkv", {"pooling": "avg", "kernel": 5, "span_after": 0}),
+        ("snapkv", {"span_after": 16}),
+        ("pyramidkv", {}),
+    ],
+)
+def test_scores_after_the_prefix_leave_its_own_scores_out_but_equal_the_whole_layers(method, params, dtype):
+    """``score_after`` spans the prefix in the softmax through its log-sum-exp alone and scores only what
+    pooling and the span carry past it: the same scores as the whole layer's after the prefix, the cache's
+    bf16 keys included (the log-sum-exp then comes from torch's fused CPU attention)."""
+    n, fixed = 900, 700
+    layer = random_layer(kv_heads=3, group=3, n=n, w=32, d=64, dtype=dtype, seed=7)
+    policy = build_policy(method, **params)
+    assert isinstance(policy, ScoredPolicy)
+    whole = policy.score(layer, BUDGET)[:, fixed:]
+    after = policy.score_after(layer, BUDGET, fixed)
+    torch.testing.assert_close(after, whole, rtol=1e-4, atol=1e-7)
+    kept = policy.select_after(layer, BUDGET, fixed)
+    expected = KeptTokens.from_mask(top_k_mask(whole, BUDGET))
+    assert torch.equal(kept.indices, torch.where(expected.indices >= 0, expected.indices + fixed, -1))
+
+
+def test_an_own_part_shorter_than_the_window_scores_the_prefix_it_reaches():
+    """Window queries that lie in the prefix do not see all of it: the left-out columns stop at the first
+    window query, and the scores still equal the whole layer's."""
+    layer = random_layer(kv_heads=2, group=3, n=200, w=32, d=32, seed=9)
+    policy = build_policy("snapkv")
+    assert isinstance(policy, ScoredPolicy)
+    torch.testing.assert_close(
+        policy.score_after(layer, BUDGET, 190), policy.score(layer, BUDGET)[:, 190:], rtol=1e-5, atol=1e-8
+    )
