@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from chunk_walk import walk_chunks
 
-from vllm_kvevict.layout.accounting import cdiv, plan_request, with_chunk_budget
+from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget
 from vllm_kvevict.layout.trailing_window import trailing_window_held, trailing_window_ratio
 from vllm_kvevict.policies.registry import build_policy
 
@@ -55,25 +56,13 @@ def test_trailing_plan_holds_the_window_whole_and_leaves_room_for_every_chunk(me
         if not plan.compacts:
             continue
         assert plan.trailing_window == min(window, plan.kept_bound)
-        done, offset = 0, 0
-        while done < prompt_len:
-            step = min(rng.choice([1, bs, 256, 512, rng.randint(1, 2048)]), prompt_len - done)
-            held_blocks = cdiv(done + step, bs) - plan.blocks_freed_at(done)
-            assert cdiv(plan.kept_length_at(done) + step, bs) <= held_blocks
-            done += step
-            assert plan.offset_at(done) >= offset and plan.offset_at(done) % bs == 0
-            offset = plan.offset_at(done)
-            if done < prompt_len:
-                assert offset <= plan.offset0
-                point = done - (done % stride if stride else 0)  # the last stride point reached
-                if offset and point == done:
-                    held, protected = plan.trailing_held(done)
-                    assert held <= plan.kept_length_at(done) < held + bs
-                    assert protected == max(0, done - (prompt_len - plan.trailing_window))
-                    assert held - protected >= min(floor, done - protected)
-                    checked += 1
-                assert plan.chunk_rescores(done - step, done) == (plan.offset_at(done - step) != offset)
-        assert offset == plan.offset0 and plan.blocks_freed_at(prompt_len) == plan.blocks_to_free
+        for done, offset in walk_chunks(plan, rng):
+            if offset and done == done - (done % stride if stride else 0):  # at a stride point
+                held, protected = plan.trailing_held(done)
+                assert held <= plan.kept_length_at(done) < held + bs
+                assert protected == max(0, done - (prompt_len - plan.trailing_window))
+                assert held - protected >= min(floor, done - protected)
+                checked += 1
     assert checked > 100
 
 
