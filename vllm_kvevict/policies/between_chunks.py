@@ -184,14 +184,13 @@ class KeepTail(EvictionPolicy):
         keep = torch.zeros(layer.num_kv_heads, n, dtype=torch.bool, device=layer.keys.device)
         keep[:, head_len:] = True
         if budget > tail:
-            # Every earlier entry precedes the chunk's queries: all of them visible to every query.
+            # A query inside the tail (or after it: an echo) sees every earlier entry; one before it, those
+            # up to its own position.
             front = dataclasses.replace(
                 layer,
                 keys=layer.keys[:, :head_len],
                 values=layer.values[:, :head_len],
-                query_positions=torch.full(
-                    (layer.queries.shape[1],), head_len - 1, dtype=torch.int64, device=layer.keys.device
-                ),
+                query_positions=layer.positions().clamp(max=head_len - 1),
             )
             keep[:, :head_len] = self.inner.select(front, budget - tail).to_mask(head_len)
         return KeptTokens.from_mask(keep)

@@ -210,3 +210,20 @@ def test_keep_tail_holds_the_newest_entries_and_lets_the_scorer_choose_among_the
         assert kept.head(head).tolist() == alone.head(head).tolist() + list(range(70, 100))
     assert KeepTail(scorer, tail=30).min_budget == 42
     assert KeepTail(scorer, tail=30).select(layer, 100).total == 300  # nothing to evict
+
+
+def test_keep_tail_lets_a_query_before_the_tail_see_only_the_entries_up_to_it() -> None:
+    """A tail shorter than the window: the window's first queries lie before it and must not see the
+    entries between them and the tail (SnapKV's scores of the front equal those with their true positions)."""
+    layer = random_layer(kv_heads=2, n=100, w=32, d=16, seed=11)
+    inner = build_policy("snapkv", window=32, span_after=0)
+    kept = KeepTail(inner, tail=10).select(layer, 50)
+    front = LayerKV(
+        keys=layer.keys[:, :90],
+        values=layer.values[:, :90],
+        queries=layer.queries,
+        query_positions=torch.arange(68, 100).clamp(max=89),
+    )
+    alone = inner.select(front, 40)
+    for head in range(2):
+        assert kept.head(head).tolist() == alone.head(head).tolist() + list(range(90, 100))
