@@ -86,7 +86,7 @@ class AdaKV(EvictionPolicy):
             return self.select(layer, budget)
         if (everything := self.keep_all_or_check(after_prefix(layer, fixed), budget)) is not None:
             return shifted(everything, fixed)
-        scores = self.inner.score_after(layer, budget, fixed)
+        scores = self.inner.score(layer, budget)[:, fixed:]
         if self.allocation == "blend":
             keep = ada_blend_allocation(scores, budget, self.alpha)
         else:

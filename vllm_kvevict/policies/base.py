@@ -246,19 +246,13 @@ class ScoredPolicy(EvictionPolicy):
             return everything
         return KeptTokens.from_mask(top_k_mask(self.score(layer, budget), budget))
 
-    def score_after(self, layer: LayerKV, budget: int, fixed: int) -> torch.Tensor:
-        """[kv_heads, n - fixed] the scores of the tokens after a prefix of ``fixed`` tokens the caller keeps
-        anyway, judged with the prefix in view: ``score(layer, budget)[:, fixed:]``. A scorer that can leave
-        the prefix's own scores out (its softmax still spans it) overrides this."""
-        return self.score(layer, budget)[:, fixed:]
-
     def select_after(self, layer: LayerKV, budget: int, fixed: int) -> KeptTokens:
         """Scores of the whole layer (the prefix in the softmax), top-``budget`` per head after it."""
         if fixed <= 0:
             return self.select(layer, budget)
         if (everything := self.keep_all_or_check(after_prefix(layer, fixed), budget)) is not None:
             return shifted(everything, fixed)
-        scores = self.score_after(layer, budget, fixed)
+        scores = self.score(layer, budget)[:, fixed:]
         return shifted(KeptTokens.from_mask(top_k_mask(scores, budget)), fixed)
 
 

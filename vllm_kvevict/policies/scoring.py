@@ -46,48 +46,36 @@ def _check_shapes(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Te
 
 
 def _attention_probabilities(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    positions: torch.Tensor,
-    key_chunk: int,
-    key_offset: int = 0,
-    prefix_log_normaliser: torch.Tensor | None = None,
+    queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, key_chunk: int
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Causal softmax(q k^T / sqrt(d)) of a query block, yielded one key chunk at a time.
 
     queries: [kv_heads, g * w, d] float32 (query heads grouped under their KV head, so KV is never repeated)
-    keys: [kv_heads, n, d] float32, at positions ``key_offset ..``; positions: [g * w] int64.
-    prefix_log_normaliser: [kv_heads, g * w] log-sum-exp of each query's logits over keys before
-    ``key_offset`` (all visible to it), which the softmax then also spans (None: no such keys).
-    Yields (start, probs [kv_heads, g * w, c]) for key chunks [start, start + c) of ``keys``.
+    keys: [kv_heads, n, d] float32; positions: [g * w] int64.
+    Yields (start, probs [kv_heads, g * w, c]) for key chunks [start, start + c).
     """
     n, d = keys.shape[1], keys.shape[2]
     scale = 1.0 / math.sqrt(d)
-    # keys before this are visible to every query: no mask needed
-    first_hidden = int(positions.min()) + 1 - key_offset
+    first_hidden = int(positions.min()) + 1  # keys before this are visible to every query: no mask needed
 
     def logits(start: int) -> torch.Tensor:
         chunk = torch.bmm(queries, keys[:, start : start + key_chunk].transpose(1, 2)).mul_(scale)
         end = start + chunk.shape[-1]
         if end > first_hidden:  # only the columns some query cannot see need the mask
             first = max(start, first_hidden)
-            key_positions = torch.arange(first + key_offset, end + key_offset, device=keys.device)
+            key_positions = torch.arange(first, end, device=keys.device)
             hidden = chunk[..., first - start :]
             hidden.masked_fill_(key_positions[None, :] > positions[:, None], float("-inf"))
         return chunk
 
-    if n <= key_chunk and prefix_log_normaliser is None:
+    if n <= key_chunk:
         yield 0, torch.softmax(logits(0), dim=-1)
         return
     # Pass 1: running log-sum-exp per query row, keeping the chunk logits (O(w * n), like the result).
-    # Key 0 (or the prefix) is visible to every query, so the running max is finite after the first chunk.
+    # Key 0 is visible to every query, so the running max is finite after the first chunk.
     chunks = []
-    if prefix_log_normaliser is None:
-        running_max = torch.full(queries.shape[:2], float("-inf"), device=keys.device)
-        running_sum = torch.zeros(queries.shape[:2], device=keys.device)
-    else:
-        running_max = prefix_log_normaliser.float()
-        running_sum = torch.ones(queries.shape[:2], device=keys.device)
+    running_max = torch.full(queries.shape[:2], float("-inf"), device=keys.device)
+    running_sum = torch.zeros(queries.shape[:2], device=keys.device)
     for start in range(0, n, key_chunk):
         chunk = logits(start)
         new_max = torch.maximum(running_max, chunk.amax(dim=-1))
@@ -102,28 +90,6 @@ def _attention_probabilities(
         yield index * key_chunk, chunk.sub_(log_normaliser).exp_()
 
 
-def log_normaliser(queries: torch.Tensor, keys: torch.Tensor, key_chunk: int = 8192) -> torch.Tensor:
-    """log sum_j exp(q k_j / sqrt(d)) of each query over keys every query sees: [kv_heads, m] float32.
-
-    queries: [kv_heads, m, d] (a KV head's query group stacked along m); keys: [kv_heads, p, d]. On CPU this
-    is torch's fused flash attention, which returns the log-sum-exp beside its output and accumulates in
-    float32 from the cache's own dtype (the keys are neither copied nor converted); elsewhere the float32
-    logits, a key chunk at a time."""
-    d = keys.shape[2]
-    if keys.device.type == "cpu":
-        q, k = queries.to(keys.dtype)[None], keys[None]
-        _, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, k, 0.0, False, scale=1.0 / math.sqrt(d)
-        )
-        return lse[0].float()
-    q = queries.float() / math.sqrt(d)
-    parts = [
-        torch.logsumexp(torch.bmm(q, keys[:, start : start + key_chunk].float().transpose(1, 2)), dim=-1)
-        for start in range(0, keys.shape[1], key_chunk)
-    ]
-    return torch.logsumexp(torch.stack(parts), dim=0)
-
-
 def _grouped(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[q_heads, w, d] -> [kv_heads, g * w, d] float32, query head j under KV head j // g."""
     q_heads, w, d = queries.shape
@@ -136,29 +102,22 @@ def _column_sums(
     positions: torch.Tensor,
     key_chunk: int,
     query_chunk: int,
-    scored_from: int = 0,
 ) -> torch.Tensor:
-    """Sum over queries of causal attention probabilities per query head: [q_heads, n] float32; the columns
-    before ``scored_from`` count in every softmax through their log-sum-exp only and are returned as 0."""
+    """Sum over queries of causal attention probabilities per query head: [q_heads, n] float32."""
     q_heads, w, _ = queries.shape
     kv_heads, n, _ = keys.shape
     group = q_heads // kv_heads
-    keys32 = keys[:, scored_from:].float()
+    keys32 = keys.float()
     sums = torch.zeros(kv_heads, group, n, device=keys.device)
     for q_start in range(0, w, query_chunk):
         block = queries[:, q_start : q_start + query_chunk]
         c = block.shape[1]
+        grouped = _grouped(block, kv_heads)
         block_positions = positions[q_start : q_start + c].repeat(group)
-        prefix = None
-        if scored_from:
-            prefix = log_normaliser(block.reshape(kv_heads, group * c, -1), keys[:, :scored_from])
-        probabilities = _attention_probabilities(
-            _grouped(block, kv_heads), keys32, block_positions, key_chunk, scored_from, prefix
-        )
-        for k_start, probs in probabilities:
+        for k_start, probs in _attention_probabilities(grouped, keys32, block_positions, key_chunk):
             probs = probs.view(kv_heads, group, c, -1)
-            start = scored_from + k_start
-            sums[..., start : start + probs.shape[-1]] += probs.sum(dim=2)
+            width = probs.shape[-1]
+            sums[..., k_start : k_start + width] += probs.sum(dim=2)
     return sums.reshape(q_heads, n)
 
 
@@ -167,7 +126,6 @@ def window_attention(
     keys: torch.Tensor,
     query_positions: torch.Tensor | None = None,
     chunk_size: int = 8192,
-    scored_from: int = 0,
 ) -> torch.Tensor:
     """Mean causal attention of w queries over n keys, per query head.
 
@@ -176,18 +134,11 @@ def window_attention(
     position p iff j <= p. Returns [q_heads, n] float32 = mean over the w queries of softmax(q k^T / sqrt(d)).
     The softmax is taken over key chunks of ``chunk_size`` (one plain softmax up to 8k tokens, the bundled
     model's context), never over an n x n matrix: memory O(w * n) per head.
-    ``scored_from`` > 0: keys before it (a shared prefix every query sees) enter each softmax through their
-    log-sum-exp alone (``log_normaliser``) and their columns are returned as 0; the later columns are the
-    same probabilities as without it.
     """
     n = keys.shape[1]
     positions = _positions(query_positions, queries.shape[1], n, keys.device)
     _check_shapes(queries, keys, positions)
-    if scored_from and int(positions.min()) < scored_from - 1:
-        raise ValueError(
-            f"scored_from={scored_from}: the query at {int(positions.min())} does not see every key before it"
-        )
-    sums = _column_sums(queries, keys, positions, chunk_size, max(1, queries.shape[1]), scored_from)
+    sums = _column_sums(queries, keys, positions, chunk_size, max(1, queries.shape[1]))
     return sums / max(1, queries.shape[1])
 
 

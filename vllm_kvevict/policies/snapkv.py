@@ -66,22 +66,10 @@ class SnapKV(ScoredPolicy):
         return torch.arange(max(0, num_tokens - self.window), num_tokens)
 
     def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
-        return self._scores(layer)
-
-    def score_after(self, layer: LayerKV, budget: int, fixed: int) -> torch.Tensor:
-        """The window's softmax spans the prefix through its log-sum-exp alone: only the tokens pooling and
-        the span can carry into ``[fixed, n)`` are scored (the same values as ``score``'s)."""
-        reach = self.kernel // 2 + self.span_after
-        return self._scores(layer, max(0, fixed - reach))[:, fixed:]
-
-    def _scores(self, layer: LayerKV, scored_from: int = 0) -> torch.Tensor:
-        """[kv_heads, n] scores; with ``scored_from`` those of the tokens before it are left out (0 before
-        pooling) where every window query sees them."""
         n = layer.num_tokens
         window = min(self.window, n)
         queries, positions = window_queries(layer, window + self.echo_queries, type(self).__name__)
-        scored_from = min(scored_from, int(positions.min()) + 1) if positions.numel() else 0
-        attention = window_attention(queries, layer.keys, positions, scored_from=scored_from)[:, : n - window]
+        attention = window_attention(queries, layer.keys, positions)[:, : n - window]
         pooled = extend_forward(pool_scores(attention, self.kernel, self.pooling), self.span_after)
         scores = group_mean(pooled, layer.num_kv_heads)
         kept_window = torch.full((layer.num_kv_heads, window), float("inf"), device=scores.device)

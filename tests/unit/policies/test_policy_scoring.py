@@ -166,32 +166,3 @@ def test_value_norms_match_per_query_head_l1_of_v_times_wo(kv_heads: int, group:
 def test_value_norms_reject_mismatched_o_proj() -> None:
     with pytest.raises(ValueError, match="o_proj"):
         value_norms(torch.rand(2, 5, 8), torch.rand(10, 20))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_log_normaliser_is_the_log_sum_exp_of_the_scaled_logits(dtype):
-    """The fused CPU path (torch's flash attention, the cache's dtype) against plain float32 logsumexp."""
-    from vllm_kvevict.policies.scoring import log_normaliser
-
-    g = torch.Generator().manual_seed(0)
-    queries = (torch.randn(3, 96, 64, generator=g) * 2).to(dtype)
-    keys = (torch.randn(3, 1000, 64, generator=g) * 2).to(dtype)
-    reference = torch.logsumexp(queries.float() @ keys.float().transpose(1, 2) / 8.0, dim=-1)
-    torch.testing.assert_close(log_normaliser(queries, keys), reference, rtol=1e-5, atol=1e-4)
-
-
-def test_window_attention_with_a_prefix_left_out_keeps_it_in_every_softmax():
-    """Columns from ``scored_from`` on equal the full computation (one key chunk or several); the prefix's
-    columns are 0; a query that does not see the whole prefix is refused."""
-    from vllm_kvevict.policies.scoring import window_attention
-
-    g = torch.Generator().manual_seed(1)
-    queries, keys = torch.randn(6, 16, 32, generator=g), torch.randn(2, 500, 32, generator=g)
-    positions = torch.arange(484, 500)
-    full = window_attention(queries, keys, positions)
-    for chunk in (8192, 128):
-        part = window_attention(queries, keys, positions, chunk_size=chunk, scored_from=400)
-        torch.testing.assert_close(part[:, 400:], full[:, 400:], rtol=1e-5, atol=1e-8)
-        assert not part[:, :400].any()
-    with pytest.raises(ValueError, match="scored_from=490: the query at 484 does not see every key"):
-        window_attention(queries, keys, positions, scored_from=490)
