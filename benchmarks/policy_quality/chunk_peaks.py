@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request, with_chunk_budget
-from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
+from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
 from vllm_kvevict.policies.registry import build_policy
 
 BLOCK_SIZE = 32
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--between", default="blend", help="the rule whose minimum floors a trailing plan")
     args = parser.parse_args()
     policy = build_policy(args.method)
-    floor = between_chunks(policy, BetweenRule(args.between)).min_budget
+    floor = trailing_floor(policy, BetweenRule(args.between))
     windows = [int(w) for w in args.trailing_windows.split(",") if w]
     rules = [f"I = {args.chunk_budget:g} B'", *(f"trailing window {w}" for w in windows)]
     print("| length | kept | vanilla blocks | " + " | ".join(rules) + " |")
@@ -54,9 +54,8 @@ def main() -> None:
             plans = [with_chunk_budget(plan, args.chunk_budget)]
             plans += [with_chunk_budget(plan, args.chunk_budget, 0, w, floor) for w in windows]
             vanilla = cdiv(length, BLOCK_SIZE)
-            cells = [
-                f"{peak_blocks(p, args.chunk)} ({peak_blocks(p, args.chunk) / vanilla:.2f}×)" for p in plans
-            ]
+            peaks = [peak_blocks(p, args.chunk) for p in plans]
+            cells = [f"{peak} ({peak / vanilla:.2f}×)" for peak in peaks]
             print(f"| {length} | {fraction:.0%} | {vanilla} | " + " | ".join(cells) + " |")
 
 

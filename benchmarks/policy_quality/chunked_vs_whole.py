@@ -67,7 +67,7 @@ from vllm_kvevict.policies.between_chunks import (  # noqa: E402
     BETWEEN_SCORERS,
     DEFAULT_BETWEEN,
     BetweenRule,
-    between_chunks,
+    trailing_floor,
 )
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 
@@ -150,7 +150,7 @@ def rows_for_prompt(
             if head and "each" in echo_rows:
                 echoes.append((" echo", head, between_echo))
             for between in betweens:
-                floor = between_chunks(policy, between).min_budget
+                floor = trailing_floor(policy, between)
                 chunk_plans = [
                     (f"chunked@{factor:g}", with_chunk_budget(plan, factor)) for factor in chunk_budgets
                 ]

@@ -175,14 +175,14 @@ def test_trailing_window_rule_holds_the_prompt_tail_whole_and_the_rest_at_the_ch
     budgets."""
     from vllm_kvevict.hf_reference.chunked import chunked_prefill
     from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget
-    from vllm_kvevict.policies.between_chunks import between_chunks
+    from vllm_kvevict.policies.between_chunks import trailing_floor
     from vllm_kvevict.policies.registry import build_policy
 
     model, _ = reference
     n, chunk, window = 384, 48, 64
     ids = torch.randint(100, 20000, (n,), generator=torch.Generator().manual_seed(0))
     policy = build_policy("ada-snapkv")
-    floor = between_chunks(policy, "expected-attention").min_budget
+    floor = trailing_floor(policy, "expected-attention")
     base = plan_request(n, 0.4, 32, policy, model.config.num_hidden_layers)
     plan = with_chunk_budget(base, 1.0, 0, window, floor)
     run = chunked_prefill(model, ids, policy, plan, chunk, between="expected-attention")

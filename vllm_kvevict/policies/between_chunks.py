@@ -148,6 +148,12 @@ def between_chunks(
     return Blend(uniform, keyed, first_share=rule.share) if rule.kind == "blend" else keyed
 
 
+def trailing_floor(policy: EvictionPolicy, rule: BetweenRule | str = DEFAULT_BETWEEN) -> int:
+    """What each head holds at least of a prompt's tokens before its trailing window between chunks
+    (``RequestPlan.trailing_floor``): the least the between-chunks selection of ``policy`` keeps."""
+    return between_chunks(policy, rule).min_budget
+
+
 def _uniform(policy: EvictionPolicy) -> EvictionPolicy:
     if isinstance(policy, AdaKV):
         return policy.inner

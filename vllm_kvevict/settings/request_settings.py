@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm_kvevict.layout.accounting import RequestPlan, request_planner
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
-from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
+from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
 from vllm_kvevict.policies.registry import method_needs_o_proj
 from vllm_kvevict.settings.config import (
@@ -253,7 +253,7 @@ def planner(
     Scheduler and workers build it from the same values."""
     chunks = {"chunk_budget": chunk_budget, "chunk_stride": chunk_stride}
     if trailing_window:
-        floor = between_chunks(policy, between or BetweenRule()).min_budget
+        floor = trailing_floor(policy, between or BetweenRule())
         chunks.update(trailing_window=trailing_window, trailing_floor=floor)
     if decode is None:
         return request_planner(budget, block_size, policy, num_layers, **chunks)
