@@ -110,11 +110,11 @@ class RequestPlan:
     decode_cap: C, kept tokens per KV head while generating (0: no decode-time cap).
     decode_interval: k, decode tokens between re-scores (a multiple of block_size; 0 without a cap).
     chunk_budget: I, kept tokens per KV head between chunks of a prompt prefilled in several steps
-        (>= kept_bound; 0: nothing is evicted before the prompt is complete).
+        (>= kept_bound; 0: no such rule, see ``evicts_between_chunks``).
     chunk_stride: S, prompt tokens between evictions before the prompt is complete: the offset moves only
         when the computed tokens reach a multiple of S (0: wherever a chunk ends).
     trailing_window: w > 0: between chunks the prompt's last w tokens are held whole once arrived and the
-        tokens before them at r' = (B' - w)/(P - w) (FastKVzip's rule) instead of I; 0: I.
+        tokens before them at r' = (B' - w)/(P - w) (FastKVzip's rule; ``chunk_budget`` is then 0); 0: none.
     trailing_floor: under a trailing window, what each head holds of the tokens before it at least (the
         between-chunks selection's minimum budget).
     """
@@ -131,6 +131,12 @@ class RequestPlan:
     chunk_stride: int = 0
     trailing_window: int = 0
     trailing_floor: int = 0
+
+    @property
+    def evicts_between_chunks(self) -> bool:
+        """True when a prompt prefilled in several steps is evicted before it is complete (by I or by a
+        trailing window)."""
+        return bool(self.chunk_budget or self.trailing_window)
 
     @property
     def offset0(self) -> int:
@@ -162,13 +168,11 @@ class RequestPlan:
 
     def prefill_offset(self, computed_tokens: int) -> int:
         """O(n) for n = ``computed_tokens`` < P prompt tokens in the cache (per-chunk eviction)."""
-        if not self.chunk_budget or computed_tokens >= self.prompt_len:
+        if not self.evicts_between_chunks or computed_tokens >= self.prompt_len:
             return 0
         if self.chunk_stride:  # the last stride point reached: what is evicted depends on positions only
             computed_tokens -= computed_tokens % self.chunk_stride
-        held = self.chunk_budget
-        if self.trailing_window:
-            held = self.trailing_held(computed_tokens)[0]
+        held = self.trailing_held(computed_tokens)[0] if self.trailing_window else self.chunk_budget
         aligned = min(self.block_size * ((computed_tokens - held) // self.block_size), self.offset0)
         return aligned if aligned >= 2 * self.block_size else 0
 
@@ -259,6 +263,13 @@ def with_chunk_budget(
     window. None, or a prompt kept whole: nothing between chunks."""
     if chunk_budget is None or not plan.compacts:
         return plan
+    if trailing_window:
+        return dataclasses.replace(
+            plan,
+            chunk_stride=chunk_stride,
+            trailing_window=min(trailing_window, plan.kept_bound),
+            trailing_floor=trailing_floor,
+        )
     if isinstance(chunk_budget, float):
         tokens = max(int(chunk_budget * plan.kept_bound), CHUNK_BUDGET_FLOOR)
     else:
@@ -267,8 +278,6 @@ def with_chunk_budget(
         plan,
         chunk_budget=max(tokens, plan.kept_bound),
         chunk_stride=chunk_stride,
-        trailing_window=min(trailing_window, plan.kept_bound),
-        trailing_floor=trailing_floor,
     )
 
 

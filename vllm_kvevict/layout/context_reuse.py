@@ -41,7 +41,7 @@ def keeps_entry(plan: RequestPlan) -> bool:
     return (
         plan.compacts
         and not plan.decode_cap
-        and not plan.chunk_budget
+        and not plan.evicts_between_chunks
         and all(budget == plan.kept_bound for budget in plan.layer_budgets)
         and plan.kept_bound % plan.block_size == 0
     )

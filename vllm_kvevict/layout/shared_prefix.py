@@ -31,7 +31,7 @@ from vllm_kvevict.layout.accounting import RequestPlan
 def reads_prefix_cache(plan: RequestPlan) -> bool:
     """True when a request with this (whole-prompt) plan may start from shared cached blocks: it evicts its
     prompt once, after the prompt, and never again."""
-    return not plan.decode_cap and not plan.chunk_budget
+    return not plan.decode_cap and not plan.evicts_between_chunks
 
 
 def private_plan(plan_for: Callable[[int], RequestPlan], prompt_len: int, shared_tokens: int) -> RequestPlan:

@@ -183,7 +183,7 @@ class EvictingAttentionManager(FullAttentionManager):
         """S of a request whose prompt is evicted chunk by chunk (its plan's ``chunk_stride``), else 0: the
         scheduler ends its prefill chunks at multiples of S (``runner_hooks.split_prefill_chunk``)."""
         plan = self.whole_prompt_plan(request)
-        return plan.chunk_stride if plan.chunk_budget else 0
+        return plan.chunk_stride if plan.evicts_between_chunks else 0
 
     def whole_prompt_plan(self, request: Any) -> RequestPlan:
         """The plan of ``request``'s whole prompt (nothing shared), from its sampling parameters: known before

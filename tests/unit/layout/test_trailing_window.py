@@ -8,6 +8,7 @@ import pytest
 from chunk_walk import walk_chunks
 
 from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget
+from vllm_kvevict.layout.shared_prefix import reads_prefix_cache
 from vllm_kvevict.layout.trailing_window import trailing_window_held, trailing_window_ratio
 from vllm_kvevict.policies.registry import build_policy
 
@@ -56,6 +57,8 @@ def test_trailing_plan_holds_the_window_whole_and_leaves_room_for_every_chunk(me
         if not plan.compacts:
             continue
         assert plan.trailing_window == min(window, plan.kept_bound)
+        assert plan.evicts_between_chunks and plan.chunk_budget == 0  # the window, not I, decides
+        assert not reads_prefix_cache(plan)  # it rewrites its blocks between chunks
         for done, offset in walk_chunks(plan, rng):
             if offset and done == done - (done % stride if stride else 0):  # at a stride point
                 held, protected = plan.trailing_held(done)
