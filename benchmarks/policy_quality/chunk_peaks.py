@@ -17,6 +17,7 @@ import argparse
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request, with_chunk_budget
 from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
 from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.settings.config import parse_chunk_budget
 
 BLOCK_SIZE = 32
 NUM_LAYERS = 30  # SmolLM2-135M
@@ -38,21 +39,27 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,7168")
     parser.add_argument("--fractions", default="0.25,0.1")
     parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--chunk-budget", type=float, default=1.5, help="I as a multiple of B'")
+    parser.add_argument(
+        "--chunk-budgets",
+        default="1.5",
+        help="comma list of I: multiples of B' (1.5) or tokens per KV head (1024)",
+    )
     parser.add_argument("--trailing-windows", default="128,256")
     parser.add_argument("--between", default="blend", help="the rule whose minimum floors a trailing plan")
     args = parser.parse_args()
     policy = build_policy(args.method)
     floor = trailing_floor(policy, BetweenRule(args.between))
     windows = [int(w) for w in args.trailing_windows.split(",") if w]
-    rules = [f"I = {args.chunk_budget:g} B'", *(f"trailing window {w}" for w in windows)]
+    budgets = [parse_chunk_budget(b) for b in args.chunk_budgets.split(",") if b]
+    rules = [f"I = {b:g} B'" if isinstance(b, float) else f"I = {b}" for b in budgets]
+    rules += [f"trailing window {w}" for w in windows]
     print("| length | kept | vanilla blocks | " + " | ".join(rules) + " |")
     print("|---:|---:|---:|" + "---:|" * len(rules))
     for length in (int(x) for x in args.lengths.split(",")):
         for fraction in (float(x) for x in args.fractions.split(",")):
             plan = plan_request(length, fraction, BLOCK_SIZE, policy, NUM_LAYERS)
-            plans = [with_chunk_budget(plan, args.chunk_budget)]
-            plans += [with_chunk_budget(plan, args.chunk_budget, 0, w, floor) for w in windows]
+            plans = [with_chunk_budget(plan, b) for b in budgets]
+            plans += [with_chunk_budget(plan, 1.0, 0, w, floor) for w in windows]
             vanilla = cdiv(length, BLOCK_SIZE)
             peaks = [peak_blocks(p, args.chunk) for p in plans]
             cells = [f"{peak} ({peak / vanilla:.2f}×)" for peak in peaks]

@@ -70,6 +70,7 @@ from vllm_kvevict.policies.between_chunks import (  # noqa: E402
     trailing_floor,
 )
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
+from vllm_kvevict.settings.config import parse_chunk_budget  # noqa: E402
 
 TASKS = (
     "fwe,niah_multikey,niah_multikey_hard,niah_multiquery,niah_multivalue,niah_single_digits,"
@@ -89,11 +90,6 @@ def variant_suffix(rule: BetweenRule) -> str:
     span = f" span={rule.span_after}" if rule.span_after != default.span_after else ""
     scorer = f" {rule.scorer}" if rule.kind == "blend" and rule.scorer != default.scorer else ""
     return f" {rule.kind}{share}{span}{scorer}"
-
-
-def chunk_budget_arg(text: str) -> int | float:
-    """``--chunk-budgets`` item: "768" is tokens per KV head, "1.5" a multiple of B' (as the config key)."""
-    return float(text) if "." in text else int(text)
 
 
 def rows_for_prompt(
@@ -239,7 +235,7 @@ def main() -> None:
                 sample,
                 args.methods.split(","),
                 [float(f) for f in args.fractions.split(",")],
-                [chunk_budget_arg(c) for c in args.chunk_budgets.split(",") if c not in ("", "none")],
+                [parse_chunk_budget(c) for c in args.chunk_budgets.split(",") if c not in ("", "none")],
                 args.chunk,
                 args.batch_bytes,
                 betweens,
