@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 NUM_REQUESTS = 6
 PROMPT_TOKENS = 600
-OUTPUT_TOKENS = 192
+OUTPUT_TOKENS = 256
 
 
 def generate(server, prompt: list[int], salt: str) -> Greedy:
