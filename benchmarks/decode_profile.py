@@ -52,15 +52,15 @@ def worker_pid(server: VLLMServer) -> int:
     return next(p.pid for p in children if "Worker" in p.name() or "Worker" in " ".join(p.cmdline()))
 
 
-def frame_shares(raw: Path) -> tuple[int, Counter[str]]:
-    """(samples, samples per ``FRAMES`` label) from py-spy's ``--format raw`` output."""
+def frame_shares(raw: Path, frames: tuple[tuple[str, str], ...] = FRAMES) -> tuple[int, Counter[str]]:
+    """(samples, samples per ``frames`` label) from py-spy's ``--format raw`` output."""
     total, shares = 0, Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         total += int(count)
-        frames = stack.split(";")
-        for label, prefix in FRAMES:
-            if any(frame.startswith(prefix) for frame in frames):
+        stack_frames = stack.split(";")
+        for label, prefix in frames:
+            if any(frame.startswith(prefix) for frame in stack_frames):
                 shares[label] += int(count)
     return total, shares
 
