@@ -4,7 +4,7 @@ A server of its own: vLLM's chunked prefill at 128 tokens per step, so a 600-tok
 chunks and, alone, is evicted after three of them (at 256, 384 and 512 computed tokens, down to the
 intermediate budget of 132 tokens per KV head) before its last chunk compacts it to Ada-KV's
 ragged budgets. The pool of ``reliability_traffic`` (40 blocks of 32) cannot hold eight of them decoding
-192 tokens each, so vLLM preempts running requests, mid-prefill or mid-decode, and recomputes them from
+256 tokens each, so vLLM preempts running requests, mid-prefill or mid-decode, and recomputes them from
 token 0: the worker must drop what it held for them between chunks and start the chunk rule again. One of
 the eight asks for ``"kv_prefill": "whole"`` (``vllm_xargs``): it holds its whole prompt until its last
 chunk, beside the others' chunk rule, through the same preemptions.
@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 CHUNK_TOKENS = 128
 NUM_REQUESTS = 8
 PROMPT_TOKENS = 600
-OUTPUT_TOKENS = 192
+OUTPUT_TOKENS = 256
 PROBE_TOKENS = 48
 #: I in tokens (the default, 1.5 B' but at least 512 tokens, would leave a 600-token prompt whole until its
 #: last chunk); the server's plan of a 600-token prompt: B' = 88 (600 - B' whole blocks), I = 132.

@@ -1,7 +1,7 @@
 """Preemption and aborts of requests reading a kept context (``kv_context: "keep"``, issue 30 item 3).
 
 A creator compresses a 610-token document (its 608-token context kept at 64 entries per KV head: 2 blocks);
-six readers then add 150 tokens of their own each and decode 192 tokens at once on the small pool of
+six readers then add 150 tokens of their own each and decode 256 tokens at once on the small pool of
 ``reliability_traffic`` (40 blocks), so vLLM preempts some. A preempted reader gives back only its own blocks
 (the entry's stay with the other readers, or cached), is recomputed from the entry while it is intact (or
 computes its prompt and keeps its own context), and completes. Once all are done no block and no worker
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 NUM_READERS = 6
 DOCUMENT_TOKENS = 610
 OWN_TOKENS = 150
-OUTPUT_TOKENS = 192
+OUTPUT_TOKENS = 256
 KEEP = {"kv_eviction": "snapkv", "kv_budget": 64, "kv_context": "keep"}
 CONTEXTS = "vllm_kvevict_kept_contexts_total"
 

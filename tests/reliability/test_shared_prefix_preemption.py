@@ -1,7 +1,7 @@
 """Preemption and aborts of evicting requests that share prefix-cache blocks (issue 30).
 
 Six requests share a 320-token prefix (10 blocks) and each has a 300-token part of its own, compacted to 64
-tokens per KV head; all six decode 192 tokens at once on the small pool of ``reliability_traffic`` (40
+tokens per KV head; all six decode 256 tokens at once on the small pool of ``reliability_traffic`` (40
 blocks), so vLLM preempts some. A preempted sharer gives back only what it owns (the shared blocks stay with
 the other holders), is recomputed from whatever the cache then holds, and is compacted again. Every request
 must complete, the cache must have been read, and once all are done no block and no worker state is left.
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 NUM_REQUESTS = 6
 PREFIX_TOKENS = 320
 OWN_TOKENS = 300
-OUTPUT_TOKENS = 192
+OUTPUT_TOKENS = 256
 HITS = "vllm:prefix_cache_hits_total"
 
 
@@ -66,7 +66,7 @@ def test_every_preempted_sharer_completes_with_all_its_tokens(storm):
 def test_a_sharer_dropped_mid_decode_leaves_no_block_and_no_worker_state(server, storm, prompts):
     timed = time.monotonic()
     generate(server, prompts[1], 64)
-    # the time of a 64-token answer cuts a 192-token one mid-decode, even when the load beside it changes
+    # the time of a 64-token answer cuts a 256-token one mid-decode, even when the load beside it changes
     client = client_of(server, timeout_s=time.monotonic() - timed)
     with pytest.raises(openai.APITimeoutError):
         client.completions.create(
