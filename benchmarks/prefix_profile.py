@@ -73,6 +73,7 @@ def timer_env(times: Path) -> dict[str, str]:
 
 
 def kernel_totals(times: Path) -> dict[str, list[float]]:
+    """The timer's running totals per batch kind (empty before the server's first attention call)."""
     return json.loads(times.read_text()) if times.exists() else {}
 
 
