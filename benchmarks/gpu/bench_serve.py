@@ -6,8 +6,13 @@ Random prompts at request rate inf; the pool (``--num-gpu-blocks-override``) is 
 is KV-bound: ``num_gpu_blocks * 16`` tokens hold only a few ``input_len + output_len`` requests. One eviction
 server serves every budget: the server's is 25 %, the others go per request (``--extra-body`` with
 ``vllm_xargs.kv_budget``). While each run lasts, ``/metrics`` is polled for the most running requests.
-``--graphs`` runs every server with piecewise CUDA graphs instead of eager mode (stage e). Results:
-``OUT_DIR/bench[-graphs].json`` and ``.md``, each run's ``vllm bench serve`` JSON beside them.
+``--graphs`` runs every server with piecewise CUDA graphs instead of eager mode (stage e).
+``--prefix-len P`` runs issue 30's shared-prefix workload instead: ``--dataset-name prefix_repetition``, one
+P-token prefix shared by every request, ``--suffix-len`` tokens of each request's own, with each run's
+prefix-cache hit tokens and prompt tokens computed from the server's counters; only the first budget runs
+(a second run on the same server would find the first's prompts cached), and the two warm-up requests put
+the prefix in each server's cache before the measured run. Results:
+``OUT_DIR/bench[-graphs|-prefix].json`` and ``.md``, each run's ``vllm bench serve`` JSON beside them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,23 @@ from vllm_kvevict.bench.metrics_poller import MetricsPoller
 #: vllm bench serve's result keys the table reports.
 REPORTED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
             "completed", "duration")
+#: the server's counters a shared-prefix run reports (their ``_total`` samples, summed over label sets).
+PREFIX_COUNTERS = {
+    "prefix_hit_tokens": "vllm:prefix_cache_hits_total",
+    "prompt_tokens": "vllm:prompt_tokens_total",
+}
+
+
+def dataset_args(args: argparse.Namespace) -> list[str]:
+    """``vllm bench serve``'s dataset flags: random prompts, or one shared prefix (``--prefix-len``)."""
+    if args.prefix_len:
+        return ["--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(args.prefix_len),
+                "--prefix-repetition-suffix-len", str(args.suffix_len),
+                "--prefix-repetition-num-prefixes", "1",
+                "--prefix-repetition-output-len", str(args.output_len)]
+    return ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio)]
 
 
 def bench_command(server: BundleServer, model_dir: Path, args: argparse.Namespace, result: Path,
@@ -34,8 +56,7 @@ def bench_command(server: BundleServer, model_dir: Path, args: argparse.Namespac
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
         "--base-url", server.root_url, "--endpoint", "/v1/completions", "--model", server.served_model_name,
-        "--tokenizer", str(model_dir), "--dataset-name", "random", "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
+        "--tokenizer", str(model_dir), *dataset_args(args),
         "--num-prompts", str(args.num_prompts), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
         "--num-warmups", "2", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
@@ -50,6 +71,7 @@ def run_one(label: str, server: BundleServer, model_dir: Path, args: argparse.Na
             budget: str | None) -> dict:
     result = out / f"bench-{label}.json"
     command = bench_command(server, model_dir, args, result, budget)
+    before = counters(server) if args.prefix_len else {}
     with MetricsPoller(f"{server.root_url}/metrics", interval_s=0.25) as poller:
         completed = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout_s)
     (out / f"bench-{label}.log").write_text(" ".join(command) + "\n" + completed.stdout + completed.stderr)
@@ -59,7 +81,18 @@ def run_one(label: str, server: BundleServer, model_dir: Path, args: argparse.Na
     row = {"label": label, **{key: data.get(key) for key in REPORTED}}
     row.update(max_running=poller.peaks.max_running, mean_running=round(poller.peaks.mean_running, 2),
                max_kv_usage=poller.peaks.max_kv_usage, preemptions=poller.peaks.preemptions)
+    if args.prefix_len:
+        after = counters(server)
+        row["prefix_hit_tokens"] = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+        prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]
+        row["prompt_tokens_computed"] = prompt_tokens - row["prefix_hit_tokens"]
     return row
+
+
+def counters(server: BundleServer) -> dict[str, float]:
+    """``PREFIX_COUNTERS`` read from the server's ``/metrics`` now."""
+    return {key: sum(value for _, value in server.metric_samples(name))
+            for key, name in PREFIX_COUNTERS.items()}
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -81,6 +114,8 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def markdown(result: dict) -> str:
     columns = ("label", *REPORTED, "max_running", "mean_running", "max_kv_usage", "preemptions")
+    if any("prefix_hit_tokens" in row for row in result["rows"]):
+        columns = (*columns, "prefix_hit_tokens", "prompt_tokens_computed")
     lines = [f"`{result['workload']}`", "", "| " + " | ".join(columns) + " |",
              "|" + "---|" * len(columns)]
     for row in result["rows"]:
@@ -107,23 +142,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV pool of both servers in 16-token blocks (2400: ~8 vanilla requests of 4.3k)")
     parser.add_argument("--budgets", default="0.25,0.1",
                         help="ada-snapkv budgets (the first is the server's)")
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="issue 30's workload: prefix_repetition with one prefix of this many tokens")
+    parser.add_argument("--suffix-len", type=int, default=400, help="each request's own tokens after it")
     parser.add_argument("--run-timeout-s", type=float, default=150.0)
     parser.add_argument("--dry-run", action="store_true",
                         help="write the command lines to OUT/commands-bench*.json; start nothing")
     args = parser.parse_args(argv)
-    suffix = "-graphs" if args.graphs else ""
+    if args.prefix_len and args.graphs:
+        parser.error("--prefix-len runs eager servers; it does not combine with --graphs")
+    suffix = "-prefix" if args.prefix_len else "-graphs" if args.graphs else ""
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     max_len = int(args.input_len * (1 + args.range_ratio) + args.output_len * (1 + args.range_ratio)) + 16
+    if args.prefix_len:
+        max_len = args.prefix_len + args.suffix_len + args.output_len + 16
     pool = serve_flags.pool_args(args.num_gpu_blocks)
-    budgets = args.budgets.split(",")
+    budgets = args.budgets.split(",")[:1] if args.prefix_len else args.budgets.split(",")
     vanilla = BundleServer(args.model_dir, [*serve_flags.vanilla_args(max_len, args.graphs), *pool],
                            logs / f"bench{suffix}-vanilla.log")
     eviction = BundleServer(
         args.model_dir, [*serve_flags.eviction_args(max_len, budget=budgets[0], graphs=args.graphs), *pool],
         logs / f"bench{suffix}-eviction.log")
-    workload = (f"vllm bench serve --dataset-name random --random-input-len {args.input_len} "
-                f"--random-output-len {args.output_len} --random-range-ratio {args.range_ratio} "
+    workload = (f"vllm bench serve {' '.join(dataset_args(args))} "
                 f"--num-prompts {args.num_prompts} --request-rate inf; pool {args.num_gpu_blocks} blocks x "
                 f"{serve_flags.BLOCK_SIZE}; {'piecewise CUDA graphs' if args.graphs else 'eager'}")
     if args.dry_run:

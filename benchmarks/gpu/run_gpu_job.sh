@@ -11,7 +11,10 @@
 #                vanilla's at 25 % kept: one vanilla and one eviction server on that checkpoint;
 #   bench        (d) `vllm bench serve`, random 4k prompts (2-6k), 128-384 output tokens, rate inf, vanilla vs
 #                ada-snapkv 25 % and 10 %, one KV pool sized so vanilla is KV-bound, dummy weights;
-#   graphs       (e) the same with piecewise CUDA graphs (optional: only with ONLY=graphs or GRAPHS=1).
+#   graphs       (e) the same with piecewise CUDA graphs (optional: only with ONLY=graphs or GRAPHS=1);
+#   prefix       issue 30's shared prefix: `vllm bench serve --dataset-name prefix_repetition`, one 3000-token
+#                prefix, 400 tokens of each request's own, 64 output tokens, 32 requests, vanilla vs ada-snapkv
+#                25 %, prefix-cache hits from the servers' counters (optional: only with ONLY=prefix or PREFIX=1).
 # Every stage has its own time limit and the job goes on after a failure (a stage that needs an earlier one's
 # output fails fast); no stage starts past DEADLINE_S (default 540 s). Results: $OUT_DIR/<stage>.{json,md},
 # logs under $OUT_DIR/logs, summary.md at the end with each stage's exit status and time; exit status 1 when any
@@ -40,6 +43,7 @@ stage() {  # stage NAME SECONDS command...: output to $OUT/logs/NAME.txt, status
   log="$OUT/logs/${name}.txt"
   if [[ $name != unpack && $name != preflight* ]]; then
     if [[ $name == graphs && -z ${ONLY:-} && ${GRAPHS:-0} != 1 ]]; then return 0; fi
+    if [[ $name == prefix && -z ${ONLY:-} && ${PREFIX:-0} != 1 ]]; then return 0; fi
     [[ $name =~ ${ONLY:-.} ]] || return 0
   fi
   if ((limit > DEADLINE - SECONDS)); then limit=$((DEADLINE - SECONDS)); fi
@@ -75,12 +79,13 @@ export PYTHONPATH=${PYTHONPATH:-$REPO} PYTHONUNBUFFERED=1
 unset VLLM_TARGET_DEVICE
 MODEL=${KVEVICT_GPU_MODEL_DIR:-$WORK/model}
 RANDOM_MODEL=$WORK/random-model
+PREFIX_ARGS="--prefix-len 3000 --suffix-len 400 --output-len 64 --num-prompts 32"
 
 # Every stage's command lines, written without starting anything, then parsed by vLLM in the preflight.
 # (correctness serves $RANDOM_MODEL, made later; its flags are checked on $MODEL, the same config)
 stage "preflight commands" 60 bash -c "$PY -m benchmarks.gpu.correctness '$MODEL' '$OUT' --dry-run \
   && $PY -m benchmarks.gpu.bench_serve '$MODEL' '$OUT' --dry-run && $PY -m benchmarks.gpu.bench_serve '$MODEL' '$OUT' \
-  --dry-run --graphs"
+  --dry-run --graphs && $PY -m benchmarks.gpu.bench_serve '$MODEL' '$OUT' --dry-run $PREFIX_ARGS"
 stage "preflight vanilla" 120 $PY -m benchmarks.gpu.preflight "$MODEL" --role vanilla "${PREFLIGHT_ARGS[@]}" \
   --json "$OUT/preflight-vanilla.json"
 stage "preflight eviction" 120 $PY -m benchmarks.gpu.preflight "$MODEL" --role eviction "${PREFLIGHT_ARGS[@]}" \
@@ -91,6 +96,8 @@ if [[ $DRY != 1 ]]; then
   stage correctness 240 $PY -m benchmarks.gpu.correctness "$RANDOM_MODEL" "$OUT"
   stage bench 300 $PY -m benchmarks.gpu.bench_serve "$MODEL" "$OUT"
   stage graphs 240 $PY -m benchmarks.gpu.bench_serve "$MODEL" "$OUT" --graphs
+  # shellcheck disable=SC2086
+  stage prefix 240 $PY -m benchmarks.gpu.bench_serve "$MODEL" "$OUT" $PREFIX_ARGS
 fi
 
 {
@@ -99,7 +106,7 @@ fi
   echo "| stage | status | time |"
   echo "|---|---|---|"
   printf '%s\n' "${SUMMARY[@]}"
-  for f in correctness bench bench-graphs; do
+  for f in correctness bench bench-graphs bench-prefix; do
     [[ -f $OUT/$f.md ]] && { echo; echo "## $f"; echo; cat "$OUT/$f.md"; }
   done
 } > "$OUT/summary.md"

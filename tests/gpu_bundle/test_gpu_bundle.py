@@ -172,6 +172,10 @@ def test_every_command_line_of_the_job_parses_in_vllm(dry_run):
     assert {s["cudagraph_mode"] for s in graphs["servers"].values()} == {"PIECEWISE"}
     correctness = step(out, "eviction", "command lines commands-correctness.json")
     assert correctness["servers"]["eviction"]["kv_eviction"]["budget"] == 0.25
+    prefix = step(out, "eviction", "command lines commands-bench-prefix.json")
+    assert {c["dataset"] for c in prefix["clients"].values()} == {"prefix_repetition"}
+    assert set(prefix["clients"]) == {"vanilla", "ada-snapkv-0.25"}  # one budget: a second would hit
+    assert prefix["servers"]["eviction"]["kv_eviction"]["budget"] == 0.25
 
 
 def test_eviction_flags_resolve_to_the_projects_triton_backend(dry_run):
