@@ -1,5 +1,6 @@
-"""The benchmark's attention-kernel timer (``benchmarks/attention_timer/sitecustomize.py``): it passes every
-call through unchanged and counts calls, query rows and work units per batch kind, in the file it names."""
+"""``benchmarks/prefix_profile.py``'s parts: the attention-kernel timer it loads into each server
+(``benchmarks/attention_timer/sitecustomize.py``: every call passed through unchanged; calls, query rows and
+work units counted per batch kind in the file it names) and the table it prints."""
 
 from __future__ import annotations
 
@@ -55,3 +56,24 @@ def test_without_a_file_named_the_timer_does_nothing(monkeypatch, tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module._PATH is None and started == []
+
+
+def test_the_profile_table_reports_each_batch_kind_and_the_difference():
+    from benchmarks.prefix_profile import FRAMES, Profile, table
+    from benchmarks.prefix_repetition import Run
+
+    def run(server: str, duration_s: float, tok_s: float, computed: float, evicting_s: float) -> Run:
+        return Run(server, "3000:400", 16, duration_s, tok_s, 0.7, 12000.0, 150.0, 20000.0, 44000.0, 54000.0,
+                   computed, 0.28, 0.0, evicting_s)
+
+    frames = {name: 1.0 for name, _ in FRAMES}
+    vanilla = Profile(run("vanilla", 20.0, 50.0, 10240, 0.0), 68,
+                      {"9 query heads/seq, decode only": [10, 2.0, 10, 4e8]}, frames, 20.0)
+    evicting = Profile(run("ada-snapkv @ 0.25", 25.0, 40.0, 10880, 2.0), 68,
+                       {"3 query heads/seq, decode only": [10, 3.0, 30, 6e8]}, frames, 25.0)
+    text = table([vanilla, evicting])
+    assert "| output tok/s | 50.0 | 40.0 | 0.800x |" in text
+    assert "| prompt tokens computed | 10240 | 10880 | +640 |" in text
+    assert "| attention kernel, all batches, s | 2.00 | 3.00 | +1.00 |" in text
+    assert "|   9 query heads/seq, decode only: ns per work unit | 5.000 | 0.000 | -5.000 |" in text
+    assert "|   3 query heads/seq, decode only: s | 0.00 | 3.00 | +3.00 |" in text
