@@ -127,11 +127,10 @@ def table(profiles: list[Profile]) -> str:
         row("eviction work s (server counter)", base.run.eviction_seconds, other.run.eviction_seconds),
     ]
     kinds = sorted(set(base.kernel) | set(other.kernel))
-    for field, index, digits in (("s", 1, 2), ("work units, G", 3, 2)):
-        scale = 1e-9 if index == 3 else 1.0
+    for field, index, scale in (("s", 1, 1.0), ("work units, G", 3, 1e-9)):
         a = sum(values[index] for values in base.kernel.values()) * scale
         b = sum(values[index] for values in other.kernel.values()) * scale
-        lines.append(row(f"attention kernel, all batches, {field}", a, b, digits))
+        lines.append(row(f"attention kernel, all batches, {field}", a, b))
     for kind in kinds:
         a, b = base.kernel.get(kind, [0, 0.0, 0, 0]), other.kernel.get(kind, [0, 0.0, 0, 0])
         lines.append(row(f"  {kind}: s", a[1], b[1]))

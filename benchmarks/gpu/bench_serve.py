@@ -27,18 +27,12 @@ from pathlib import Path
 
 from benchmarks.gpu import serve_flags
 from benchmarks.gpu.servers import BundleServer, start_all
+from benchmarks.prefix_repetition import HITS, PROMPT_TOKENS, counter
 from vllm_kvevict.bench.metrics_poller import MetricsPoller
 
 #: vllm bench serve's result keys the table reports.
 REPORTED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
             "completed", "duration")
-#: the server's counters a shared-prefix run reports (their ``_total`` samples, summed over label sets).
-PREFIX_COUNTERS = {
-    "prefix_hit_tokens": "vllm:prefix_cache_hits_total",
-    "prompt_tokens": "vllm:prompt_tokens_total",
-}
-
-
 def dataset_args(args: argparse.Namespace) -> list[str]:
     """``vllm bench serve``'s dataset flags: random prompts, or one shared prefix (``--prefix-len``)."""
     if args.prefix_len:
@@ -71,7 +65,7 @@ def run_one(label: str, server: BundleServer, model_dir: Path, args: argparse.Na
             budget: str | None) -> dict:
     result = out / f"bench-{label}.json"
     command = bench_command(server, model_dir, args, result, budget)
-    before = counters(server) if args.prefix_len else {}
+    before = prefix_counters(server) if args.prefix_len else {}
     with MetricsPoller(f"{server.root_url}/metrics", interval_s=0.25) as poller:
         completed = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout_s)
     (out / f"bench-{label}.log").write_text(" ".join(command) + "\n" + completed.stdout + completed.stderr)
@@ -82,17 +76,16 @@ def run_one(label: str, server: BundleServer, model_dir: Path, args: argparse.Na
     row.update(max_running=poller.peaks.max_running, mean_running=round(poller.peaks.mean_running, 2),
                max_kv_usage=poller.peaks.max_kv_usage, preemptions=poller.peaks.preemptions)
     if args.prefix_len:
-        after = counters(server)
-        row["prefix_hit_tokens"] = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
-        prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]
+        after = prefix_counters(server)
+        row["prefix_hit_tokens"] = after[HITS] - before[HITS]
+        prompt_tokens = after[PROMPT_TOKENS] - before[PROMPT_TOKENS]
         row["prompt_tokens_computed"] = prompt_tokens - row["prefix_hit_tokens"]
     return row
 
 
-def counters(server: BundleServer) -> dict[str, float]:
-    """``PREFIX_COUNTERS`` read from the server's ``/metrics`` now."""
-    return {key: sum(value for _, value in server.metric_samples(name))
-            for key, name in PREFIX_COUNTERS.items()}
+def prefix_counters(server: BundleServer) -> dict[str, float]:
+    """The server's prefix-cache hit and prompt token counters now (``prefix_repetition.counter``)."""
+    return {name: counter(server, name) for name in (HITS, PROMPT_TOKENS)}
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -158,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix_len:
         max_len = args.prefix_len + args.suffix_len + args.output_len + 16
     pool = serve_flags.pool_args(args.num_gpu_blocks)
-    budgets = args.budgets.split(",")[:1] if args.prefix_len else args.budgets.split(",")
+    budgets = args.budgets.split(",")
+    if args.prefix_len:
+        budgets = budgets[:1]
     vanilla = BundleServer(args.model_dir, [*serve_flags.vanilla_args(max_len, args.graphs), *pool],
                            logs / f"bench{suffix}-vanilla.log")
     eviction = BundleServer(

@@ -3,9 +3,9 @@
 Small enough to bound the suite on 2 cores: max_model_len 1024 and a pool of 40 blocks of 32 tokens
 (1280 token slots; vLLM needs one max_model_len request to fit, 32 blocks). A 600-token prompt needs 19
 blocks to be prefilled and about 4 once compacted to 64 tokens per KV head, then one block per 32 generated
-tokens: six such requests decoding 192 tokens need ~60 blocks, so the pool must preempt. ``test_preemption``
-decodes 256 tokens (12 blocks a request), so that even four requests running at once overflow the pool: with
-192, four fit exactly, and one CI run admitted the requests too far apart to preempt any.
+tokens: the preemption storms decode 256 tokens (12 blocks a request), so that even four requests running at
+once overflow the pool; with 192, four fit exactly, and one CI run admitted the requests too far apart to
+preempt any.
 """
 
 from __future__ import annotations

@@ -14,11 +14,17 @@ import torch
 TIMER = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_timer" / "sitecustomize.py"
 
 
-def load_timer(monkeypatch, times: Path):
-    monkeypatch.setenv("KVEVICT_ATTENTION_TIMES", str(times))
+def load_timer(monkeypatch, times: Path | None, started: list | None = None):
+    """The timer module, loaded with ``KVEVICT_ATTENTION_TIMES`` = ``times`` (unset for None); a thread it
+    would start goes to ``started`` instead."""
+    if times is None:
+        monkeypatch.delenv("KVEVICT_ATTENTION_TIMES", raising=False)
+    else:
+        monkeypatch.setenv("KVEVICT_ATTENTION_TIMES", str(times))
+    threads = [] if started is None else started
+    monkeypatch.setattr("threading.Thread.start", lambda self: threads.append(self))
     spec = importlib.util.spec_from_file_location("attention_timer_under_test", TIMER)
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setattr("threading.Thread.start", lambda self: None)  # no polling thread in the test
     spec.loader.exec_module(module)
     return module
 
@@ -48,13 +54,9 @@ def test_the_timer_passes_calls_through_and_counts_rows_and_work_per_batch_kind(
     assert decode[1] >= 0.0 and prefill[1] >= 0.0
 
 
-def test_without_a_file_named_the_timer_does_nothing(monkeypatch, tmp_path):
-    monkeypatch.delenv("KVEVICT_ATTENTION_TIMES", raising=False)
-    started = []
-    monkeypatch.setattr("threading.Thread.start", lambda self: started.append(self))
-    spec = importlib.util.spec_from_file_location("attention_timer_off", TIMER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_without_a_file_named_the_timer_does_nothing(monkeypatch):
+    started: list = []
+    module = load_timer(monkeypatch, None, started)
     assert module._PATH is None and started == []
 
 
