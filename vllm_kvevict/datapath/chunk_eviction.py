@@ -33,7 +33,7 @@ from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block, shared_blocks
 from vllm_kvevict.layout.subblock_store import TableRows
-from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, reads_values
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
 from vllm_kvevict.policies.expected_attention import uses_query_statistics
 from vllm_kvevict.policies.query_statistics import QueryStatistics
@@ -90,12 +90,13 @@ class ChunkRescore:
 @dataclass(frozen=True)
 class HeldEntries:
     """What one head-major layer of a request holds: slots/positions [H, L] int64 and, read from the cache,
-    the keys/values [H, scored, D] of its prompt entries (scored = L minus the trailing tokens)."""
+    the keys/values [H, scored, D] of its prompt entries (scored = L minus the trailing tokens); values
+    None when the policy judging them reads none (``reads_values``)."""
 
     slots: torch.Tensor
     positions: torch.Tensor
     keys: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None
 
 
 class ChunkEviction:
@@ -147,11 +148,21 @@ class ChunkEviction:
         return saved[max(0, saved.shape[0] - window) :]
 
     def read_held(
-        self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, rows: CacheRows, check: bool = True
+        self,
+        layer_idx: int,
+        r: ChunkRescore,
+        block_row: torch.Tensor,
+        rows: CacheRows,
+        check: bool = True,
+        with_values: bool = True,
     ) -> HeldEntries:
-        """``held_entries`` of ``layer_idx`` and its prompt entries' keys and values, read from the cache."""
+        """``held_entries`` of ``layer_idx`` and its prompt entries' keys (and values, unless not
+        ``with_values``), read from the cache."""
         slots, positions = self.held_entries(layer_idx, r, block_row, check)
         heads, scored = slots.shape[0], slots.shape[1] - r.trailing
+        if not with_values:
+            keys = rows.read_keys(slots[:, :scored])
+            return HeldEntries(slots, positions, keys.view(heads, scored, -1), None)
         keys, values = rows.read(slots[:, :scored])
         return HeldEntries(slots, positions, keys.view(heads, scored, -1), values.view(heads, scored, -1))
 
@@ -225,7 +236,9 @@ class ChunkEviction:
             result = None
             if r.rescores_now:
                 block_row = block_table[r.slot]
-                held = self.read_held(layer_idx, r, block_row, rows, check)
+                # the last chunk is judged by its method; between chunks by a rule that may read values
+                with_values = not r.final or reads_values(r.policy)
+                held = self.read_held(layer_idx, r, block_row, rows, check, with_values)
                 move, result = self._rescore(layer_idx, r, block_row, query, held, o_proj, timer, check)
                 moves.append(move)
             results.append(result)
@@ -290,7 +303,7 @@ class ChunkEviction:
             queries = self.observation(layer_idx, r, query, prompt_end, window)
         layer = LayerKV(
             keys=keys,
-            values=values.to(keys.dtype),
+            values=None if values is None else values.to(keys.dtype),
             queries=queries.to(keys.dtype),
             query_positions=query_positions,
             layer_idx=layer_idx,

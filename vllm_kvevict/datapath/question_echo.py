@@ -214,6 +214,7 @@ class EchoPass:
             rescore, rows_of = r.rescore, slice(r.row, r.row + r.width)
             block_row = self._block_table[rescore.slot]
             held = self._chunks.read_held(layer_idx, rescore, block_row, rows, self._check)
+            assert held.values is not None  # read with values: the echo attends to them
             attended = echo_attention(
                 query[rows_of],
                 held.keys,

@@ -6,6 +6,7 @@ https://arxiv.org/abs/2407.11550
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -36,6 +37,8 @@ class AdaKV(EvictionPolicy):
     budget, ``B_h = alpha * B_h* + (1 - alpha) * B`` (``ada_blend_allocation``), so no head falls below
     ``(1 - alpha) * B``.
     """
+
+    reads_own_values: ClassVar[bool] = False
 
     inner: ScoredPolicy
     alpha: float = 0.2

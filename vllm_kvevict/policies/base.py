@@ -10,7 +10,7 @@ import dataclasses
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -25,7 +25,8 @@ class LayerKV:
     """One layer's prompt cache and the queries that judge it.
 
     keys:    [kv_heads, n, d] post-RoPE keys of the n prompt tokens.
-    values:  [kv_heads, n, d] values of the same tokens.
+    values:  [kv_heads, n, d] values of the same tokens, or None when the caller left them out for a policy
+             that reads none (``reads_values``); ``value_rows`` hands them to the methods that do.
     queries: [q_heads, w, d] post-RoPE queries of the observation window (the last w prompt positions) or
              of proxy tokens; q_heads is a multiple of kv_heads (GQA group = q_heads // kv_heads, query head
              j belongs to KV head j // group).
@@ -41,7 +42,7 @@ class LayerKV:
     """
 
     keys: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None
     queries: torch.Tensor
     layer_idx: int = 0
     num_layers: int = 1
@@ -51,10 +52,11 @@ class LayerKV:
     query_statistics: QueryStatistics | None = None
 
     def __post_init__(self) -> None:
-        if self.keys.dim() != 3 or self.values.shape != self.keys.shape:
+        values_shape = self.keys.shape if self.values is None else self.values.shape
+        if self.keys.dim() != 3 or values_shape != self.keys.shape:
             raise ValueError(
                 f"keys and values must both be [kv_heads, n, d]; got keys {tuple(self.keys.shape)}, "
-                f"values {tuple(self.values.shape)}"
+                f"values {tuple(values_shape)}"
             )
         if self.queries.dim() != 3 or self.queries.shape[2] != self.keys.shape[2]:
             raise ValueError(
@@ -71,6 +73,17 @@ class LayerKV:
     @property
     def num_kv_heads(self) -> int:
         return self.keys.shape[0]
+
+    def value_rows(self, owner: str) -> torch.Tensor:
+        """[kv_heads, n, d] ``values``; raises ValueError when the caller left them out (``owner`` reads
+        values, so its class must keep ``reads_own_values`` True)."""
+        if self.values is None:
+            raise ValueError(f"{owner} reads the layer's values, but the caller left them out")
+        return self.values
+
+    def values_slice(self, start: int, end: int | None = None) -> torch.Tensor | None:
+        """``values[:, start:end]``, or None when the caller left them out."""
+        return None if self.values is None else self.values[:, start:end]
 
     @property
     def num_tokens(self) -> int:
@@ -169,6 +182,8 @@ class EvictionPolicy(ABC):
 
     #: short user-facing name, e.g. "ada-snapkv"; set by the registry.
     name: str = ""
+    #: False on a class whose own code never reads ``LayerKV.values`` (what it wraps may: ``reads_values``).
+    reads_own_values: ClassVar[bool] = True
 
     def layer_budget(self, budget: int, num_tokens: int, layer_idx: int, num_layers: int) -> int:
         """Average kept tokens per head for this layer given the request's average ``budget``.
@@ -272,8 +287,22 @@ def after_prefix(layer: LayerKV, fixed: int) -> LayerKV:
     return dataclasses.replace(
         layer,
         keys=layer.keys[:, fixed:],
-        values=layer.values[:, fixed:],
+        values=layer.values_slice(fixed),
         query_positions=layer.positions() - fixed,
+    )
+
+
+def composed_parts(policy: object) -> list[object]:
+    """The policies ``policy`` wraps: its ``inner``, ``first`` and ``second`` fields that are set."""
+    parts = (getattr(policy, field, None) for field in ("inner", "first", "second"))
+    return [part for part in parts if part is not None]
+
+
+def reads_values(policy: EvictionPolicy) -> bool:
+    """True when ``policy`` or a policy it composes reads ``LayerKV.values``; a caller that must read values
+    from the cache (the shared-prefix and per-chunk re-scores) reads only the keys otherwise."""
+    return policy.reads_own_values or any(
+        reads_values(part) for part in composed_parts(policy) if isinstance(part, EvictionPolicy)
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -48,6 +49,8 @@ DEFAULT_BETWEEN = "blend"
 class Blend(EvictionPolicy):
     """``first_share`` of each head's budget chosen by ``first`` (a uniform policy: its own selection), the
     rest by ``second``'s scores among the tokens the first left; every head keeps ``budget``."""
+
+    reads_own_values: ClassVar[bool] = False
 
     first: EvictionPolicy
     second: ScoredPolicy
@@ -168,6 +171,8 @@ class KeepTail(EvictionPolicy):
     window, the newest held entries) and lets ``inner`` choose the rest of the budget among the others,
     as if they were the whole sequence (its own window then falls on the entries just before the tail)."""
 
+    reads_own_values: ClassVar[bool] = False
+
     inner: EvictionPolicy
     tail: int = 0
 
@@ -195,7 +200,7 @@ class KeepTail(EvictionPolicy):
             front = dataclasses.replace(
                 layer,
                 keys=layer.keys[:, :head_len],
-                values=layer.values[:, :head_len],
+                values=layer.values_slice(0, head_len),
                 query_positions=layer.positions().clamp(max=head_len - 1),
             )
             keep[:, :head_len] = self.inner.select(front, budget - tail).to_mask(head_len)

@@ -67,6 +67,6 @@ class CriticalKV(EvictionPolicy):
             scores = self.inner.score(layer, budget)
             budgets = torch.full((layer.num_kv_heads,), budget, dtype=torch.int64, device=scores.device)
             floor = 1 if self.first_stage_ratio > 0 else 0
-        norms = value_norms(layer.values, layer.o_proj)
+        norms = value_norms(layer.value_rows(self._label()), layer.o_proj)
         keep = critical_selection(scores, norms, budgets, self.first_stage_ratio, self.epsilon, floor)
         return KeptTokens.from_mask(keep)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_fraction, check_int
+from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_fraction, check_int, composed_parts
 from vllm_kvevict.policies.query_statistics import QueryStatistics
 from vllm_kvevict.policies.scoring import extend_forward
 
@@ -112,7 +112,8 @@ class ExpectedAttention(ScoredPolicy):
             logits = logits + ((grouped @ covariance) * grouped).sum(dim=-1) / d / 2
         probabilities = torch.softmax(logits, dim=-1).reshape(heads, group, m).mean(dim=1)  # [H, m]
         if self.use_vnorm:
-            probabilities = (probabilities + self.epsilon) * layer.values[:, sinks:].float().norm(dim=-1)
+            norms = layer.value_rows(self._label())[:, sinks:].float().norm(dim=-1)
+            probabilities = (probabilities + self.epsilon) * norms
         scores = torch.full((heads, n), float("inf"), device=keys.device)
         scores[:, sinks:] = extend_forward(probabilities, self.span_after)
         recent = self.always_kept(n, budget).to(scores.device)
@@ -125,8 +126,4 @@ def uses_query_statistics(policy: object) -> bool:
     Attention, whose callers carry the running query statistics across prompt chunks."""
     if isinstance(policy, ExpectedAttention):
         return True
-    return any(
-        uses_query_statistics(getattr(policy, part))
-        for part in ("inner", "first", "second")
-        if getattr(policy, part, None) is not None
-    )
+    return any(uses_query_statistics(part) for part in composed_parts(policy))

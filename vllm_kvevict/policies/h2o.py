@@ -6,6 +6,7 @@ https://arxiv.org/abs/2306.14048
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -21,6 +22,8 @@ class H2O(ScoredPolicy):
     Needs all n prompt queries in ``LayerKV.queries`` (``query_window(n) == n``); they are walked in
     chunks, never as an n x n matrix. Given fewer queries it accumulates over those.
     """
+
+    reads_own_values: ClassVar[bool] = False
 
     window: int = 32
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -19,6 +20,8 @@ class KeyScoredPolicy(ScoredPolicy):
     papers' rule): each token also takes the score of the ``span_after`` tokens before it, so a kept key
     keeps the run that follows it (a needle's value after its key phrase).
     """
+
+    reads_own_values: ClassVar[bool] = False
 
     window: int = 32
     sinks: int = 4

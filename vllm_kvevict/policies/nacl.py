@@ -34,6 +34,8 @@ class NaCl(EvictionPolicy):
     ``(seed, layer_idx, head)``) - the paper's remedy for attention bias.
     """
 
+    reads_own_values: ClassVar[bool] = False
+
     window: int = 32
     random_ratio: float = 0.5
     seed: int = 0

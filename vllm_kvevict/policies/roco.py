@@ -6,6 +6,7 @@ https://arxiv.org/abs/2402.06262
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -32,6 +33,8 @@ class RoCo(EvictionPolicy):
     Statistics are over all given queries (all n prompt queries for the prefill form); the decode-time
     eviction keeps them up to date with ``RocoStatistics``.
     """
+
+    reads_own_values: ClassVar[bool] = False
 
     window: int = 32
     std_ratio: float = 0.5

@@ -35,6 +35,8 @@ class SnapKV(ScoredPolicy):
     numbers (docs/policies.md, "Answer tails"), so the product default is 8.
     """
 
+    reads_own_values: ClassVar[bool] = False
+
     window: int = 32
     kernel: int = 7
     pooling: str = "max"

@@ -6,6 +6,7 @@ https://arxiv.org/abs/2309.17453
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -16,6 +17,8 @@ from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
 class StreamingLLM(ScoredPolicy):
     """Keeps the first ``sinks`` tokens and the last ``budget - sinks``, whatever the attention
     (kvpress's StreamingLLMPress). Needs no queries."""
+
+    reads_own_values: ClassVar[bool] = False
 
     sinks: int = 4
 

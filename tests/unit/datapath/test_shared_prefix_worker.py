@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from simulated_engine import BS, HEADS, LAYERS, SimulatedEngine
+from simulated_engine import BS, HEADS, LAYERS, SimulatedEngine, SimulatedRows
 
 from vllm_kvevict.layout.shared_prefix import publishable_tokens
 from vllm_kvevict.settings.config import EvictionConfig
@@ -66,6 +66,32 @@ def test_a_request_on_a_shared_prefix_keeps_it_whole_and_evicts_only_its_own_par
             assert head[:shared] == list(range(shared))
             assert head[-(BS + 2) :] == list(range(PROMPT, PROMPT + BS + 2))
         assert not engine.blocks_read("sharer", layer) & freed
+
+
+@pytest.mark.parametrize(("method", "reads_values"), [("ada-snapkv", False), ("critical-ada-snapkv", True)])
+def test_a_sharer_reads_values_back_only_for_a_method_that_weighs_by_them(method, reads_values, monkeypatch):
+    """The re-score reads the held keys back from the cache, and the values only when the method reads
+    them (``policies.base.reads_values``): SnapKV-style scores need none, CriticalKV's ||V W_O|| does."""
+    engine = SimulatedEngine(whole_config(method))
+    engine.step([("owner", PROMPT, 0, PROMPT, None)])
+    shared_blocks = publishable_tokens(engine.worker.plan_for(PROMPT), 0) // BS
+    engine.share_prefix("sharer", "owner", shared_blocks)
+    reads: list[str] = []
+    read, read_keys = SimulatedRows.read, SimulatedRows.read_keys
+
+    def counted_read(rows: SimulatedRows, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        reads.append("keys+values")
+        return read(rows, slots)
+
+    def counted_read_keys(rows: SimulatedRows, slots: torch.Tensor) -> torch.Tensor:
+        reads.append("keys")
+        return read_keys(rows, slots)
+
+    monkeypatch.setattr(SimulatedRows, "read", counted_read)
+    monkeypatch.setattr(SimulatedRows, "read_keys", counted_read_keys)
+    engine.step([("sharer", PROMPT, shared_blocks * BS, PROMPT - shared_blocks * BS, None)])
+    assert engine.worker.shared_tokens["sharer"] == shared_blocks * BS
+    assert reads == ["keys+values" if reads_values else "keys"] * LAYERS
 
 
 def test_private_part_within_budget_reads_the_prefix_in_the_standard_layout():
