@@ -3,12 +3,7 @@
 These are the plain-torch references of the Triton scoring kernels. None builds an ``n x n`` matrix: a
 prompt longer than one key chunk gets its softmax in two passes (log-sum-exp over the chunks first, then
 normalised chunks), and the all-queries forms walk the queries in chunks too, so memory is O(w * n) for
-w window queries and O(query_chunk * n) for all of them. The logits ``q k^T`` come out of the matmul in the
-inputs' dtype when queries and keys share one (bf16 in a served model, float32 accumulation inside the
-matmul: as kvpress's presses compute them), else in float32; the softmax and everything after it run in
-float32. On one CPU core the bf16 matmul of a 32-query window over 3,400 keys takes about a quarter of the
-float32 one; the kept sets differ in 0-0.15 % of their tokens
-(``benchmarks/policy_quality/logit_precision.py``).
+w window queries and O(query_chunk * n) for all of them. Everything is computed in float32.
 """
 
 from __future__ import annotations
@@ -55,16 +50,16 @@ def _attention_probabilities(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Causal softmax(q k^T / sqrt(d)) of a query block, yielded one key chunk at a time.
 
-    queries: [kv_heads, g * w, d] (query heads grouped under their KV head, so KV is never repeated)
-    keys: [kv_heads, n, d], the queries' dtype (``_logits_dtype``); positions: [g * w] int64.
-    Yields (start, probs [kv_heads, g * w, c] float32) for key chunks [start, start + c).
+    queries: [kv_heads, g * w, d] float32 (query heads grouped under their KV head, so KV is never repeated)
+    keys: [kv_heads, n, d] float32; positions: [g * w] int64.
+    Yields (start, probs [kv_heads, g * w, c]) for key chunks [start, start + c).
     """
     n, d = keys.shape[1], keys.shape[2]
     scale = 1.0 / math.sqrt(d)
     first_hidden = int(positions.min()) + 1  # keys before this are visible to every query: no mask needed
 
     def logits(start: int) -> torch.Tensor:
-        chunk = torch.bmm(queries, keys[:, start : start + key_chunk].transpose(1, 2)).float().mul_(scale)
+        chunk = torch.bmm(queries, keys[:, start : start + key_chunk].transpose(1, 2)).mul_(scale)
         end = start + chunk.shape[-1]
         if end > first_hidden:  # only the columns some query cannot see need the mask
             first = max(start, first_hidden)
@@ -95,15 +90,10 @@ def _attention_probabilities(
         yield index * key_chunk, chunk.sub_(log_normaliser).exp_()
 
 
-def _logits_dtype(queries: torch.Tensor, keys: torch.Tensor) -> torch.dtype:
-    """The dtype the logits leave the matmul in: the inputs' own when they share one, else float32."""
-    return queries.dtype if queries.dtype == keys.dtype else torch.float32
-
-
-def _grouped(queries: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """[q_heads, w, d] -> [kv_heads, g * w, d] in ``dtype``, query head j under KV head j // g."""
+def _grouped(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[q_heads, w, d] -> [kv_heads, g * w, d] float32, query head j under KV head j // g."""
     q_heads, w, d = queries.shape
-    return queries.to(dtype).reshape(kv_heads, (q_heads // kv_heads) * w, d)
+    return queries.float().reshape(kv_heads, (q_heads // kv_heads) * w, d)
 
 
 def _column_sums(
@@ -117,15 +107,14 @@ def _column_sums(
     q_heads, w, _ = queries.shape
     kv_heads, n, _ = keys.shape
     group = q_heads // kv_heads
-    dtype = _logits_dtype(queries, keys)
-    keys_in = keys.to(dtype)
+    keys32 = keys.float()
     sums = torch.zeros(kv_heads, group, n, device=keys.device)
     for q_start in range(0, w, query_chunk):
         block = queries[:, q_start : q_start + query_chunk]
         c = block.shape[1]
-        grouped = _grouped(block, kv_heads, dtype)
+        grouped = _grouped(block, kv_heads)
         block_positions = positions[q_start : q_start + c].repeat(group)
-        for k_start, probs in _attention_probabilities(grouped, keys_in, block_positions, key_chunk):
+        for k_start, probs in _attention_probabilities(grouped, keys32, block_positions, key_chunk):
             probs = probs.view(kv_heads, group, c, -1)
             width = probs.shape[-1]
             sums[..., k_start : k_start + width] += probs.sum(dim=2)
@@ -191,16 +180,15 @@ def attention_statistics(
     group = q_heads // kv_heads
     positions = _positions(query_positions, w, n, keys.device)
     _check_shapes(queries, keys, positions)
-    dtype = _logits_dtype(queries, keys)
-    keys_in = keys.to(dtype)
+    keys32 = keys.float()
     sums = torch.zeros(kv_heads, n, device=keys.device)
     sq_sums = torch.zeros_like(sums)
     for q_start in range(0, w, query_chunk):
         block = queries[:, q_start : q_start + query_chunk]
         c = block.shape[1]
         block_positions = positions[q_start : q_start + c].repeat(group)
-        grouped = _grouped(block, kv_heads, dtype)
-        for k_start, probs in _attention_probabilities(grouped, keys_in, block_positions, chunk_size):
+        grouped = _grouped(block, kv_heads)
+        for k_start, probs in _attention_probabilities(grouped, keys32, block_positions, chunk_size):
             rows = probs.view(kv_heads, group, c, -1).mean(dim=1)
             width = rows.shape[-1]
             sums[:, k_start : k_start + width] += rows.sum(dim=1)

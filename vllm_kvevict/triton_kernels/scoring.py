@@ -47,8 +47,7 @@ def _window_logits(
         mask=key_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
-    # float32 accumulation, rounded to the inputs' dtype as the reference's matmul leaves them
-    logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(k.dtype).to(tl.float32) * scale
+    logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
     visible = key_valid[None, :] & (keys[None, :] <= positions[:, None]) & row_valid[:, None]
     return tl.where(visible, logits, float("-inf"))
 
