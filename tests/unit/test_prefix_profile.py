@@ -80,3 +80,22 @@ def test_the_profile_table_reports_each_batch_kind_and_the_difference(monkeypatc
     assert "| attention kernel, all batches, s | 2.00 | 3.00 | +1.00 |" in text
     assert "|   9 query heads/seq, decode only: ns per work unit | 5.000 | 0.000 | -5.000 |" in text
     assert "|   3 query heads/seq, decode only: s | 0.00 | 3.00 | +3.00 |" in text
+
+
+def test_a_run_without_py_spy_samples_keeps_its_other_rows(monkeypatch):
+    """py-spy can fail to write samples (it panicked when stopped in two runs): the bench results, counters
+    and kernel times are still reported, and the missing frames are named."""
+    monkeypatch.syspath_prepend(str(TIMER.parents[2]))
+    from benchmarks.prefix_profile import FRAMES, Profile, table
+    from benchmarks.prefix_repetition import Run
+
+    def run(server: str, tok_s: float) -> Run:
+        return Run(server, "3000:400", 16, 20.0, tok_s, 0.7, 12000.0, 150.0, 20000.0, 44000.0, 54000.0,
+                   10240.0, 0.28, 0.0, 0.0)
+
+    vanilla = Profile(run("vanilla", 50.0), 68, {}, {name: 1.0 for name, _ in FRAMES}, 20.0)
+    evicting = Profile(run("ada-snapkv @ 0.25", 45.0), 68, {}, None, 0.0)
+    text = table([vanilla, evicting])
+    assert "| output tok/s | 50.0 | 45.0 | 0.900x |" in text
+    assert "| py-spy frames | no samples from ada-snapkv @ 0.25 | | |" in text
+    assert "worker samples" not in text
