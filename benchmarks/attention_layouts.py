@@ -69,7 +69,7 @@ def attention_call(batch: list[tuple[int, int]], per_head: bool, kv: torch.Tenso
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(rows), num_heads=query_heads, num_kv_heads=kv_heads, head_dim=dim, seq_lens=seq_lens,
         dtype=kv.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
-        enable_kv_split=False, kv_cache_dtype="auto",
+        enable_kv_split=args.kv_split, kv_cache_dtype="auto",
     )
     return lambda: ops.cpu_attention_with_kv_cache(
         query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
@@ -91,12 +91,20 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument(
+        "--kv-split",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="the kernel's enable_kv_split (vLLM's VLLM_CPU_ATTN_SPLIT_KV, on by default in the server)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     kv = torch.randn(args.num_blocks, args.kv_heads, args.block_size, 2 * args.head_size, dtype=dtype)
     print(f"{args.dtype}, {args.kv_heads} KV heads x {args.query_heads // args.kv_heads} query heads, "
-          f"head size {args.head_size}, blocks of {args.block_size}, {args.threads} thread(s)")
+          f"head size {args.head_size}, blocks of {args.block_size}, {args.threads} thread(s), "
+          f"kv split {'on' if args.kv_split else 'off'}")
     print("| batch | vLLM's layout ms | head-as-sequence ms | ratio |")
     print("|---|---:|---:|---:|")
     for label, batch in BATCHES:
