@@ -45,14 +45,19 @@ def attention_call(batch: list[tuple[int, int]], per_head: bool, kv: torch.Tenso
     num_blocks, heads, block_size, _ = kv.shape
     group, dim = args.query_heads // heads, args.head_size
     blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
-    rows, query_lens, lengths, used = [], [], [], 0
+    shared = blocks[: args.shared_prefix // block_size]  # the same leading blocks in every request
+    rows, query_lens, lengths, used = [], [], [], shared.numel()
     for query_len, length in batch:
-        own = blocks[used : used + -(-length // block_size)]
-        used += own.numel()
-        for table in [own * heads + h for h in range(heads)] if per_head else [own]:
-            rows.append(table)
+        count = -(-length // block_size) - shared.numel()
+        own = torch.cat([shared, blocks[used : used + count]])
+        used += count
+        for h, table in enumerate([own * heads + h for h in range(heads)] if per_head else [own]):
+            rows.append((h if args.head_major else 0, len(rows), table))
             query_lens.append(query_len)
             lengths.append(length)
+    order = sorted(range(len(rows)), key=lambda i: rows[i][:2])  # head-major: every request's head 0 first
+    rows = [rows[i][2] for i in order]
+    query_lens, lengths = [query_lens[i] for i in order], [lengths[i] for i in order]
     block_table = torch.zeros(len(rows), max(r.numel() for r in rows), dtype=torch.int32)
     for i, table in enumerate(rows):
         block_table[i, : table.numel()] = table
@@ -92,6 +97,18 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=41)
     parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens (whole blocks) at the start of every request read from the same blocks, as requests "
+        "that found one prefix in vLLM's prefix cache",
+    )
+    parser.add_argument(
+        "--head-major",
+        action="store_true",
+        help="head-as-sequence rows ordered by KV head, then request (default: request, then head)",
+    )
+    parser.add_argument(
         "--kv-split",
         type=int,
         default=1,
@@ -104,7 +121,8 @@ def main() -> int:
     kv = torch.randn(args.num_blocks, args.kv_heads, args.block_size, 2 * args.head_size, dtype=dtype)
     print(f"{args.dtype}, {args.kv_heads} KV heads x {args.query_heads // args.kv_heads} query heads, "
           f"head size {args.head_size}, blocks of {args.block_size}, {args.threads} thread(s), "
-          f"kv split {'on' if args.kv_split else 'off'}")
+          f"kv split {'on' if args.kv_split else 'off'}, shared prefix {args.shared_prefix} tokens, "
+          f"{'head' if args.head_major else 'request'}-major head sequences")
     print("| batch | vLLM's layout ms | head-as-sequence ms | ratio |")
     print("|---|---:|---:|---:|")
     for label, batch in BATCHES:
