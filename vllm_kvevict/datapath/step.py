@@ -25,11 +25,12 @@ from vllm_kvevict.policies.base import KeptTokens
 
 @dataclass
 class HeadSequenceBatch:
-    """The step's batch as (request, KV head) sequences for one group of layers sharing sub-block tables.
+    """The step's batch as (request, KV head) sequences for one group of layers sharing sub-block tables,
+    head-major (sequence h*R + r: ``SubBlockStore.block_tables`` says why).
 
-    block_table:     [R*H, max_subblocks] int32 sub-block ids of sequence r*H + h.
-    seq_lens:        [R*H] int32 KV length of each sequence after this step.
-    query_start_loc: [R*H + 1] int32 query rows of each sequence in the gathered query.
+    block_table:     [H*R, max_subblocks] int32 sub-block ids of sequence h*R + r.
+    seq_lens:        [H*R] int32 KV length of each sequence after this step.
+    query_start_loc: [H*R + 1] int32 query rows of each sequence in the gathered query.
     slot_mapping:    [T*H] int64 one-head-view slot of (token t, head h) at t*H + h (-1: skip).
     kernel_metadata: backend-specific data built once for this batch (e.g. CPU scheduler metadata).
     """
@@ -118,10 +119,9 @@ class EvictionStep:
         return self._layout is not None
 
     # ----- head as sequence -----------------------------------------------------------------------------
-    def sequence_rows(self) -> torch.Tensor | None:
-        """[T*H] int64 ``token * H + head`` of each row of the head-as-sequence query (sequence r*H + h, then
-        the request's tokens), indexing ``query.reshape(T*H, g, D)``; None when every request has one token
-        this step (pure decode): the order is then the identity and no gather is needed."""
+    def sequence_rows(self) -> torch.Tensor:
+        """[T*H] int64 ``token * H + head`` of each row of the head-as-sequence query (sequence h*R + r, then
+        the request's tokens), indexing ``query.reshape(T*H, g, D)``."""
         assert self._layout is not None, "sequence_rows is only defined when the batch runs head-as-sequence"
         return self._layout.sequence_rows
 

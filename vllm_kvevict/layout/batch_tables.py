@@ -38,14 +38,14 @@ class StepLayout:
     """Head-as-sequence data of one step, shared by every group of layers.
 
     token_slots:     [G, T, H] int64 one-head-view slot of (token t, head h) for the layers of group g.
-    query_start_loc: [R*H + 1] int32 query rows of sequence r*H + h.
-    sequence_rows:   [T*H] int64 ``token * H + head`` of each sequence-ordered query row; None when every
-                     request has one token (the order is then the identity).
+    query_start_loc: [H*R + 1] int32 query rows of sequence h*R + r (head-major, see ``block_tables``).
+    sequence_rows:   [T*H] int64 ``token * H + head`` of each sequence-ordered query row: head 0 of every
+                     token, then head 1, ...
     """
 
     token_slots: torch.Tensor
     query_start_loc: torch.Tensor
-    sequence_rows: torch.Tensor | None
+    sequence_rows: torch.Tensor
 
 
 class BatchSubBlocks:
@@ -131,7 +131,7 @@ class BatchSubBlocks:
         req_of_token = np.repeat(np.arange(num_reqs), q_lens)
         token_offset = np.arange(num_tokens) - q_start[req_of_token]
         query_start_loc = np.zeros(num_reqs * heads + 1, dtype=np.int64)
-        np.cumsum(np.repeat(q_lens, heads), out=query_start_loc[1:])
+        np.cumsum(np.tile(q_lens, heads), out=query_start_loc[1:])
         rebuilt = np.flatnonzero(rebuild)
         decode_only = bool((q_lens == 1).all())
         parts = [
@@ -144,9 +144,8 @@ class BatchSubBlocks:
             query_start_loc,
             rebuilt,
             seq_lens[rebuilt],
+            _sequence_rows(num_tokens, heads),
         ]
-        if not decode_only:
-            parts.append(_sequence_rows(q_lens, q_start, req_of_token, token_offset, heads))
         # Everything the device needs from the host this step, in one copy.
         packed = host_to_device(np.concatenate([p.astype(np.int64) for p in parts]), store.device)
         pieces = packed.split([len(p) for p in parts])
@@ -176,7 +175,7 @@ class BatchSubBlocks:
                 else store.token_slots(token_req, offsets, q_dev, num_reqs)
             ),
             query_start_loc=qsl.to(torch.int32),
-            sequence_rows=None if decode_only else pieces[9],
+            sequence_rows=pieces[9],
         )
 
     # ----- compaction -----------------------------------------------------------------------------------
@@ -259,14 +258,7 @@ class BatchSubBlocks:
         self._slot_of = {req_id: slot for slot, req_id in enumerate(req_ids)}
 
 
-def _sequence_rows(
-    q_lens: np.ndarray, q_start: np.ndarray, req_of_token: np.ndarray, token_offset: np.ndarray, heads: int
-) -> np.ndarray:
-    """[T*H] ``token * H + head`` in sequence order (request r, head h, then r's tokens)."""
-    num_tokens = len(req_of_token)
-    head_ids = np.arange(heads)
-    position = (q_start[req_of_token] * heads)[:, None] + head_ids[None, :] * q_lens[req_of_token][:, None]
-    position += token_offset[:, None]
-    rows = np.empty(num_tokens * heads, dtype=np.int64)
-    rows[position.reshape(-1)] = (np.arange(num_tokens)[:, None] * heads + head_ids[None, :]).reshape(-1)
-    return rows
+def _sequence_rows(num_tokens: int, heads: int) -> np.ndarray:
+    """[T*H] ``token * H + head`` in sequence order (head h, then request r, then r's tokens: the tokens are
+    already in request order, so head h's rows are every token's)."""
+    return (np.arange(num_tokens)[None, :] * heads + np.arange(heads)[:, None]).reshape(-1)

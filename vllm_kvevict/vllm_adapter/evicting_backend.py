@@ -265,23 +265,15 @@ class EvictingImpl:
     ) -> None:
         """Attention of the whole batch with each (request, KV head) as one sequence.
 
-        query [T, Hq, D] -> [T*H, g, D] in sequence order (a plain reshape for decode-only batches, a row
-        gather otherwise); the result lands in output [T, Hq, D] the same way."""
+        query [T, Hq, D] -> [T*H, g, D] in sequence order (a row gather: head-major sequences); the result
+        lands in output [T, Hq, D] the same way."""
         tokens, heads, group = step.num_tokens, self.num_kv_heads, self.num_queries_per_kv
         rows = step.sequence_rows()
-        grouped = query[:tokens].reshape(tokens * heads, group, self.head_size)
-        if rows is not None:
-            grouped = grouped.index_select(0, rows)
-        target = output[:tokens]
-        direct = rows is None and target.is_contiguous() and target.dtype == grouped.dtype
-        result = target.view(tokens * heads, group, -1) if direct else torch.empty_like(grouped)
+        grouped = query[:tokens].reshape(tokens * heads, group, self.head_size).index_select(0, rows)
+        result = torch.empty_like(grouped)
         self.head_attention(layer, step, batch, grouped, kv_cache, result)
-        if direct:
-            return
+        target = output[:tokens]
         flat = target.reshape(tokens * heads, group, -1)
-        if rows is None:
-            flat.copy_(result)
-        else:
-            flat.index_copy_(0, rows, result.to(output.dtype))
+        flat.index_copy_(0, rows, result.to(output.dtype))
         if flat.data_ptr() != target.data_ptr():
             target.copy_(flat.view_as(target))

@@ -89,24 +89,24 @@ def test_decode_reads_each_heads_own_sub_blocks_and_writes_after_its_kept_entrie
     for layer in range(LAYERS):
         batch = step.head_batch(layer)
         table = worker.layer_table("long", layer)
+        # Head-major sequences: head h of request r (0: "long", 1: "new") is sequence h * 2 + r.
         for head in range(HEADS):
-            assert int(batch.seq_lens[head]) == lengths_before[layer][head] + 1 == table.lengths[head]
+            long_seq, new_seq = head * 2, head * 2 + 1
+            assert int(batch.seq_lens[long_seq]) == lengths_before[layer][head] + 1 == table.lengths[head]
             used = cdiv(table.lengths[head], BS)
-            assert batch.block_table[head, :used].tolist() == table.subblocks[head][:used]
-            # The new token sits right after the head's kept entries.
+            assert batch.block_table[long_seq, :used].tolist() == table.subblocks[head][:used]
+            # The new token sits right after the head's kept entries (slots stay token-major).
             assert int(batch.slot_mapping[head]) == int(table.head_slots(head)[-1])
-        # The standard request: sub-block 50*H + h, full length, vLLM's slot spread per head.
-        for head in range(HEADS):
-            assert batch.block_table[HEADS + head, 0] == 50 * HEADS + head
-            assert batch.seq_lens[HEADS + head] == 20
-        new_slots = batch.slot_mapping[HEADS:].view(20, HEADS)
+            # The standard request: sub-block 50*H + h, full length.
+            assert batch.block_table[new_seq, 0] == 50 * HEADS + head
+            assert batch.seq_lens[new_seq] == 20
+        new_slots = batch.slot_mapping[HEADS:].view(20, HEADS)  # vLLM's slot spread per head
         assert new_slots[5].tolist() == [(50 * HEADS + h) * BS + 5 for h in range(HEADS)]
-        assert batch.query_start_loc.tolist() == [0, 1, 2, 3, 23, 43, 63]
-    # Sequence rows: request "long" (one token) then "new" head-major over its 20 tokens.
+        assert batch.query_start_loc.tolist() == [0, 1, 21, 22, 42, 43, 63]
+    # Sequence rows: head 0 of "long" (its one token), of "new" (its 20 tokens), then head 1, ...
     rows = step.sequence_rows()
-    assert rows[:3].tolist() == [0, 1, 2]  # token 0, heads 0..2
-    assert rows[3:6].tolist() == [1 * HEADS, 2 * HEADS, 3 * HEADS]  # tokens 1..3 of head 0
-    assert rows[23].tolist() == 1 * HEADS + 1  # head 1 starts after head 0's 20 rows
+    assert rows[:4].tolist() == [0, 1 * HEADS, 2 * HEADS, 3 * HEADS]  # tokens 0..3 of head 0
+    assert rows[21:23].tolist() == [1, 1 * HEADS + 1]  # head 1 starts after head 0's 21 rows
 
 
 def test_finished_and_restarted_requests_start_clean() -> None:

@@ -127,12 +127,19 @@ class Simulation:
                 ref_slots = torch.stack([ref_table.head_slots(h)[-q:] for h in range(self.heads)], dim=1)
                 assert torch.equal(slots, ref_slots)
             t0 += q
-        rows = layout.sequence_rows
-        if all(q == 1 for q in q_lens):
-            assert rows is None
-        else:  # sequence r*H + h lists request r's tokens for head h, in order
-            assert sorted(rows.tolist()) == list(range(sum(q_lens) * self.heads))
-        assert layout.query_start_loc.tolist()[-1] == sum(q_lens) * self.heads
+        # Head-major sequences: sequence h*R + r lists request r's tokens for head h, in order.
+        tokens, starts = sum(q_lens), layout.query_start_loc.tolist()
+        rows = layout.sequence_rows.tolist()
+        assert starts[-1] == tokens * self.heads
+        sequence = 0
+        for h in range(self.heads):
+            t0 = 0
+            for q in q_lens:
+                begin = starts[sequence]
+                assert starts[sequence + 1] - begin == q
+                assert rows[begin : begin + q] == [(t0 + t) * self.heads + h for t in range(q)]
+                t0 += q
+                sequence += 1
 
 
 @pytest.mark.parametrize("seed", range(24))
