@@ -132,7 +132,7 @@ class EvictionStep:
             assert layout is not None and store is not None, "head_batch needs a head-as-sequence batch"
             # Every group's views in three calls, one small object per group, then a list lookup per layer.
             num_reqs = self.sizes.num_reqs
-            block_tables = store.block_tables(num_reqs).unbind(0)
+            block_tables = store.block_tables(num_reqs, self.sizes.max_seq_len).unbind(0)
             seq_lens = store.all_seq_lens(num_reqs).unbind(0)
             slots = layout.token_slots.view(store.num_groups, -1).unbind(0)
             groups = [

@@ -131,14 +131,16 @@ class SubBlockStore:
         self.num_groups = num_groups
 
     # ----- views for the kernels --------------------------------------------------------------------------
-    def block_tables(self, num_slots: int) -> torch.Tensor:
-        """[G, H * num_slots, W] int32 (a copy): sequence ``h * num_slots + slot`` of group g is head h of the
-        request in ``slot``. Head-major, so that requests reading one shared prefix read its head-h sub-blocks
-        one after the other: with the caches cold (a layer after the rest of the model ran), request-major
-        sequences made 16 decodes on one 2,976-token prefix 1.33x slower than vLLM's layout, head-major ones
-        0.97-0.99x (``benchmarks/attention_layouts.py --shared-prefix 2976 --cold 256``)."""
-        tables = self.tables[:, :num_slots].transpose(1, 2)
-        return tables.reshape(self.num_groups, self.num_kv_heads * num_slots, self.width)
+    def block_tables(self, num_slots: int, max_len: int) -> torch.Tensor:
+        """[G, H * num_slots, cdiv(max_len, bs)] int32, a copy of the columns a head of at most ``max_len``
+        tokens uses: sequence ``h * num_slots + slot`` of group g is head h of the request in ``slot``.
+        Head-major, so that requests reading one shared prefix read its head-h sub-blocks one after the
+        other: with the caches cold (a layer after the rest of the model ran), request-major sequences made
+        16 decodes on one 2,976-token prefix 1.33x slower than vLLM's layout, head-major ones 0.97-0.99x
+        (``benchmarks/attention_layouts.py --shared-prefix 2976 --cold 256``)."""
+        width = max(1, min(self.width, -(-max_len // self.block_size)))
+        tables = self.tables[:, :num_slots, :, :width].transpose(1, 2)
+        return tables.reshape(self.num_groups, self.num_kv_heads * num_slots, width)
 
     def all_seq_lens(self, num_slots: int) -> torch.Tensor:
         """[G, H * num_slots] int32 head lengths in ``block_tables``' sequence order (a copy)."""
