@@ -291,7 +291,10 @@ def test_blocks_are_freed_while_it_decodes_and_the_aborted_request_leaves_none_b
     # vLLM's next update of the running gauge: a finished request, not one holding more than the bound.
     finished = [i for i, s in enumerate(alone) if s.saved == 0 and any(e.saved > 0 for e in alone[:i])]
     alone = alone[: finished[0]] if finished else alone
-    assert len(alone) >= (OUTPUT_TOKENS - ALONE_AFTER) // SAMPLE_EVERY // 2, traffic.samples
+    # One sample per chunk read: a reader lagging behind the server on a loaded machine gets several tokens
+    # per chunk (in one full-suite run samples came every ~100 tokens, 14 of them), so the floor is what
+    # such a run still gives, not one sample per SAMPLE_EVERY tokens.
+    assert len(alone) >= (OUTPUT_TOKENS - ALONE_AFTER) // SAMPLE_EVERY // 5, traffic.samples
     for s in alone:
         # The stream may lag the server by a few tokens: ``streamed`` undercounts, which loosens the bound.
         bound = HELD_BLOCKS_BOUND / cdiv(prompt_tokens + s.streamed, BLOCK_SIZE)
