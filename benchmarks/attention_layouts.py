@@ -26,11 +26,15 @@ BATCHES = (
 )
 
 
-def timed_ms(call, repeats: int) -> float:
-    """Median milliseconds of ``repeats`` calls after one warm-up."""
+def timed_ms(call, repeats: int, flush: torch.Tensor | None = None) -> float:
+    """Median milliseconds of ``repeats`` calls after one warm-up; with ``flush`` (a buffer larger than the
+    CPU's caches), it is rewritten before each call, so that the call starts from cold caches as a layer's
+    attention does in a server after the rest of the model ran."""
     call()
     times = []
     for _ in range(repeats):
+        if flush is not None:
+            flush.add_(1)
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
@@ -104,6 +108,9 @@ def main() -> int:
         "that found one prefix in vLLM's prefix cache",
     )
     parser.add_argument(
+        "--cold", type=int, default=0, metavar="MIB", help="rewrite MIB MiB before each call (0: warm caches)"
+    )
+    parser.add_argument(
         "--head-major",
         action="store_true",
         help="head-as-sequence rows ordered by KV head, then request (default: request, then head)",
@@ -122,12 +129,14 @@ def main() -> int:
     print(f"{args.dtype}, {args.kv_heads} KV heads x {args.query_heads // args.kv_heads} query heads, "
           f"head size {args.head_size}, blocks of {args.block_size}, {args.threads} thread(s), "
           f"kv split {'on' if args.kv_split else 'off'}, shared prefix {args.shared_prefix} tokens, "
-          f"{'head' if args.head_major else 'request'}-major head sequences")
+          f"{'head' if args.head_major else 'request'}-major head sequences, "
+          f"{f'caches flushed ({args.cold} MiB)' if args.cold else 'warm caches'}")
+    flush = torch.zeros(args.cold * 2**18) if args.cold else None  # float32: 2**18 per MiB
     print("| batch | vLLM's layout ms | head-as-sequence ms | ratio |")
     print("|---|---:|---:|---:|")
     for label, batch in BATCHES:
-        standard = timed_ms(attention_call(batch, False, kv, args), args.repeats)
-        per_head = timed_ms(attention_call(batch, True, kv, args), args.repeats)
+        standard = timed_ms(attention_call(batch, False, kv, args), args.repeats, flush)
+        per_head = timed_ms(attention_call(batch, True, kv, args), args.repeats, flush)
         print(f"| {label} | {standard:.2f} | {per_head:.2f} | {per_head / standard:.3f} |")
     return 0
 
