@@ -28,6 +28,7 @@ from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.placement import place, standard_entries, subblock_slots
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.datapath.selection import select_kept
+from vllm_kvevict.datapath.shared_reads import HeldReads
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
@@ -152,19 +153,16 @@ class ChunkEviction:
         layer_idx: int,
         r: ChunkRescore,
         block_row: torch.Tensor,
-        rows: CacheRows,
+        reads: HeldReads,
         check: bool = True,
         with_values: bool = True,
     ) -> HeldEntries:
         """``held_entries`` of ``layer_idx`` and its prompt entries' keys (and values, unless not
-        ``with_values``), read from the cache."""
+        ``with_values``), read from the cache through ``reads`` (a shared prefix once per layer and step)."""
         slots, positions = self.held_entries(layer_idx, r, block_row, check)
-        heads, scored = slots.shape[0], slots.shape[1] - r.trailing
-        if not with_values:
-            keys = rows.read_keys(slots[:, :scored])
-            return HeldEntries(slots, positions, keys.view(heads, scored, -1), None)
-        keys, values = rows.read(slots[:, :scored])
-        return HeldEntries(slots, positions, keys.view(heads, scored, -1), values.view(heads, scored, -1))
+        scored = slots.shape[1] - r.trailing
+        keys, values = reads.read(slots[:, :scored], r.shared, with_values)
+        return HeldEntries(slots, positions, keys, values)
 
     def rescore_echoed(
         self,
@@ -231,6 +229,7 @@ class ChunkEviction:
         layer of a table group); query [T, Hq, D] holds the step's queries. Returns the moves to make in the
         layer's cache and what each request holds now (positions [H, M] -1 padded, counts [H])."""
         moves, results = [], []
+        reads = HeldReads(rows)
         for r in rescores:
             self._update_statistics(layer_idx, r, query)
             result = None
@@ -238,7 +237,7 @@ class ChunkEviction:
                 block_row = block_table[r.slot]
                 # the last chunk is judged by its method; between chunks by a rule that may read values
                 with_values = not r.final or reads_values(r.policy)
-                held = self.read_held(layer_idx, r, block_row, rows, check, with_values)
+                held = self.read_held(layer_idx, r, block_row, reads, check, with_values)
                 move, result = self._rescore(layer_idx, r, block_row, query, held, o_proj, timer, check)
                 moves.append(move)
             results.append(result)

@@ -34,6 +34,7 @@ import torch
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.datapath.shared_reads import HeldReads
 from vllm_kvevict.layout.batch_tables import host_to_device
 from vllm_kvevict.policies.base import EvictionPolicy
 
@@ -210,10 +211,11 @@ class EchoPass:
         by the chunk's own last window and the echo's queries. Returns the layer's moves."""
         query, key, value = tensors.query, tensors.key, tensors.value
         moves = []
+        reads = HeldReads(rows)
         for r in self.requests:
             rescore, rows_of = r.rescore, slice(r.row, r.row + r.width)
             block_row = self._block_table[rescore.slot]
-            held = self._chunks.read_held(layer_idx, rescore, block_row, rows, self._check)
+            held = self._chunks.read_held(layer_idx, rescore, block_row, reads, self._check)
             assert held.values is not None  # read with values: the echo attends to them
             attended = echo_attention(
                 query[rows_of],

@@ -30,7 +30,7 @@ class HeadSequenceBatch:
 
     block_table:     [H*R, max_subblocks] int32 sub-block ids of sequence h*R + r.
     seq_lens:        [H*R] int32 KV length of each sequence after this step.
-    query_start_loc: [H*R + 1] int32 query rows of each sequence in the gathered query.
+    query_start_loc: [H*R + 1] int32 query rows of each sequence in the head-major query [H*T, g, D].
     slot_mapping:    [T*H] int64 one-head-view slot of (token t, head h) at t*H + h (-1: skip).
     kernel_metadata: backend-specific data built once for this batch (e.g. CPU scheduler metadata).
     """
@@ -119,12 +119,6 @@ class EvictionStep:
         return self._layout is not None
 
     # ----- head as sequence -----------------------------------------------------------------------------
-    def sequence_rows(self) -> torch.Tensor:
-        """[T*H] int64 ``token * H + head`` of each row of the head-as-sequence query (sequence h*R + r, then
-        the request's tokens), indexing ``query.reshape(T*H, g, D)``."""
-        assert self._layout is not None, "sequence_rows is only defined when the batch runs head-as-sequence"
-        return self._layout.sequence_rows
-
     def head_batch(self, layer_idx: int) -> HeadSequenceBatch:
         """The head-as-sequence view of the batch for ``layer_idx`` (shared by the layers of its group)."""
         if self._per_layer is None:

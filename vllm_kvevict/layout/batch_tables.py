@@ -38,14 +38,12 @@ class StepLayout:
     """Head-as-sequence data of one step, shared by every group of layers.
 
     token_slots:     [G, T, H] int64 one-head-view slot of (token t, head h) for the layers of group g.
-    query_start_loc: [H*R + 1] int32 query rows of sequence h*R + r (head-major, see ``block_tables``).
-    sequence_rows:   [T*H] int64 ``token * H + head`` of each sequence-ordered query row: head 0 of every
-                     token, then head 1, ...
+    query_start_loc: [H*R + 1] int32 query rows of sequence h*R + r (head-major, see ``block_tables``) in
+                     the query regrouped [H*T, g, D]: head 0 of every token, then head 1, ...
     """
 
     token_slots: torch.Tensor
     query_start_loc: torch.Tensor
-    sequence_rows: torch.Tensor
 
 
 class BatchSubBlocks:
@@ -144,13 +142,11 @@ class BatchSubBlocks:
             query_start_loc,
             rebuilt,
             seq_lens[rebuilt],
-            _sequence_rows(num_tokens, heads),
         ]
         # Everything the device needs from the host this step, in one copy.
         packed = host_to_device(np.concatenate([p.astype(np.int64) for p in parts]), store.device)
-        pieces = packed.split([len(p) for p in parts])
         q_dev, blocks_dev, compacted_dev, growing_dev, token_req, offsets, qsl, rebuilt_dev, rebuilt_lens = (
-            pieces[:9]
+            packed.split([len(p) for p in parts])
         )
         if len(rebuilt):
             store.refresh_standard(rebuilt_dev, block_table[rebuilt_dev], rebuilt_lens)
@@ -175,7 +171,6 @@ class BatchSubBlocks:
                 else store.token_slots(token_req, offsets, q_dev, num_reqs)
             ),
             query_start_loc=qsl.to(torch.int32),
-            sequence_rows=pieces[9],
         )
 
     # ----- compaction -----------------------------------------------------------------------------------
@@ -257,8 +252,3 @@ class BatchSubBlocks:
         self._slot_ids = list(req_ids)
         self._slot_of = {req_id: slot for slot, req_id in enumerate(req_ids)}
 
-
-def _sequence_rows(num_tokens: int, heads: int) -> np.ndarray:
-    """[T*H] ``token * H + head`` in sequence order (head h, then request r, then r's tokens: the tokens are
-    already in request order, so head h's rows are every token's)."""
-    return (np.arange(num_tokens)[None, :] * heads + np.arange(heads)[:, None]).reshape(-1)

@@ -1,7 +1,7 @@
 """What every evicting attention backend shares, so a backend implements only its platform's cache rows
 (read, move, write tokens) and its attention call: the worker's creation with every refusal, its log line
-and config metrics; the step lookup and layer index; the head-as-sequence gather and scatter; and the
-forward dispatch, which after attention makes one call into the step per layer.
+and config metrics; the step lookup and layer index; the head-as-sequence regrouping of queries and
+outputs; and the forward dispatch, which after attention makes one call into the step per layer.
 
 A backend mixes ``EvictingBackend``, ``EvictingBuilder`` and ``EvictingImpl`` into vLLM's backend, metadata
 builder and attention impl classes (the mixin first) and implements ``EvictingImpl``'s three platform
@@ -265,15 +265,12 @@ class EvictingImpl:
     ) -> None:
         """Attention of the whole batch with each (request, KV head) as one sequence.
 
-        query [T, Hq, D] -> [T*H, g, D] in sequence order (a row gather: head-major sequences); the result
-        lands in output [T, Hq, D] the same way."""
+        query [T, Hq, D] -> [H*T, g, D] head-major (row h*T + t: sequence h*R + r holds request r's tokens
+        of head h, the tokens being in request order); the result lands in output [T, Hq, D] the same way."""
         tokens, heads, group = step.num_tokens, self.num_kv_heads, self.num_queries_per_kv
-        rows = step.sequence_rows()
-        grouped = query[:tokens].reshape(tokens * heads, group, self.head_size).index_select(0, rows)
+        grouped = query[:tokens].view(tokens, heads, group, self.head_size).transpose(0, 1)
+        grouped = grouped.reshape(heads * tokens, group, self.head_size)
         result = torch.empty_like(grouped)
         self.head_attention(layer, step, batch, grouped, kv_cache, result)
-        target = output[:tokens]
-        flat = target.reshape(tokens * heads, group, -1)
-        flat.index_copy_(0, rows, result.to(output.dtype))
-        if flat.data_ptr() != target.data_ptr():
-            target.copy_(flat.view_as(target))
+        target = output[:tokens].view(tokens, heads, group, -1)
+        target.copy_(result.view(heads, tokens, group, -1).transpose(0, 1))

@@ -103,10 +103,6 @@ def test_decode_reads_each_heads_own_sub_blocks_and_writes_after_its_kept_entrie
         new_slots = batch.slot_mapping[HEADS:].view(20, HEADS)  # vLLM's slot spread per head
         assert new_slots[5].tolist() == [(50 * HEADS + h) * BS + 5 for h in range(HEADS)]
         assert batch.query_start_loc.tolist() == [0, 1, 21, 22, 42, 43, 63]
-    # Sequence rows: head 0 of "long" (its one token), of "new" (its 20 tokens), then head 1, ...
-    rows = step.sequence_rows()
-    assert rows[:4].tolist() == [0, 1 * HEADS, 2 * HEADS, 3 * HEADS]  # tokens 0..3 of head 0
-    assert rows[21:23].tolist() == [1, 1 * HEADS + 1]  # head 1 starts after head 0's 21 rows
 
 
 def test_finished_and_restarted_requests_start_clean() -> None:

@@ -127,17 +127,15 @@ class Simulation:
                 ref_slots = torch.stack([ref_table.head_slots(h)[-q:] for h in range(self.heads)], dim=1)
                 assert torch.equal(slots, ref_slots)
             t0 += q
-        # Head-major sequences: sequence h*R + r lists request r's tokens for head h, in order.
+        # Head-major sequences: sequence h*R + r is request r's tokens for head h, at rows h*T + t of the
+        # query regrouped [H*T, g, D] (the tokens are in request order).
         tokens, starts = sum(q_lens), layout.query_start_loc.tolist()
-        rows = layout.sequence_rows.tolist()
         assert starts[-1] == tokens * self.heads
         sequence = 0
         for h in range(self.heads):
             t0 = 0
             for q in q_lens:
-                begin = starts[sequence]
-                assert starts[sequence + 1] - begin == q
-                assert rows[begin : begin + q] == [(t0 + t) * self.heads + h for t in range(q)]
+                assert starts[sequence] == h * tokens + t0 and starts[sequence + 1] - starts[sequence] == q
                 t0 += q
                 sequence += 1
 

@@ -1,0 +1,44 @@
+"""The evicting backend regroups the batch's query head-major for the head-as-sequence kernel call and puts
+the result back where vLLM's impl would have written it (``EvictingImpl._head_sequence_attention``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_kvevict.vllm_adapter.evicting_backend import EvictingImpl  # noqa: E402
+
+HEADS, GROUP, D = 3, 2, 4
+
+
+class RecordingImpl(EvictingImpl):
+    """The mixin's regrouping around a kernel that records its query and returns it negated."""
+
+    num_kv_heads, num_queries_per_kv, head_size = HEADS, GROUP, D
+
+    def __init__(self) -> None:  # no vLLM impl behind it: only the regrouping runs
+        self.seen: torch.Tensor | None = None
+
+    def head_attention(self, layer, step, batch, query, kv_cache, out) -> None:
+        self.seen = query.clone()
+        out.copy_(-query)
+
+
+@pytest.mark.parametrize("flat_output", [False, True])
+def test_sequence_h_of_the_kernel_reads_head_h_of_every_token_and_writes_back_in_place(flat_output):
+    tokens, padded = 5, 7  # vLLM pads its tensors past the step's tokens
+    query = torch.randn(padded, HEADS * GROUP, D)
+    shape = (padded, HEADS * GROUP * D) if flat_output else (padded, HEADS * GROUP, D)
+    output = torch.zeros(shape)
+    impl = RecordingImpl()
+    impl._head_sequence_attention(None, SimpleNamespace(num_tokens=tokens), None, query, None, output)
+    assert impl.seen is not None and impl.seen.shape == (HEADS * tokens, GROUP, D)
+    for h in range(HEADS):
+        for t in range(tokens):
+            assert torch.equal(impl.seen[h * tokens + t], query[t, h * GROUP : (h + 1) * GROUP])
+    assert torch.equal(output[:tokens].view(tokens, HEADS * GROUP, D), -query[:tokens])
+    assert not output[tokens:].any()
