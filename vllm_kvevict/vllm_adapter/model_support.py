@@ -14,9 +14,7 @@ be served wrongly. The checks are pure functions of vLLM 0.32.0's objects (``Mod
 - ``attention_layer_refusal(...)``: a decoder layer's impl with ALiBi slopes, attention sinks or a window;
 - ``criticalkv_refusal(method, o_proj_layers, num_layers)``: CriticalKV on a model without ``o_proj`` in
   every layer;
-- ``eviction_refusal(vllm_config)``: the config-level ones together (the plugin calls it at start-up);
-- ``cpu_attention_isa(isa)``: vLLM's "amx" cache packing has no row view for eviction; "vec" (the layout
-  every non-AMX x86 CPU uses for bf16, with the same kernels) is chosen instead.
+- ``eviction_refusal(vllm_config)``: the config-level ones together (the plugin calls it at start-up).
 """
 
 from __future__ import annotations
@@ -193,14 +191,6 @@ def eviction_refusal(vllm_config: Any) -> str | None:
         config.decode is not None,
         bool(getattr(vllm_config.scheduler_config, "enable_chunked_prefill", False)),
     )
-
-
-def cpu_attention_isa(vllm_isa: str) -> str:
-    """The CPU attention ISA an evicting server runs: vLLM's choice, except "amx" (bf16 on a CPU with AMX
-    tiles), whose VNNI-packed cache has no row view (``backend_cpu.CPUCacheRows``) for per-chunk or
-    decode-time eviction; "vec" serves bf16 with the same cache shape and kernels as every AVX-512 CPU
-    without AMX."""
-    return "vec" if vllm_isa == "amx" else vllm_isa
 
 
 def _flag(obj: Any, name: str) -> bool:

@@ -116,14 +116,13 @@ def _install_eviction() -> None:
     (kv_spec.py, backend_cpu.py / backend_cuda.py, the eviction hooks of vllm_patches.py)."""
     from vllm.platforms import current_platform
 
-    from vllm_kvevict.vllm_adapter import kv_spec, model_support, vllm_patches
+    from vllm_kvevict.vllm_adapter import kv_spec, vllm_patches
 
     kv_spec.register_evicting_spec()
     if current_platform.is_cpu():
         from vllm_kvevict.vllm_adapter.backend_cpu import register_cpu_backend
 
         register_cpu_backend()
-        vllm_patches.choose_cpu_attention_isa(model_support.cpu_attention_isa)
     elif current_platform.is_cuda_alike():
         from vllm_kvevict.vllm_adapter.backend_cuda import register_cuda_backend
 

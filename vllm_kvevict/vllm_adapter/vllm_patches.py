@@ -5,8 +5,7 @@ version checked and why. Three groups, installed by the plugin (``plugin.py``), 
 - ``install_eviction_hooks``: the model runner and KV-cache manager hooks the eviction worker and manager
   need (bodies in ``runner_hooks.py``), only in a process whose config turns eviction on;
 - ``install_cli_hooks``: the ``--kv-eviction`` flags and guard rails of ``vllm serve`` and ``LLM(...)``;
-- ``on_engine_config`` and ``choose_cpu_attention_isa``: the plugin's decision per engine config, and the
-  CPU attention ISA with eviction on.
+- ``on_engine_config``: the plugin's decision per engine config.
 
 Seeded sampling of a prompt longer than one prefill chunk (issue 29). A request with a ``seed`` owns a
 ``torch.Generator``; vLLM samples every scheduled request each step, also one in the middle of its prefill,
@@ -168,27 +167,6 @@ def on_engine_config(callback: Callable[[Any], object]) -> None:
         return vllm_config
 
     _wrap(EngineArgs, "create_engine_config", create_engine_config)
-
-
-def choose_cpu_attention_isa(choose: Callable[[str], str]) -> None:
-    """Let ``choose(vllm_isa)`` overrule vLLM's CPU attention ISA (with eviction on: ``model_support``)."""
-    from vllm.v1.attention.backends import cpu_attn
-
-    # Wraps vllm.v1.attention.backends.cpu_attn._get_attn_isa (vLLM 0.32.0): CPUAttentionMetadataBuilder
-    # calls it by module name to pick the cache packing its layers write and read. On a CPU with AMX tiles it
-    # answers "amx" for bf16, a VNNI packing eviction has no row view for (per-chunk and decode-time
-    # eviction would fail mid-request); the wrapper lets eviction choose "vec", the same cache shape and
-    # kernels bf16 uses on every AVX-512 CPU without AMX.
-    original = cpu_attn._get_attn_isa
-    if getattr(original, _WRAPPED_MARK, False):
-        return
-
-    @functools.wraps(original)
-    def get_attn_isa(*args: Any, **kwargs: Any) -> str:
-        return choose(original(*args, **kwargs))
-
-    setattr(get_attn_isa, _WRAPPED_MARK, True)
-    cpu_attn._get_attn_isa = get_attn_isa
 
 
 def _wrap(cls: type, name: str, body, mark: str = _WRAPPED_MARK) -> None:

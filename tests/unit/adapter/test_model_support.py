@@ -19,7 +19,6 @@ from vllm_kvevict.vllm_adapter import model_support
 from vllm_kvevict.vllm_adapter.model_support import (
     attention_layer_refusal,
     cache_refusal,
-    cpu_attention_isa,
     criticalkv_refusal,
     eviction_refusal,
     kv_spec_refusal,
@@ -199,12 +198,6 @@ def test_eviction_refusal_names_a_quantised_cache_under_a_decode_cap():
     assert eviction_refusal(vllm_config(model_config(), {"method": "snapkv", "budget": 256}, "fp8")) is None
     chunked = vllm_config(model_config(), {"method": "snapkv", "budget": 256}, "fp8", chunked_prefill=True)
     assert_one_line_naming(eviction_refusal(chunked), "fp8", "chunked prefill")
-
-
-def test_amx_is_replaced_by_vec_and_other_isas_are_kept():
-    assert cpu_attention_isa("amx") == "vec"
-    for isa in ("vec", "vec16", "neon", "vsx"):
-        assert cpu_attention_isa(isa) == isa
 
 
 def test_the_supported_line_names_what_is_served():

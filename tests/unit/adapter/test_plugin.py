@@ -35,7 +35,7 @@ STATE = textwrap.dedent(
             "scheduler_hooks": hasattr(KVCacheManager.allocate_slots, "_kvevict_wrapped"),
             "cli_flags": hasattr(EngineArgs.add_cli_args, "__kvevict_wrapped__"),
             "seed_fix": hasattr(GPUModelRunner._sample, "_kvevict_vllm_patch"),
-            "isa_choice": hasattr(cpu_attn._get_attn_isa, "_kvevict_vllm_patch"),
+            "isa_choice": hasattr(cpu_attn._get_attn_isa, "_kvevict_vllm_patch"),  # vLLM's own, always
         }
 
     def engine_config(model, eviction=None):
@@ -100,7 +100,7 @@ def test_the_api_server_parses_the_eviction_flags_and_fixes_seeded_sampling(api_
 def test_an_engine_config_with_eviction_installs_it_in_its_process(api_server_process):
     state = api_server_process["on"]
     assert state["cpu_attn"] == EVICTING_CPU_ATTN
-    assert state["runner_hooks"] and state["scheduler_hooks"] and state["isa_choice"]
+    assert state["runner_hooks"] and state["scheduler_hooks"] and not state["isa_choice"]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_kvevict.vllm_adapter import model_support, vllm_patches
+from vllm_kvevict.vllm_adapter import vllm_patches
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -83,16 +83,3 @@ def test_install_wraps_the_runner_methods_once():
     assert all(getattr(method, vllm_patches._WRAPPED_MARK) for method in wrapped)
 
 
-def test_with_eviction_bf16_on_an_amx_cpu_runs_the_vec_packing(monkeypatch):
-    """No AMX machine here: the CPU flags vLLM reads are mocked."""
-    from vllm.v1.attention.backends import cpu_attn
-
-    # vLLM's own function (an earlier test in this process may have installed the choice): undone after
-    monkeypatch.setattr(
-        cpu_attn, "_get_attn_isa", getattr(cpu_attn._get_attn_isa, "__wrapped__", cpu_attn._get_attn_isa)
-    )
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert cpu_attn._get_attn_isa(torch.bfloat16, 32, 64) == "amx"
-    vllm_patches.choose_cpu_attention_isa(model_support.cpu_attention_isa)
-    assert cpu_attn._get_attn_isa(torch.bfloat16, 32, 64) == "vec"
-    assert cpu_attn._get_attn_isa(torch.bfloat16, 16, 64) == "vec16"  # vLLM's own choice where not amx

