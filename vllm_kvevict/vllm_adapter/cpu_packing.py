@@ -4,9 +4,10 @@ vLLM's ``cpu_attn_reshape_and_cache`` writes each (block, head) region of a laye
 2*bs*D elements, the keys then the values — in an order of its ISA. ``backend_cpu`` reads and moves rows
 through strided views where one exists ("rows", "columns"); for any other packing ``packed_offsets`` finds
 where each (token, dim) element of a region lands, by writing known rows with vLLM's op and reading them
-back, and ``PackedRows`` reads and moves rows through those offsets. On vLLM 0.32's "amx" packing (probed on
-an Intel Xeon with AMX) keys lie in 16-token tiles of dimension pairs and values in token pairs of
-16-dimension groups, so no row has a stride of its own.
+back, and ``PackedRows`` reads and moves rows through those offsets with torch's ``index_select`` and
+``index_copy_`` (the compaction kernels move rows of strided views, which this packing has none of). On
+vLLM 0.32's "amx" packing (probed on an Intel Xeon with AMX) keys lie in 16-token tiles of dimension pairs
+and values in token pairs of 16-dimension groups, so no row has a stride of its own.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import functools
 
 import torch
 from vllm import _custom_ops as ops
-
-from vllm_kvevict.layout.kernels import dispatch
 
 #: values written per probe digit (1..DIGIT: integers every float dtype of a cache holds exactly)
 DIGIT = 64
@@ -94,17 +93,18 @@ class PackedRows:
 
     def read(self, slots: torch.Tensor, runs: torch.Tensor | None = None) -> torch.Tensor:
         """[N, D] rows at ``slots`` ([N], or [H, L] with ``runs``: ``backend_cpu.subblock_runs`` of them,
-        then whole regions are read and reordered, a sub-block at a time)."""
+        then every element of those sub-blocks is gathered in row order and the rows past L dropped)."""
         if runs is None:
-            return self.flat[self.elements(slots.reshape(-1))]
+            elements = self.elements(slots.reshape(-1)).view(-1)
+            return self.flat.index_select(0, elements).view(-1, self.head_size)
         heads, length = slots.shape
-        regions = self.flat.view(-1, self.region)[runs.reshape(-1)]
-        rows = regions[:, self.offsets.view(-1)].view(heads, -1, self.head_size)
+        elements = (runs.reshape(-1) * self.region)[:, None] + self.offsets.view(1, -1)
+        rows = self.flat.index_select(0, elements.view(-1)).view(heads, -1, self.head_size)
         return rows[:, :length].reshape(heads * length, self.head_size)
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> str:
-        """Move the rows at ``src_slots`` [N] to ``dst_slots`` [N] (each element a one-element row of
-        ``dispatch.compact_subblocks``, which reads every source before writing); returns its backend."""
-        return dispatch.compact_subblocks(
-            self.flat.view(-1, 1, 1), self.elements(src_slots).view(-1), self.elements(dst_slots).view(-1)
-        )
+        """Move the rows at ``src_slots`` [N] to ``dst_slots`` [N], element by element (every source is
+        gathered before any destination is written, so the two may overlap); returns "torch"."""
+        sources = self.flat.index_select(0, self.elements(src_slots).view(-1))
+        self.flat.index_copy_(0, self.elements(dst_slots).view(-1), sources)
+        return "torch"
