@@ -151,13 +151,15 @@ def test_a_request_alone_answers_the_same_before_and_after_the_storm(storm):
 
 
 def test_a_client_giving_up_mid_prefill_leaves_no_block_and_no_worker_state(chunked_server, storm, tokenizer):
-    """A 1000-token prompt takes eight 128-token steps. Timed alone first, then sent again (another prompt of
-    the same length) by a client that hangs up after half that time, after its first chunk evictions: vLLM
-    aborts it between chunks."""
-    timed = time.monotonic()
-    greedy_ids(chunked_server, long_ids(tokenizer, 1000, seed=401), 1)
-    prefill_s = time.monotonic() - timed
-    client = client_of(chunked_server, timeout_s=prefill_s / 2)
+    """A 1000-token prompt takes eight 128-token steps. A 256-token prompt (two steps, evicted after the
+    second) is timed alone, twice, and the 1000-token prompt is sent by a client that hangs up after 1.5 times
+    the faster of the two: about three steps in, after its first chunk evictions and five steps before its
+    prefill ends, so vLLM aborts it between chunks. (Timing the long prompt itself and hanging up at half of
+    it failed once in CI: a second prompt of the same length finished within half the first one's time.)"""
+    two_steps_s = min(
+        _seconds_to_answer(chunked_server, long_ids(tokenizer, 2 * CHUNK_TOKENS, seed)) for seed in (401, 402)
+    )
+    client = client_of(chunked_server, timeout_s=1.5 * two_steps_s)
     with pytest.raises(openai.APITimeoutError):
         client.completions.create(
             model=chunked_server.served_model_name, prompt=long_ids(tokenizer, 1000, seed=400), max_tokens=1,
@@ -165,6 +167,13 @@ def test_a_client_giving_up_mid_prefill_leaves_no_block_and_no_worker_state(chun
         )
     assert wait_for_usage_zero(chunked_server) == 0
     assert wait_for_worker_state_empty(chunked_server) == 0
+
+
+def _seconds_to_answer(server: VLLMServer, prompt: list[int]) -> float:
+    """Wall seconds of one greedy token on ``prompt``, sent alone."""
+    started = time.monotonic()
+    greedy_ids(server, prompt, 1)
+    return time.monotonic() - started
 
 
 def test_after_the_storm_no_block_and_no_worker_state_is_left_behind(chunked_server, storm):
