@@ -103,21 +103,27 @@ def _column_sums(
     key_chunk: int,
     query_chunk: int,
 ) -> torch.Tensor:
-    """Sum over queries of causal attention probabilities per query head: [q_heads, n] float32."""
+    """Sum over queries of causal attention probabilities per query head: [q_heads, n] float32.
+
+    One KV head at a time: its group's logits ([g * w, n] float32, 1.3 MB for a 32-query window over 3,400
+    keys of a 3-query group) stay in a core's L2 cache between the matmul, the softmax and the sum, which
+    took less than half the time of all heads at once on the 2-vCPU machines of ``docs/benchmarks.md``.
+    """
     q_heads, w, _ = queries.shape
     kv_heads, n, _ = keys.shape
     group = q_heads // kv_heads
-    keys32 = keys.float()
     sums = torch.zeros(kv_heads, group, n, device=keys.device)
-    for q_start in range(0, w, query_chunk):
-        block = queries[:, q_start : q_start + query_chunk]
-        c = block.shape[1]
-        grouped = _grouped(block, kv_heads)
-        block_positions = positions[q_start : q_start + c].repeat(group)
-        for k_start, probs in _attention_probabilities(grouped, keys32, block_positions, key_chunk):
-            probs = probs.view(kv_heads, group, c, -1)
-            width = probs.shape[-1]
-            sums[..., k_start : k_start + width] += probs.sum(dim=2)
+    for head in range(kv_heads):
+        head_keys = keys[head : head + 1].float()
+        head_queries = queries[head * group : (head + 1) * group]
+        for q_start in range(0, w, query_chunk):
+            block = head_queries[:, q_start : q_start + query_chunk]
+            c = block.shape[1]
+            grouped = _grouped(block, 1)
+            block_positions = positions[q_start : q_start + c].repeat(group)
+            for k_start, probs in _attention_probabilities(grouped, head_keys, block_positions, key_chunk):
+                width = probs.shape[-1]
+                sums[head, :, k_start : k_start + width] += probs.view(group, c, width).sum(dim=1)
     return sums.reshape(q_heads, n)
 
 
