@@ -76,6 +76,15 @@ def packed_offsets(isa: str, dtype: torch.dtype, block_size: int, head_size: int
     return offsets.view(2, block_size, head_size)
 
 
+def separable_offsets(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row_starts [bs], dim_steps [D]) with offsets [bs, D] = row_starts[:, None] + dim_steps, or None when
+    the offsets of one part (``packed_offsets``) are not of that form."""
+    row_starts, dim_steps = offsets[:, 0], offsets[0] - offsets[0, 0]
+    if not torch.equal(offsets, row_starts[:, None] + dim_steps):
+        return None
+    return row_starts.contiguous(), dim_steps.contiguous()
+
+
 class PackedRows:
     """Rows of one part (keys or values) of a layer cache [NB, H, bs, 2D] in a packing given by
     ``offsets`` [bs, D] (``packed_offsets``), read and moved at one-head-view slots ``(b*H + h)*bs + t``."""
@@ -86,10 +95,17 @@ class PackedRows:
         self.block_size, self.head_size = block_size, two_d // 2
         self.region = block_size * two_d
         self.offsets = offsets.to(kv_cache.device)
+        #: ([bs], [D]) when offsets[t, d] = row_starts[t] + dim_steps[d] (both amx parts): a row's elements
+        #: then follow from its start by one broadcast add instead of a gather of [N, D] offsets
+        self.separable = separable_offsets(self.offsets)
 
     def elements(self, slots: torch.Tensor) -> torch.Tensor:
         """[N, D] int64 flat cache positions of the rows at ``slots`` [N]."""
-        return (slots // self.block_size * self.region)[:, None] + self.offsets[slots % self.block_size]
+        blocks, tokens = slots // self.block_size * self.region, slots % self.block_size
+        if self.separable is None:
+            return blocks[:, None] + self.offsets[tokens]
+        row_starts, dim_steps = self.separable
+        return (blocks + row_starts[tokens])[:, None] + dim_steps
 
     def read(self, slots: torch.Tensor, runs: torch.Tensor | None = None) -> torch.Tensor:
         """[N, D] rows at ``slots`` ([N], or [H, L] with ``runs``: ``backend_cpu.subblock_runs`` of them,

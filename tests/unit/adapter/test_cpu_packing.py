@@ -21,7 +21,12 @@ from vllm_kvevict.vllm_adapter.backend_cpu import (  # noqa: E402
     subblock_runs,
     token_rows,
 )
-from vllm_kvevict.vllm_adapter.cpu_packing import PackedRows, one_head_caches, packed_offsets  # noqa: E402
+from vllm_kvevict.vllm_adapter.cpu_packing import (  # noqa: E402
+    PackedRows,
+    one_head_caches,
+    packed_offsets,
+    separable_offsets,
+)
 
 HEADS, DIM, BLOCKS = 3, 64, 12
 DTYPE = torch.bfloat16
@@ -114,3 +119,27 @@ def test_an_amx_cache_is_read_and_moved_through_the_cache_rows():
     read_keys, read_values = rows.read(slots)
     assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
     assert torch.equal(rows.read_keys(slots.view(1, -1)), keys)
+
+
+def test_offsets_of_the_machines_packing_are_split_into_row_starts_and_dim_steps():
+    """Both parts of this machine's packing (amx: 16-token tiles of dim pairs, token pairs of 16-dim groups)
+    are a row start plus a per-dimension step, so rows are located without gathering [N, D] offsets; a
+    packing that is not (a random bijection) is still read through the gathered offsets."""
+    block_size = 32
+    offsets = packed_offsets(machine_isa(block_size), DTYPE, block_size, DIM)
+    assert offsets is not None
+    for part in (0, 1):
+        split = separable_offsets(offsets[part])
+        assert split is not None
+        row_starts, dim_steps = split
+        assert torch.equal(row_starts[:, None] + dim_steps, offsets[part])
+    generator = torch.Generator().manual_seed(2)
+    scrambled = torch.randperm(block_size * DIM, generator=generator).view(block_size, DIM)
+    assert separable_offsets(scrambled) is None
+    cache = torch.randn(BLOCKS, HEADS, block_size, 2 * DIM).to(DTYPE)
+    rows = PackedRows(cache, scrambled)
+    assert rows.separable is None
+    slots = torch.tensor([0, 5, block_size + 3, 7 * block_size + 31])
+    region = block_size * 2 * DIM
+    expected = cache.view(-1)[(slots // block_size * region)[:, None] + scrambled[slots % block_size]]
+    assert torch.equal(rows.read(slots), expected)
