@@ -59,7 +59,9 @@ def _attention_probabilities(
     first_hidden = int(positions.min()) + 1  # keys before this are visible to every query: no mask needed
 
     def logits(start: int) -> torch.Tensor:
-        chunk = torch.bmm(queries, keys[:, start : start + key_chunk].transpose(1, 2)).mul_(scale)
+        block = keys[:, start : start + key_chunk]
+        chunk = torch.empty(queries.shape[0], queries.shape[1], block.shape[1], device=keys.device)
+        chunk = torch.baddbmm(chunk, queries, block.transpose(1, 2), beta=0.0, alpha=scale)  # scaled in it
         end = start + chunk.shape[-1]
         if end > first_hidden:  # only the columns some query cannot see need the mask
             first = max(start, first_hidden)
