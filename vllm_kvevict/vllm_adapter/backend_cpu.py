@@ -34,7 +34,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
 from vllm_kvevict.layout.kernels import dispatch
-from vllm_kvevict.vllm_adapter.cpu_packing import PackedRows, one_head_caches, packed_offsets
+from vllm_kvevict.vllm_adapter.cpu_packing import PackedRows, one_head_caches, packed_offsets, packed_parts
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cpu.EvictingCPUAttentionBackend"
@@ -127,9 +127,9 @@ def part_rows(kv_cache: torch.Tensor, isa: str, part: int, layout: str) -> Strid
     if layout != PACKED:
         return StridedRows(kv_cache, part, layout)
     _, _, block_size, two_d = kv_cache.shape
-    offsets = packed_offsets(isa, kv_cache.dtype, block_size, two_d // 2)
-    assert offsets is not None, "a packed layout is only reported where its offsets were found"
-    return PackedRows(kv_cache, offsets[part])
+    parts = packed_parts(isa, kv_cache.dtype, block_size, two_d // 2)
+    assert parts is not None, "a packed layout is only reported where its offsets were found"
+    return PackedRows(kv_cache, parts[part])
 
 
 def read_rows(

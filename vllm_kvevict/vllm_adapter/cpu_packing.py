@@ -13,6 +13,7 @@ and values in token pairs of 16-dimension groups, so no row has a stride of its 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from vllm import _custom_ops as ops
@@ -85,26 +86,48 @@ def separable_offsets(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return row_starts.contiguous(), dim_steps.contiguous()
 
 
-class PackedRows:
-    """Rows of one part (keys or values) of a layer cache [NB, H, bs, 2D] in a packing given by
-    ``offsets`` [bs, D] (``packed_offsets``), read and moved at one-head-view slots ``(b*H + h)*bs + t``."""
+@dataclass(frozen=True)
+class PackedPart:
+    """Where the elements of one part (keys or values) lie in a (block, head) region: offsets [bs, D] and,
+    when they split so (both amx parts), (row_starts [bs], dim_steps [D]): a row's elements then follow
+    from its start by one broadcast add instead of a gather of [N, D] offsets."""
 
-    def __init__(self, kv_cache: torch.Tensor, offsets: torch.Tensor) -> None:
+    offsets: torch.Tensor
+    split: tuple[torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, offsets: torch.Tensor) -> PackedPart:
+        return cls(offsets, separable_offsets(offsets))
+
+
+@functools.cache
+def packed_parts(
+    isa: str, dtype: torch.dtype, block_size: int, head_size: int
+) -> tuple[PackedPart, PackedPart] | None:
+    """The key and value ``PackedPart`` of ``packed_offsets`` (found once per packing), or None."""
+    offsets = packed_offsets(isa, dtype, block_size, head_size)
+    if offsets is None:
+        return None
+    return PackedPart.of(offsets[0]), PackedPart.of(offsets[1])
+
+
+class PackedRows:
+    """Rows of one part (keys or values) of a layer cache [NB, H, bs, 2D] in a packing given by ``part``
+    (``packed_parts``), read and moved at one-head-view slots ``(b*H + h)*bs + t``."""
+
+    def __init__(self, kv_cache: torch.Tensor, part: PackedPart) -> None:
         _, _, block_size, two_d = kv_cache.shape
         self.flat = kv_cache.view(-1)
         self.block_size, self.head_size = block_size, two_d // 2
         self.region = block_size * two_d
-        self.offsets = offsets.to(kv_cache.device)
-        #: ([bs], [D]) when offsets[t, d] = row_starts[t] + dim_steps[d] (both amx parts): a row's elements
-        #: then follow from its start by one broadcast add instead of a gather of [N, D] offsets
-        self.separable = separable_offsets(self.offsets)
+        self.offsets, self.split = part.offsets, part.split
 
     def elements(self, slots: torch.Tensor) -> torch.Tensor:
         """[N, D] int64 flat cache positions of the rows at ``slots`` [N]."""
         blocks, tokens = slots // self.block_size * self.region, slots % self.block_size
-        if self.separable is None:
+        if self.split is None:
             return blocks[:, None] + self.offsets[tokens]
-        row_starts, dim_steps = self.separable
+        row_starts, dim_steps = self.split
         return (blocks + row_starts[tokens])[:, None] + dim_steps
 
     def read(self, slots: torch.Tensor, runs: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from vllm_kvevict.vllm_adapter.backend_cpu import (  # noqa: E402
     token_rows,
 )
 from vllm_kvevict.vllm_adapter.cpu_packing import (  # noqa: E402
+    PackedPart,
     PackedRows,
     one_head_caches,
     packed_offsets,
@@ -61,15 +62,15 @@ def test_probed_offsets_read_back_every_row_vllm_wrote(block_size):
     assert torch.equal(offsets.view(-1).sort().values, torch.arange(2 * block_size * DIM))  # a bijection
     slots = torch.randperm(BLOCKS * HEADS * block_size, generator=torch.Generator().manual_seed(0))[:200]
     cache, keys, values = written_cache(isa, block_size, slots)
-    assert torch.equal(PackedRows(cache, offsets[0]).read(slots), keys)
-    assert torch.equal(PackedRows(cache, offsets[1]).read(slots), values)
+    assert torch.equal(PackedRows(cache, PackedPart.of(offsets[0])).read(slots), keys)
+    assert torch.equal(PackedRows(cache, PackedPart.of(offsets[1])).read(slots), values)
     # whole sub-blocks a head holds, read a region at a time: the same rows
     held = torch.tensor([[5, 9], [20, 1], [33, 14]]).repeat_interleave(block_size, dim=1) * block_size
     held = (held + torch.arange(2 * block_size) % block_size)[:, : block_size + 7]
     runs = subblock_runs(held, block_size)
     assert runs is not None
     for part in (0, 1):
-        rows = PackedRows(cache, offsets[part])
+        rows = PackedRows(cache, PackedPart.of(offsets[part]))
         assert torch.equal(rows.read(held, runs), rows.read(held))
 
 
@@ -103,7 +104,7 @@ def test_rows_moved_through_the_offsets_equal_vllm_writing_them_there(block_size
     )
     offsets = packed_offsets(isa, DTYPE, block_size, DIM)
     for part in (0, 1):
-        assert PackedRows(cache, offsets[part]).move(sources[kept], destinations) == "torch"
+        assert PackedRows(cache, PackedPart.of(offsets[part])).move(sources[kept], destinations) == "torch"
     assert torch.equal(cache.view(torch.int16), by_vllm.view(torch.int16))
 
 
@@ -137,8 +138,8 @@ def test_offsets_of_the_machines_packing_are_split_into_row_starts_and_dim_steps
     scrambled = torch.randperm(block_size * DIM, generator=generator).view(block_size, DIM)
     assert separable_offsets(scrambled) is None
     cache = torch.randn(BLOCKS, HEADS, block_size, 2 * DIM).to(DTYPE)
-    rows = PackedRows(cache, scrambled)
-    assert rows.separable is None
+    rows = PackedRows(cache, PackedPart.of(scrambled))
+    assert rows.split is None
     slots = torch.tensor([0, 5, block_size + 3, 7 * block_size + 31])
     region = block_size * 2 * DIM
     expected = cache.view(-1)[(slots // block_size * region)[:, None] + scrambled[slots % block_size]]
