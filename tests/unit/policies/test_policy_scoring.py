@@ -8,9 +8,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from vllm_kvevict.policies import scoring
 from vllm_kvevict.policies.scoring import (
+    CPU_BF16_MATMUL,
     accumulated_attention,
     attention_statistics,
+    bf16_inputs_on_bf16_units,
     extend_forward,
     group_mean,
     pool_scores,
@@ -70,6 +73,40 @@ def test_window_attention_of_bf16_inputs_is_float32_and_close() -> None:
     expected = naive_attention(queries.bfloat16().float(), keys.bfloat16().float(), torch.arange(34, 40))
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected.mean(dim=1), atol=1e-5, rtol=1e-4)
+
+
+def test_matmuls_of_bf16_inputs_run_on_the_bf16_units_and_the_setting_comes_back() -> None:
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    bf16 = torch.ones(2, 2, dtype=torch.bfloat16)
+    with bf16_inputs_on_bf16_units(bf16, bf16):
+        assert matmul.fp32_precision == ("bf16" if CPU_BF16_MATMUL else before)
+    assert matmul.fp32_precision == before
+    with bf16_inputs_on_bf16_units(bf16, bf16.float()):  # a float32 input: its values may not be bf16
+        assert matmul.fp32_precision == before
+    with pytest.raises(RuntimeError), bf16_inputs_on_bf16_units(bf16):
+        raise RuntimeError("restored on the way out too")
+    assert matmul.fp32_precision == before
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_window_attention_of_bf16_inputs_is_as_exact_on_the_bf16_units(monkeypatch, head_size: int) -> None:
+    """The bundled model's shape (3 KV heads of 3 queries, a 32-query window, 3,400 keys): against float64,
+    the scores computed on the bf16 units are as close as the float32 ones (products of bf16 values are
+    exact; rounding the inputs of a matmul that were not bf16 would miss by ~1e-3 relative)."""
+    if torch.cpu._is_amx_tile_supported():
+        torch._C._cpu._init_amx()  # as vLLM's CPU worker does; oneDNN otherwise has no AMX
+    queries, keys = inputs(3, 3, n=3400, w=32, d=head_size)
+    queries, keys = queries.bfloat16(), keys.bfloat16()
+    exact = naive_attention(queries.double(), keys.double(), torch.arange(3368, 3400)).mean(dim=1)
+
+    def worst_relative(got: torch.Tensor) -> float:
+        return float(((got.double() - exact).abs() / exact.abs().clamp(min=1e-30)).max())
+
+    on_units = worst_relative(window_attention(queries, keys))
+    monkeypatch.setattr(scoring, "CPU_BF16_MATMUL", False)
+    in_float32 = worst_relative(window_attention(queries, keys))
+    assert on_units < max(2 * in_float32, 1e-5), (on_units, in_float32)
 
 
 @pytest.mark.parametrize("query_chunk,chunk_size", [(256, 4096), (3, 5)])
@@ -166,3 +203,14 @@ def test_value_norms_match_per_query_head_l1_of_v_times_wo(kv_heads: int, group:
 def test_value_norms_reject_mismatched_o_proj() -> None:
     with pytest.raises(ValueError, match="o_proj"):
         value_norms(torch.rand(2, 5, 8), torch.rand(10, 20))
+
+
+def test_value_norms_of_bf16_values_and_o_proj_match_float64() -> None:
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(3, 50, 64, generator=g).bfloat16()
+    o_proj = torch.randn(576, 9 * 64, generator=g).bfloat16()
+    expected = torch.zeros(3, 50, dtype=torch.float64)
+    for j in range(9):
+        w_j = o_proj[:, j * 64 : (j + 1) * 64].double()
+        expected[j // 3] += (values[j // 3].double() @ w_j.T).abs().sum(dim=-1) / 3
+    torch.testing.assert_close(value_norms(values, o_proj).double(), expected, atol=0, rtol=1e-5)
