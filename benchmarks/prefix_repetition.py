@@ -7,6 +7,13 @@ request) run ``vllm bench serve`` with every request sent at once while ``/metri
 vLLM's own prefix-cache counters before and after. Prints one markdown table per workload with ratios to
 vanilla; ``--out`` saves every number as JSON.
 
+``--rounds N`` (N > 1) starts both servers at once instead and runs the workloads N times, alternating
+between the servers (vanilla first in the first round, the eviction server first in the second, and so on)
+with the dataset seed ``--seed + round`` (a new shared prefix each round), so each round's ratio compares
+runs a few seconds apart: on a machine whose speed drifts over minutes (a shared VM) that ratio is steadier
+than the ratio of two servers run one after the other. The servers are idle while the other one serves. It
+then prints the median and range of the per-round ratios.
+
     python -m benchmarks.prefix_repetition --workload 3000:400 --workload 2000:2000 --num-prompts 16 \
         --out docs/results/2026-11-27-prefix-caching/prefix_repetition.json
 """
@@ -15,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from vllm_kvevict.bench.metrics_poller import MetricsPoller
@@ -50,6 +60,7 @@ class Run:
     peak_kv_usage: float
     preemptions: float
     eviction_seconds: float  # the worker's eviction work (scoring, selection, moves) over the workload
+    round: int = 0  # with --rounds: which round (dataset seed = --seed + round)
 
 
 def counter(server: VLLMServer, name: str) -> float:
@@ -92,7 +103,7 @@ def bench_workload(server: VLLMServer, label: str, prefix: int, suffix: int, arg
             str(args.num_prompts),
             "--ignore-eos",
             "--seed",
-            str(args.seed),
+            str(args.seed + getattr(args, "round", 0)),
             "--percentile-metrics",
             "ttft,tpot,itl,e2el",
             "--disable-tqdm",
@@ -154,6 +165,26 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def by_server(runs: Iterable[Run]) -> list[Run]:
+    """``runs`` with vanilla's first (the baseline of every ratio), whichever ran first."""
+    return sorted(runs, key=lambda run: run.server != "vanilla")
+
+
+def ratio_summary(runs: list[Run], workload: str) -> str:
+    """Median and range over rounds of the eviction server's output tok/s and duration against vanilla's."""
+    rounds = sorted({run.round for run in runs if run.workload == workload})
+    throughput, seconds = [], []
+    for index in rounds:
+        vanilla, evicting = by_server(run for run in runs if run.workload == workload and run.round == index)
+        throughput.append(evicting.output_tok_s / vanilla.output_tok_s)
+        seconds.append(f"{vanilla.duration_s:.1f}/{evicting.duration_s:.1f}")
+    return (
+        f"workload {workload}: output tok/s ratio over {len(rounds)} rounds: median "
+        f"{statistics.median(throughput):.2f}x, min {min(throughput):.2f}x, max {max(throughput):.2f}x "
+        f"(per round {', '.join(f'{x:.2f}' for x in throughput)}; vanilla/eviction s {', '.join(seconds)})"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -167,9 +198,12 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="--num-gpu-blocks-override of both")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on both (default: compiled)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="> 1: both servers at once, alternating")
     parser.add_argument("--extra-body", default=None, help="JSON added to every request (e.g. vllm_xargs)")
     parser.add_argument("--out", type=Path, default=None, help="save every number as JSON here")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds} is not valid; it must be >= 1")
     workloads = [tuple(int(x) for x in w.split(":")) for w in (args.workload or ["3000:400"])]
     longest = max(prefix + suffix for prefix, suffix in workloads)
     common = ["--max-model-len", str(longest + args.output_len + 64)]
@@ -183,22 +217,42 @@ def main() -> int:
         ),
     ]
     model_dir = prepared_model_dir()
-    runs: list[Run] = []
-    for label, extra in servers:
+
+    def started(label: str, extra: list[str]) -> VLLMServer:
         print(f"[prefix-repetition] {label}: vllm serve {model_dir} {' '.join(extra)}", file=sys.stderr)
-        with VLLMServer(
+        return VLLMServer(
             model_dir,
             extra_args=extra,
             kv_cache_space_gib=args.kv_cache_space_gib,
             enforce_eager=args.eager,
             startup_timeout_s=startup_timeout_for(args.eager),
-        ) as server:
-            for prefix, suffix in workloads:
-                runs.append(bench_workload(server, label, prefix, suffix, args))
-                print(f"[prefix-repetition] {runs[-1]}", file=sys.stderr, flush=True)
-    for prefix, suffix in workloads:
-        print(table([run for run in runs if run.workload == f"{prefix}:{suffix}"]))
-        print()
+        )
+
+    runs: list[Run] = []
+    if args.rounds == 1:
+        for label, extra in servers:
+            with started(label, extra) as server:
+                for prefix, suffix in workloads:
+                    runs.append(bench_workload(server, label, prefix, suffix, args))
+                    print(f"[prefix-repetition] {runs[-1]}", file=sys.stderr, flush=True)
+    else:
+        with ExitStack() as stack:
+            live = [(label, stack.enter_context(started(label, extra))) for label, extra in servers]
+            for index in range(args.rounds):
+                args.round = index
+                for prefix, suffix in workloads:
+                    for label, server in live if index % 2 == 0 else live[::-1]:
+                        run = replace(bench_workload(server, label, prefix, suffix, args), round=index)
+                        runs.append(run)
+                        print(f"[prefix-repetition] {run}", file=sys.stderr, flush=True)
+    for index in range(args.rounds):
+        for prefix, suffix in workloads:
+            workload = f"{prefix}:{suffix}"
+            print(table(by_server(run for run in runs if run.workload == workload and run.round == index)))
+            print()
+    if args.rounds > 1:
+        for prefix, suffix in workloads:
+            print(ratio_summary(runs, f"{prefix}:{suffix}"))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: str(v) for k, v in vars(args).items()}

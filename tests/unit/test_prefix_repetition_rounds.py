@@ -1,0 +1,34 @@
+"""``benchmarks/prefix_repetition.py --rounds``: each round's ratio is taken against that round's vanilla run,
+whichever server ran first in it, and the summary gives their median and range."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: ``benchmarks`` is no package
+
+
+def run(server: str, round_: int, duration_s: float, tok_s: float):
+    from benchmarks.prefix_repetition import Run
+
+    return Run(server, "3000:400", 16, duration_s, tok_s, 0.7, 9000.0, 140.0, 18000.0, 44000.0, 54000.0,
+               10240.0, 0.28, 0.0, 0.0, round_)
+
+
+def test_each_round_is_compared_with_its_own_vanilla_run(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.prefix_repetition import by_server, ratio_summary, table
+
+    evicting = "ada-snapkv @ 0.25"
+    runs = [
+        run("vanilla", 0, 16.0, 60.0), run(evicting, 0, 20.0, 48.0),  # 0.80
+        run(evicting, 1, 25.0, 40.0), run("vanilla", 1, 25.0, 40.0),  # eviction first: 1.00
+        run("vanilla", 2, 18.0, 50.0), run(evicting, 2, 20.0, 45.0),  # 0.90
+    ]
+    second = by_server(r for r in runs if r.round == 1)
+    assert [r.server for r in second] == ["vanilla", evicting]
+    assert f"| {evicting} | 16 | 40.0 (1.00x)" in table(second)
+    summary = ratio_summary(runs, "3000:400")
+    assert "over 3 rounds: median 0.90x, min 0.80x, max 1.00x" in summary
+    assert "per round 0.80, 1.00, 0.90" in summary
+    assert "vanilla/eviction s 16.0/20.0, 25.0/25.0, 18.0/20.0" in summary
