@@ -3,15 +3,13 @@
 These are the plain-torch references of the Triton scoring kernels. None builds an ``n x n`` matrix: a
 prompt longer than one key chunk gets its softmax in two passes (log-sum-exp over the chunks first, then
 normalised chunks), and the all-queries forms walk the queries in chunks too, so memory is O(w * n) for
-w window queries and O(query_chunk * n) for all of them. Everything is computed in float32 (matmuls of
-bf16 inputs on the CPU's bf16 units, exactly: ``bf16_inputs_on_bf16_units``).
+w window queries and O(query_chunk * n) for all of them. Everything is computed in float32.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch.nn import functional as F
@@ -19,33 +17,6 @@ from torch.nn import functional as F
 from vllm_kvevict.policies.base import check_choice, check_int
 
 POOLING_KINDS: tuple[str, ...] = ("max", "avg")
-
-#: the CPU multiplies bf16 pairs in hardware (AMX tiles or AVX512-BF16) and oneDNN can use it for float32
-#: matmuls whose inputs hold bf16 values (``bf16_inputs_on_bf16_units``)
-CPU_BF16_MATMUL: bool = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-@contextmanager
-def bf16_inputs_on_bf16_units(*inputs: torch.Tensor) -> Iterator[None]:
-    """Float32 matmuls inside run on the CPU's bf16 units when every tensor of ``inputs`` (the originals,
-    before their ``.float()``) is a bf16 CPU tensor: oneDNN's bf16 math mode
-    (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``) rounds float32 inputs to bf16, which leaves
-    values that were bf16 unchanged, multiplies the pairs exactly and accumulates in float32, so the result
-    is a float32 matmul of the same inputs. On an Intel Xeon with AMX, one thread, [96, 64] x [64, 3400]: max
-    error against float64 2.0e-6 (MKL's float32: 2.6e-6), 0.24 ms against 0.33 ms; head size 128: 0.38 ms
-    against 0.74 ms. Anything else (float32 or float16 inputs, a GPU, a CPU without bf16 units) runs as
-    before.
-    """
-    if not CPU_BF16_MATMUL or not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in inputs):
-        yield
-        return
-    matmul = torch.backends.mkldnn.matmul
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        matmul.fp32_precision = previous
 
 
 def check_window_pooling(owner: str, window: object, kernel: object, pooling: object) -> None:
@@ -143,19 +114,17 @@ def _column_sums(
     kv_heads, n, _ = keys.shape
     group = q_heads // kv_heads
     sums = torch.zeros(kv_heads, group, n, device=keys.device)
-    with bf16_inputs_on_bf16_units(queries, keys):
-        for head in range(kv_heads):
-            head_keys = keys[head : head + 1].float()
-            head_queries = queries[head * group : (head + 1) * group]
-            for q_start in range(0, w, query_chunk):
-                block = head_queries[:, q_start : q_start + query_chunk]
-                c = block.shape[1]
-                grouped = _grouped(block, 1)
-                block_positions = positions[q_start : q_start + c].repeat(group)
-                chunks = _attention_probabilities(grouped, head_keys, block_positions, key_chunk)
-                for k_start, probs in chunks:
-                    width = probs.shape[-1]
-                    sums[head, :, k_start : k_start + width] += probs.view(group, c, width).sum(dim=1)
+    for head in range(kv_heads):
+        head_keys = keys[head : head + 1].float()
+        head_queries = queries[head * group : (head + 1) * group]
+        for q_start in range(0, w, query_chunk):
+            block = head_queries[:, q_start : q_start + query_chunk]
+            c = block.shape[1]
+            grouped = _grouped(block, 1)
+            block_positions = positions[q_start : q_start + c].repeat(group)
+            for k_start, probs in _attention_probabilities(grouped, head_keys, block_positions, key_chunk):
+                width = probs.shape[-1]
+                sums[head, :, k_start : k_start + width] += probs.view(group, c, width).sum(dim=1)
     return sums.reshape(q_heads, n)
 
 
@@ -221,17 +190,16 @@ def attention_statistics(
     keys32 = keys.float()
     sums = torch.zeros(kv_heads, n, device=keys.device)
     sq_sums = torch.zeros_like(sums)
-    with bf16_inputs_on_bf16_units(queries, keys):
-        for q_start in range(0, w, query_chunk):
-            block = queries[:, q_start : q_start + query_chunk]
-            c = block.shape[1]
-            block_positions = positions[q_start : q_start + c].repeat(group)
-            grouped = _grouped(block, kv_heads)
-            for k_start, probs in _attention_probabilities(grouped, keys32, block_positions, chunk_size):
-                rows = probs.view(kv_heads, group, c, -1).mean(dim=1)
-                width = rows.shape[-1]
-                sums[:, k_start : k_start + width] += rows.sum(dim=1)
-                sq_sums[:, k_start : k_start + width] += rows.square().sum(dim=1)
+    for q_start in range(0, w, query_chunk):
+        block = queries[:, q_start : q_start + query_chunk]
+        c = block.shape[1]
+        block_positions = positions[q_start : q_start + c].repeat(group)
+        grouped = _grouped(block, kv_heads)
+        for k_start, probs in _attention_probabilities(grouped, keys32, block_positions, chunk_size):
+            rows = probs.view(kv_heads, group, c, -1).mean(dim=1)
+            width = rows.shape[-1]
+            sums[:, k_start : k_start + width] += rows.sum(dim=1)
+            sq_sums[:, k_start : k_start + width] += rows.square().sum(dim=1)
     counts = (positions[:, None] >= torch.arange(n, device=keys.device)[None, :]).sum(dim=0).float()
     safe = counts.clamp(min=1.0)
     mean = sums / safe
@@ -310,9 +278,8 @@ def value_norms(values: torch.Tensor, o_proj: torch.Tensor, chunk_size: int = 10
     # [kv_heads, g, d, hidden]: slice of W_O^T for each query head of the group.
     w_out = o_proj.float().reshape(hidden, kv_heads, group, d).permute(1, 2, 3, 0)
     norms = torch.empty(kv_heads, n, device=values.device)
-    with bf16_inputs_on_bf16_units(values, o_proj):
-        for start in range(0, n, chunk_size):
-            chunk = values[:, start : start + chunk_size].float()
-            projected = torch.einsum("knd,kgdh->kgnh", chunk, w_out)
-            norms[:, start : start + chunk.shape[1]] = projected.abs().sum(dim=-1).mean(dim=1)
+    for start in range(0, n, chunk_size):
+        chunk = values[:, start : start + chunk_size].float()
+        projected = torch.einsum("knd,kgdh->kgnh", chunk, w_out)
+        norms[:, start : start + chunk.shape[1]] = projected.abs().sum(dim=-1).mean(dim=1)
     return norms

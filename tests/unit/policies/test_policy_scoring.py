@@ -8,12 +8,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from vllm_kvevict.policies import scoring
 from vllm_kvevict.policies.scoring import (
-    CPU_BF16_MATMUL,
     accumulated_attention,
     attention_statistics,
-    bf16_inputs_on_bf16_units,
     extend_forward,
     group_mean,
     pool_scores,
@@ -73,40 +70,6 @@ def test_window_attention_of_bf16_inputs_is_float32_and_close() -> None:
     expected = naive_attention(queries.bfloat16().float(), keys.bfloat16().float(), torch.arange(34, 40))
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected.mean(dim=1), atol=1e-5, rtol=1e-4)
-
-
-def test_matmuls_of_bf16_inputs_run_on_the_bf16_units_and_the_setting_comes_back() -> None:
-    matmul = torch.backends.mkldnn.matmul
-    before = matmul.fp32_precision
-    bf16 = torch.ones(2, 2, dtype=torch.bfloat16)
-    with bf16_inputs_on_bf16_units(bf16, bf16):
-        assert matmul.fp32_precision == ("bf16" if CPU_BF16_MATMUL else before)
-    assert matmul.fp32_precision == before
-    with bf16_inputs_on_bf16_units(bf16, bf16.float()):  # a float32 input: its values may not be bf16
-        assert matmul.fp32_precision == before
-    with pytest.raises(RuntimeError), bf16_inputs_on_bf16_units(bf16):
-        raise RuntimeError("restored on the way out too")
-    assert matmul.fp32_precision == before
-
-
-@pytest.mark.parametrize("head_size", [64, 128])
-def test_window_attention_of_bf16_inputs_is_as_exact_on_the_bf16_units(monkeypatch, head_size: int) -> None:
-    """The bundled model's shape (3 KV heads of 3 queries, a 32-query window, 3,400 keys): against float64,
-    the scores computed on the bf16 units are as close as the float32 ones (products of bf16 values are
-    exact; rounding the inputs of a matmul that were not bf16 would miss by ~1e-3 relative)."""
-    if torch.cpu._is_amx_tile_supported():
-        torch._C._cpu._init_amx()  # as vLLM's CPU worker does; oneDNN otherwise has no AMX
-    queries, keys = inputs(3, 3, n=3400, w=32, d=head_size)
-    queries, keys = queries.bfloat16(), keys.bfloat16()
-    exact = naive_attention(queries.double(), keys.double(), torch.arange(3368, 3400)).mean(dim=1)
-
-    def worst_relative(got: torch.Tensor) -> float:
-        return float(((got.double() - exact).abs() / exact.abs().clamp(min=1e-30)).max())
-
-    on_units = worst_relative(window_attention(queries, keys))
-    monkeypatch.setattr(scoring, "CPU_BF16_MATMUL", False)
-    in_float32 = worst_relative(window_attention(queries, keys))
-    assert on_units < max(2 * in_float32, 1e-5), (on_units, in_float32)
 
 
 @pytest.mark.parametrize("query_chunk,chunk_size", [(256, 4096), (3, 5)])
