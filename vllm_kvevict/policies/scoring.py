@@ -102,29 +102,33 @@ def _column_sums(
     positions: torch.Tensor,
     key_chunk: int,
     query_chunk: int,
+    heads_per_pass: int | None = None,
 ) -> torch.Tensor:
     """Sum over queries of causal attention probabilities per query head: [q_heads, n] float32.
 
-    One KV head at a time: its group's logits ([g * w, n] float32, 1.3 MB for a 32-query window over 3,400
-    keys of a 3-query group) stay in a core's L2 cache between the matmul, the softmax and the sum (on an
-    Intel Xeon with AMX, one thread: 4.1 ms per call for the bundled model's 3 KV heads, 7.3 ms with all
-    heads at once; the same sums bit for bit).
+    On a CPU one KV head at a time: its group's logits ([g * w, n] float32, 1.3 MB for a 32-query window
+    over 3,400 keys of a 3-query group) stay in a core's L2 cache between the matmul, the softmax and the
+    sum (on an Intel Xeon with AMX, one thread: 4.1 ms per call for the bundled model's 3 KV heads, 7.3 ms
+    with all heads at once; the same sums bit for bit). Elsewhere all heads at once (one launch per op).
+    ``heads_per_pass`` (a divisor of kv_heads) overrides that choice.
     """
     q_heads, w, _ = queries.shape
     kv_heads, n, _ = keys.shape
     group = q_heads // kv_heads
     sums = torch.zeros(kv_heads, group, n, device=keys.device)
-    for head in range(kv_heads):
-        head_keys = keys[head : head + 1].float()
-        head_queries = queries[head * group : (head + 1) * group]
+    step = heads_per_pass or (1 if keys.device.type == "cpu" else kv_heads)
+    for first in range(0, kv_heads, step):
+        heads = slice(first, first + step)
+        head_keys = keys[heads].float()
+        head_queries = queries[first * group : (first + step) * group]
         for q_start in range(0, w, query_chunk):
             block = head_queries[:, q_start : q_start + query_chunk]
             c = block.shape[1]
-            grouped = _grouped(block, 1)
+            grouped = _grouped(block, step)
             block_positions = positions[q_start : q_start + c].repeat(group)
             for k_start, probs in _attention_probabilities(grouped, head_keys, block_positions, key_chunk):
                 width = probs.shape[-1]
-                sums[head, :, k_start : k_start + width] += probs.view(group, c, width).sum(dim=1)
+                sums[heads, :, k_start : k_start + width] += probs.view(step, group, c, width).sum(dim=2)
     return sums.reshape(q_heads, n)
 
 

@@ -9,6 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from vllm_kvevict.policies.scoring import (
+    _column_sums,
     accumulated_attention,
     attention_statistics,
     extend_forward,
@@ -177,3 +178,17 @@ def test_value_norms_of_bf16_values_and_o_proj_match_float64() -> None:
         w_j = o_proj[:, j * 64 : (j + 1) * 64].double()
         expected[j // 3] += (values[j // 3].double() @ w_j.T).abs().sum(dim=-1) / 3
     torch.testing.assert_close(value_norms(values, o_proj).double(), expected, atol=0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [4096, 500])
+def test_column_sums_one_kv_head_at_a_time_equal_all_heads_at_once(chunk_size: int) -> None:
+    """The CPU walks KV heads one at a time, other devices all at once: the same sums."""
+    queries, keys = inputs(4, 3, n=1200, w=32, d=64)
+    positions = torch.arange(1168, 1200)
+    one = _column_sums(queries, keys, positions, chunk_size, 32, heads_per_pass=1)
+    two = _column_sums(queries, keys, positions, chunk_size, 32, heads_per_pass=2)
+    every = _column_sums(queries, keys, positions, chunk_size, 32, heads_per_pass=4)
+    torch.testing.assert_close(one, every, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(two, every, atol=1e-7, rtol=1e-6)
+    expected = naive_attention(queries, keys, positions).sum(dim=1)
+    torch.testing.assert_close(one.double(), expected, atol=1e-5, rtol=1e-4)
