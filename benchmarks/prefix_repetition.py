@@ -28,7 +28,7 @@ import sys
 import tempfile
 from collections.abc import Iterable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm_kvevict.bench.metrics_poller import MetricsPoller
@@ -73,7 +73,10 @@ def eviction_seconds(server: VLLMServer) -> float:
     return sum(value for labels, value in samples if labels.get("phase") == "total")
 
 
-def bench_workload(server: VLLMServer, label: str, prefix: int, suffix: int, args: argparse.Namespace) -> Run:
+def bench_workload(
+    server: VLLMServer, label: str, prefix: int, suffix: int, args: argparse.Namespace, round_index: int = 0
+) -> Run:
+    """One ``vllm bench serve`` run of the workload on ``server`` (dataset seed: --seed + round_index)."""
     before = {name: counter(server, name) for name in (HITS, QUERIES, PROMPT_TOKENS)}
     evicting_before = eviction_seconds(server)
     with tempfile.TemporaryDirectory() as results_dir:
@@ -103,7 +106,7 @@ def bench_workload(server: VLLMServer, label: str, prefix: int, suffix: int, arg
             str(args.num_prompts),
             "--ignore-eos",
             "--seed",
-            str(args.seed + getattr(args, "round", 0)),
+            str(args.seed + round_index),
             "--percentile-metrics",
             "ttft,tpot,itl,e2el",
             "--disable-tqdm",
@@ -138,6 +141,7 @@ def bench_workload(server: VLLMServer, label: str, prefix: int, suffix: int, arg
         peak_kv_usage=poller.peaks.max_kv_usage,
         preemptions=poller.peaks.preemptions,
         eviction_seconds=eviction_seconds(server) - evicting_before,
+        round=round_index,
     )
 
 
@@ -239,10 +243,9 @@ def main() -> int:
         with ExitStack() as stack:
             live = [(label, stack.enter_context(started(label, extra))) for label, extra in servers]
             for index in range(args.rounds):
-                args.round = index
                 for prefix, suffix in workloads:
                     for label, server in live if index % 2 == 0 else live[::-1]:
-                        run = replace(bench_workload(server, label, prefix, suffix, args), round=index)
+                        run = bench_workload(server, label, prefix, suffix, args, index)
                         runs.append(run)
                         print(f"[prefix-repetition] {run}", file=sys.stderr, flush=True)
     for index in range(args.rounds):
