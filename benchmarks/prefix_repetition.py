@@ -61,6 +61,7 @@ class Run:
     preemptions: float
     eviction_seconds: float  # the worker's eviction work (scoring, selection, moves) over the workload
     round: int = 0  # with --rounds: which round (dataset seed = --seed + round)
+    peak_running: float = 0.0  # most requests running at once (vllm:num_requests_running, polled)
 
 
 def counter(server: VLLMServer, name: str) -> float:
@@ -140,6 +141,7 @@ def bench_workload(
         prompt_tokens_computed=(after[PROMPT_TOKENS] - before[PROMPT_TOKENS]) - (after[HITS] - before[HITS]),
         peak_kv_usage=poller.peaks.max_kv_usage,
         preemptions=poller.peaks.preemptions,
+        peak_running=poller.peaks.max_running,
         eviction_seconds=eviction_seconds(server) - evicting_before,
         round=round_index,
     )
@@ -155,8 +157,8 @@ def table(runs: list[Run]) -> str:
     lines = [
         f"workload {base.workload} (prefix:suffix tokens)",
         "",
-        "| server | done | output tok/s | median TTFT ms | prefix-hit tokens | peak KV usage |",
-        "|---|---|---|---|---|---|",
+        "| server | done | output tok/s | median TTFT ms | prefix hits | peak KV usage | peak running |",
+        "|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         lines.append(
@@ -164,7 +166,8 @@ def table(runs: list[Run]) -> str:
             f" | {run.output_tok_s:.1f} ({ratio(run.output_tok_s, base.output_tok_s)})"
             f" | {run.median_ttft_ms:.0f} ({ratio(run.median_ttft_ms, base.median_ttft_ms)})"
             f" | {run.prefix_hit_tokens:.0f} ({ratio(run.prefix_hit_tokens, base.prefix_hit_tokens)})"
-            f" | {run.peak_kv_usage:.3f} ({ratio(run.peak_kv_usage, base.peak_kv_usage)}) |"
+            f" | {run.peak_kv_usage:.3f} ({ratio(run.peak_kv_usage, base.peak_kv_usage)})"
+            f" | {run.peak_running:.0f} ({ratio(run.peak_running, base.peak_running)}) |"
         )
     return "\n".join(lines)
 
