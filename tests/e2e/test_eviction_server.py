@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from greedy_answers import Greedy, assert_same_or_parting_at_a_near_tie
 from request_bodies import client_of as openai_client
 
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
@@ -136,22 +137,36 @@ def varied_prompts(tokenizer) -> list[str]:
     return prompts
 
 
-def greedy_batch(server: VLLMServer, prompts: list[str], max_tokens: int) -> list[str]:
-    """One completion request carrying every prompt: the server admits them together (~2.4k prompt tokens,
-    within one step's 8192), so both servers run the same batches."""
+def greedy_batch(server: VLLMServer, prompts: list[str], max_tokens: int) -> list[Greedy]:
+    """One completion request carrying every prompt, each answer exactly ``max_tokens`` long with its top-5
+    log-probabilities: the server admits them together (~2.4k prompt tokens, within one step's 8192)."""
     result = client_of(server).completions.create(
-        model=server.served_model_name, prompt=prompts, max_tokens=max_tokens, temperature=0
+        model=server.served_model_name, prompt=prompts, max_tokens=max_tokens, temperature=0, logprobs=5,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
-    return [choice.text for choice in sorted(result.choices, key=lambda choice: choice.index)]
+    return [Greedy.of(choice) for choice in sorted(result.choices, key=lambda choice: choice.index)]
 
 
-def test_budget_at_least_prompt_gives_the_same_greedy_outputs_as_vanilla(vanilla, evicting, tokenizer):
+#: how far below vanilla's own choice (nats) the evicting server's first differing token may lie. Both
+#: servers get the same 20 requests, but their engines need not admit them in the same steps, and bf16 rounds
+#: by the shape of the batch (greedy_answers.py): on a CPU with AMX tiles one CI run of the former exact check
+#: found at least 2 of 20 answers parting, with no prompt compacted.
+NEAR_TIE_NATS = 1.0
+
+
+def test_budget_at_least_prompt_gives_the_same_greedy_outputs_as_vanilla(
+    vanilla, evicting, dump_dir, tokenizer
+):
     prompts = varied_prompts(tokenizer)
+    dumped_before = set(dump_dir.glob("*.pt"))
     expected = greedy_batch(vanilla, prompts, 16)
     got = greedy_batch(evicting, prompts, 16)
-    assert sum(bool(text.strip()) for text in expected) >= 15, "vanilla produced mostly empty answers"
-    mismatches = [(p[:40], e, g) for p, e, g in zip(prompts, expected, got, strict=True) if e != g]
-    assert not mismatches
+    assert set(dump_dir.glob("*.pt")) == dumped_before, "a prompt within the budget was compacted"
+    assert [len(answer.ids) for answer in expected + got] == [16] * 2 * len(prompts)
+    for vanilla_answer, evicting_answer in zip(expected, got, strict=True):
+        assert_same_or_parting_at_a_near_tie(vanilla_answer, evicting_answer, NEAR_TIE_NATS)
+    identical = sum(a.ids == b.ids for a, b in zip(expected, got, strict=True))
+    assert identical >= len(prompts) // 2, f"only {identical} of {len(prompts)} answers are identical"
 
 
 def test_kv_cache_usage_while_decoding_a_3k_prompt_is_at_most_0_4_of_vanilla(vanilla, evicting, tokenizer):

@@ -11,7 +11,6 @@ preempt any.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from vllm_kvevict.bench.workload import prose
 from vllm_kvevict.server_process import VLLMServer
@@ -64,12 +63,3 @@ def wait_for_usage_zero(server: VLLMServer, timeout_s: float = 60.0) -> float:
 def wait_for_worker_state_empty(server: VLLMServer, timeout_s: float = 30.0) -> float:
     """Poll ``vllm_kvevict_worker_requests`` (set after every runner step) until 0; returns the last value."""
     return wait_for_metric_zero(server, WORKER_STATE, timeout_s)
-
-
-@dataclass(frozen=True)
-class Greedy:
-    """A greedy answer: token ids, their texts and the top-5 log-probabilities at every step."""
-
-    ids: list[int]
-    tokens: list[str]
-    top: list[dict[str, float]]

@@ -10,7 +10,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from reliability_traffic import INJECTED_FAULTS, Greedy, long_ids, wait_for_usage_zero
+from greedy_answers import Greedy, assert_same_or_parting_at_a_near_tie
+from reliability_traffic import INJECTED_FAULTS, long_ids, wait_for_usage_zero
 from request_bodies import client_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -25,8 +26,7 @@ def greedy(server, prompt: list[int], salt: str) -> Greedy:
         model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0, logprobs=5,
         extra_body={"ignore_eos": True, "return_token_ids": True, "cache_salt": salt},
     )
-    choice = result.choices[0]
-    return Greedy(list(choice.token_ids), list(choice.logprobs.tokens), list(choice.logprobs.top_logprobs))
+    return Greedy.of(result.choices[0])
 
 
 def together(server, prompts: list[list[int]], salt: str) -> list[Greedy]:
@@ -39,16 +39,6 @@ def together(server, prompts: list[list[int]], salt: str) -> list[Greedy]:
 #: how far below the run's own choice (nats) the first differing token may lie: a batch of another shape
 #: rounds bf16 matmuls differently, which can flip a near-tie (never a clear choice).
 NEAR_TIE_NATS = 1.0
-
-
-def assert_same_or_parting_at_a_near_tie(alone: Greedy, beside: Greedy) -> None:
-    at = next((i for i, (a, b) in enumerate(zip(alone.ids, beside.ids, strict=True)) if a != b), None)
-    if at is None:
-        return
-    alternatives = alone.top[at]
-    assert beside.tokens[at] in alternatives, (at, beside.tokens[at], alternatives)
-    gap = max(alternatives.values()) - alternatives[beside.tokens[at]]
-    assert gap <= NEAR_TIE_NATS, (at, beside.tokens[at], alternatives)
 
 
 def fallbacks(server, reason: str) -> float:
@@ -66,7 +56,7 @@ def test_a_policy_fault_on_one_request_falls_back_and_leaves_the_rest_of_the_bat
     before = fallbacks(server, reason)
     *with_fault, faulty_answer = together(server, [*others, faulty], f"{fault}-with-fault")
     for alone, beside in zip(without_fault, with_fault, strict=True):
-        assert_same_or_parting_at_a_near_tie(alone, beside)
+        assert_same_or_parting_at_a_near_tie(alone, beside, NEAR_TIE_NATS)
     assert sum(a.ids == b.ids for a, b in zip(without_fault, with_fault, strict=True)) >= 1
     assert len(faulty_answer.ids) == OUTPUT_TOKENS
     assert fallbacks(server, reason) - before == NUM_LAYERS

@@ -14,9 +14,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from greedy_answers import Greedy, assert_same_or_parting_at_a_near_tie, common_prefix
 from reliability_traffic import (
     PREEMPTIONS,
-    Greedy,
     long_ids,
     wait_for_usage_zero,
     wait_for_worker_state_empty,
@@ -37,19 +37,13 @@ def generate(server, prompt: list[int], salt: str) -> Greedy:
         model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0, logprobs=5,
         extra_body={"ignore_eos": True, "return_token_ids": True, "cache_salt": salt},
     )
-    choice = result.choices[0]
-    return Greedy(list(choice.token_ids), list(choice.logprobs.tokens), list(choice.logprobs.top_logprobs))
+    return Greedy.of(result.choices[0])
 
 
 def run_all(server, prompts: list[list[int]], concurrency: int) -> list[Greedy]:
     salt = f"concurrency-{concurrency}"
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(lambda prompt: generate(server, prompt, salt), prompts))
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    differing = (index for index, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
-    return next(differing, min(len(a), len(b)))
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +88,8 @@ def test_outputs_under_preemption_match_the_unpreempted_run_or_part_at_a_near_ti
     # a third: on a CPU with AMX tiles vLLM's attention rounds differently in other batches (2 of 6 identical
     # in one full-suite run, every other one parting at a near tie); on AVX-512 without AMX most are identical
     assert sum(prefix == OUTPUT_TOKENS for prefix in prefixes) >= NUM_REQUESTS // 3, prefixes
-    for (ref, got), at in zip(pairs, prefixes, strict=True):
-        if at == OUTPUT_TOKENS:
-            continue
-        alternatives = ref.top[at]
-        assert got.tokens[at] in alternatives, (at, got.tokens[at], alternatives)
-        gap = max(alternatives.values()) - alternatives[got.tokens[at]]
-        assert gap <= NEAR_TIE_NATS, (at, got.tokens[at], alternatives)
+    for ref, got in pairs:
+        assert_same_or_parting_at_a_near_tie(ref, got, NEAR_TIE_NATS)
 
 
 def test_after_preemption_no_block_and_no_worker_state_is_left_behind(server, runs):
