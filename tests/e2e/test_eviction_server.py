@@ -150,7 +150,7 @@ def greedy_batch(server: VLLMServer, prompts: list[str], max_tokens: int) -> lis
 #: how far below vanilla's own choice (nats) the evicting server's first differing token may lie. Both
 #: servers get the same 20 requests, but their engines need not admit them in the same steps, and bf16 rounds
 #: by the shape of the batch (greedy_answers.py): on a CPU with AMX tiles one CI run of the former exact check
-#: found at least 2 of 20 answers parting, with no prompt compacted.
+#: found at least 2 of 20 answers parting, every prompt within the budget.
 NEAR_TIE_NATS = 1.0
 
 

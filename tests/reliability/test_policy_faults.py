@@ -55,9 +55,10 @@ def test_a_policy_fault_on_one_request_falls_back_and_leaves_the_rest_of_the_bat
     without_fault = together(server, others, f"{fault}-alone")
     before = fallbacks(server, reason)
     *with_fault, faulty_answer = together(server, [*others, faulty], f"{fault}-with-fault")
+    # Not also "at least one identical": on a CPU with AMX tiles both answers parted, each at a near tie, in
+    # two of ten runs of this module beside another server (-n 2).
     for alone, beside in zip(without_fault, with_fault, strict=True):
         assert_same_or_parting_at_a_near_tie(alone, beside, NEAR_TIE_NATS)
-    assert sum(a.ids == b.ids for a, b in zip(without_fault, with_fault, strict=True)) >= 1
     assert len(faulty_answer.ids) == OUTPUT_TOKENS
     assert fallbacks(server, reason) - before == NUM_LAYERS
     assert server.is_running()
