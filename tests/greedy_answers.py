@@ -2,7 +2,7 @@
 
 On a CPU with bf16, vLLM rounds a request's matmuls and attention by the shape of the batch it runs in. Two
 runs of one greedy request in differently shaped batches (another server's step, another admission moment)
-can therefore flip a near-tie, never a clear choice. The tests that compare such runs require the answers
+can therefore flip a near tie. The tests that compare such runs require the answers
 to be identical or to part at a token the first run also ranked in its top log-probabilities, within a
 margin of its own choice.
 """
