@@ -14,7 +14,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from greedy_answers import Greedy, assert_same_or_parting_at_a_near_tie, common_prefix
+from greedy_answers import Greedy, assert_same_or_parting_at_a_near_tie
 from reliability_traffic import (
     PREEMPTIONS,
     long_ids,
@@ -22,6 +22,8 @@ from reliability_traffic import (
     wait_for_worker_state_empty,
 )
 from request_bodies import client_of
+
+from vllm_kvevict.evaluation.sequence_agreement import common_prefix_length
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -84,7 +86,7 @@ def test_outputs_under_preemption_match_the_unpreempted_run_or_part_at_a_near_ti
     its top 5, within NEAR_TIE_NATS of its own choice: a recomputed request's generated tokens saw the whole
     prompt once more (module docstring), which moves near-ties, not the answer's sense."""
     pairs = list(zip(runs["reference"], runs["contended"], strict=True))
-    prefixes = [common_prefix(ref.ids, got.ids) for ref, got in pairs]
+    prefixes = [common_prefix_length(ref.ids, got.ids) for ref, got in pairs]
     # a third: on a CPU with AMX tiles vLLM's attention rounds differently in other batches (2 of 6 identical
     # in one full-suite run, every other one parting at a near tie); on AVX-512 without AMX most are identical
     assert sum(prefix == OUTPUT_TOKENS for prefix in prefixes) >= NUM_REQUESTS // 3, prefixes
