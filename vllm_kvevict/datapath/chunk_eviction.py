@@ -64,6 +64,7 @@ class ChunkRescore:
     reads_statistics: bool = False  # judged by Expected Attention: every prompt query is folded in
     shared: int = 0
     deferred: bool = False  # the last chunk, compacted after the step's forward by the question echo
+    spare: int = 0  # spare blocks the final chunk compacts into (``layout/shared_prefix.py``; 0: in place)
 
     @property
     def rescores_now(self) -> bool:
@@ -317,7 +318,7 @@ class ChunkEviction:
             )
         total = int(kept.counts.sum()) + r.trailing * heads
         placed = place(kept, r.trailing, scored, total, slots.device)
-        first_block = first_kept_block(plan, r.shared, r.seq_len)
+        first_block = first_kept_block(plan, r.shared, r.seq_len, r.spare)
         store = self.tables.store
         assert store is not None
         table = store.assign(
@@ -326,7 +327,7 @@ class ChunkEviction:
             first_block,
             r.trailing,
             total - r.trailing * heads,
-            num_blocks=cdiv(r.seq_len, bs),
+            num_blocks=cdiv(r.seq_len, bs) + r.spare,
             check=check,
             shared_blocks=shared_blocks(r.shared, bs),
         )
@@ -349,4 +350,4 @@ class ChunkEviction:
             self.tables.commit(layer_idx, r.slot, table, first_block)
         if layer_idx == self.shape.num_layers - 1:
             self.held_end[r.req_id] = r.seq_len
-            self.tables.mark_compacted(r.slot)
+            self.tables.mark_compacted(r.slot, r.spare)

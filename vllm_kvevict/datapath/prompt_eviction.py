@@ -79,7 +79,7 @@ class PromptEviction:
             if self.decode is not None and req.req_id in self.decode.records:  # the cap starts from here
                 self.decode.records[req.req_id].positions[layer_idx] = kept.indices.to(torch.int64)
             if self.tables.last_layer_of_group(layer_idx):
-                self.tables.commit(layer_idx, req.index, table, plan.blocks_to_free)
+                self.tables.commit(layer_idx, req.index, table, first_kept(req))
                 del self._pending[(req.req_id, self.tables.group_of(layer_idx))]
             self._finish_layer(req, layer_idx, kept)
         return Moves.join(moves)
@@ -116,7 +116,7 @@ class PromptEviction:
             per_layer = self._kept.pop(req.req_id)
             self.records.dump_prompt(req, per_layer)
             kept_per_head = torch.stack([k.counts for k in per_layer]).tolist()  # once per request
-            self.tables.mark_compacted(req.index)
+            self.tables.mark_compacted(req.index, req.spare)
             self.records.compacted(req, kept_per_head)
 
     def _compact_with_cap(
@@ -176,10 +176,10 @@ class PromptEviction:
             table = store.assign(
                 counts,
                 self._block_table[req.index],
-                req.plan.blocks_to_free,
+                first_kept(req),
                 trailing,
                 total=self.shape.num_kv_heads * budget,
-                num_blocks=cdiv(req.seq_len, self.shape.block_size),
+                num_blocks=cdiv(req.seq_len, self.shape.block_size) + req.spare,
                 check=self.check,
             )
             self._pending[key] = table
@@ -205,3 +205,10 @@ class PromptEviction:
         standard = self._slot_mapping[rows].to(torch.int64)  # vLLM's slot of each kept token
         src = ((standard // bs) * heads + placed.heads) * bs + standard % bs
         return Moves(src, placed.destinations(table, bs), rows, placed.heads)
+
+
+def first_kept(req: StepRequest) -> int:
+    """The first block of ``req``'s row whose sub-blocks receive its kept entries: after the blocks its plan
+    frees, or after its whole prompt when it was given spare blocks (``layout/shared_prefix.py``)."""
+    assert req.plan is not None
+    return cdiv(req.prompt_len, req.plan.block_size) if req.spare else req.plan.blocks_to_free

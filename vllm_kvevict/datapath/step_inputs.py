@@ -27,6 +27,8 @@ class StepInputs:
     extra_args: list[dict | None] | None = None  # [R] SamplingParams.extra_args (per-request settings)
     #: slot -> the request's prompt token ids (read only for prompts the question echo may judge)
     prompt_token_ids: Callable[[int], Sequence[int]] | None = None
+    #: [R] entries of each request's block-table row (None: unknown, no spare blocks are read from it)
+    row_blocks: np.ndarray | None = None
 
 
 @dataclass
@@ -42,3 +44,4 @@ class StepRequest:
     plan: RequestPlan | None = None  # compacts in this step
     policy: EvictionPolicy | None = None  # the request's policy when it compacts in this step
     decode: DecodeRecord | None = None  # its decode cap already applies in this step (a recomputed request)
+    spare: int = 0  # spare blocks it compacts into (``layout/shared_prefix.py``; 0: in place)

@@ -24,6 +24,7 @@ from vllm_kvevict.datapath.step_inputs import StepInputs, StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.context_reuse import EntryBlocks
+from vllm_kvevict.layout.shared_prefix import spare_blocks, spare_blocks_seen
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.policies.between_chunks import WINDOW_KINDS
 
@@ -49,6 +50,7 @@ class StepPlanner:
         shared_tokens: dict[str, int] | None = None,
         context_readers: dict[str, EntryBlocks] | None = None,
         echo: QuestionEcho | None = None,
+        spare_columns: int = 0,
     ) -> None:
         self.shape = shape
         self.policy = policy
@@ -61,6 +63,7 @@ class StepPlanner:
         # request -> the kept context it starts from, until its tables are set up (taken out then)
         self.context_readers = context_readers if context_readers is not None else {}
         self.echo = echo  # the question echo (None: off)
+        self.spare_columns = spare_columns  # block-table columns for spare blocks (0: never given)
 
     def plan(
         self,
@@ -263,6 +266,7 @@ class StepPlanner:
             metrics.record_request_skipped(setting.method if setting else self.policy.name)
             return None
         req.plan = plan
+        req.spare = self._spare(inputs, index, plan, setting, int(seq_lens[index]))
         if not shares_tables(req.policy):
             self.tables.split()
         return req
@@ -309,7 +313,24 @@ class StepPlanner:
             evicts,
             self.chunks.reads_statistics(policy, plan.kept_length_at(n1 - shared)),
             shared,
+            spare=self._spare(inputs, index, plan, setting, n1) if completes else 0,
         )
+
+    def _spare(
+        self, inputs: StepInputs, index: int, plan: RequestPlan, setting: ResolvedSetting | None, seq_len: int
+    ) -> int:
+        """The spare blocks the scheduler gave the request in ``index``, whose prompt completes in this step
+        (``shared_prefix.spare_blocks_seen``): only a request that may get them is read (nothing generated
+        before its prompt's end, no kept context, a plan that compacts once)."""
+        if (
+            not self.spare_columns
+            or inputs.row_blocks is None
+            or seq_len != int(inputs.prompt_lens[index])
+            or (setting is not None and setting.keeps_context)
+            or not spare_blocks(plan)
+        ):
+            return 0
+        return spare_blocks_seen(plan, int(inputs.row_blocks[index]), seq_len, self.spare_columns)
 
 
 def shares_tables(policy: EvictionPolicy | None) -> bool:

@@ -40,10 +40,13 @@ class EvictionWorker:
         block_size: int,
         config: EvictionConfig | None = None,
         max_num_seqs: int = 0,
+        spare_columns: int = 0,
     ) -> None:
         self.policy = policy
         self.budget = budget
         self.shape = CacheShape(num_layers, num_kv_heads, block_size)
+        #: block-table columns for spare blocks (``EvictingAttentionSpec.spare_columns``; 0: never given)
+        self.spare_columns = spare_columns
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
@@ -184,6 +187,7 @@ class EvictionWorker:
                 self.shared_tokens,
                 self.context_readers,
                 self.echo,
+                self.spare_columns,
             )
             self._step = planner.plan(inputs, block_table, slot_mapping, self.o_proj)
         return self._step

@@ -67,6 +67,7 @@ class BatchSubBlocks:
         self._slot_of: dict[str, int] = {}
         self._compacted = np.zeros(0, dtype=bool)  # [S] the slot's request reads sub-block tables
         self._fresh = np.zeros(0, dtype=bool)  # [S] standard rows are up to date for the slot's request
+        self._spare = np.zeros(0, dtype=np.int64)  # [S] spare blocks the slot's request holds (shared_prefix)
         self._saved: dict[str, dict[str, torch.Tensor]] = {}  # compacted requests out of the batch
 
     # ----- layer groups ---------------------------------------------------------------------------------
@@ -97,6 +98,7 @@ class BatchSubBlocks:
         for slot in np.flatnonzero(computed == 0):  # only requests starting now: new or recomputed
             self._saved.pop(req_ids[slot], None)
             self._compacted[slot] = self._fresh[slot] = False
+            self._spare[slot] = 0
         return store
 
     def compacted(self, num_reqs: int) -> np.ndarray:
@@ -134,7 +136,7 @@ class BatchSubBlocks:
         decode_only = bool((q_lens == 1).all())
         parts = [
             q_lens,
-            -(-seq_lens // bs),
+            -(-seq_lens // bs) + self._spare[:num_reqs],  # blocks of each row (spare blocks shift them)
             compacted,
             growing,
             req_of_token,
@@ -179,9 +181,11 @@ class BatchSubBlocks:
         assert self.store is not None
         self.store.commit(self.group_of(layer_idx), slot, table, first_block)
 
-    def mark_compacted(self, slot: int) -> None:
-        """Every layer of the request in ``slot`` is compacted: from the next step it reads its tables."""
+    def mark_compacted(self, slot: int, spare: int = 0) -> None:
+        """Every layer of the request in ``slot`` is compacted: from the next step it reads its tables. spare:
+        the spare blocks it was given (its row holds that many blocks more than its tokens need)."""
         self._compacted[slot] = True
+        self._spare[slot] = spare
 
     def forget(self, req_id: str) -> None:
         """A finished, aborted or preempted request: its rows are not kept (its blocks go back to vLLM)."""
@@ -189,6 +193,7 @@ class BatchSubBlocks:
         slot = self._slot_of.get(req_id)
         if slot is not None:
             self._compacted[slot] = self._fresh[slot] = False
+            self._spare[slot] = 0
 
     def table_of(self, req_id: str, layer_idx: int) -> SubBlockTable:
         """The reference-model view of a request's table for ``layer_idx`` (inspection and tests)."""
@@ -220,6 +225,7 @@ class BatchSubBlocks:
             grow = self.store.capacity - len(self._compacted)
             self._compacted = np.concatenate([self._compacted, np.zeros(grow, dtype=bool)])
             self._fresh = np.concatenate([self._fresh, np.zeros(grow, dtype=bool)])
+            self._spare = np.concatenate([self._spare, np.zeros(grow, dtype=np.int64)])
         return self.store
 
     def _move(self, req_ids: list[str], store: SubBlockStore) -> None:
@@ -238,8 +244,10 @@ class BatchSubBlocks:
                 self._saved[old[slot]] = {
                     name: value[:, i] if value.dim() > 1 else value[i] for name, value in saved.items()
                 }
+                self._saved[old[slot]]["spare"] = torch.tensor(int(self._spare[slot]))
         self._compacted[changed] = False
         self._fresh[changed] = False
+        self._spare[changed] = 0
         arriving = [slot for slot in changed if slot < len(req_ids) and req_ids[slot] in self._saved]
         if arriving:
             rows = [self._saved.pop(req_ids[slot]) for slot in arriving]
@@ -249,6 +257,7 @@ class BatchSubBlocks:
             }
             store.restore(host_to_device(np.array(arriving), store.device), stacked)
             self._compacted[arriving] = True
+            self._spare[arriving] = stacked["spare"].numpy()
         self._slot_ids = list(req_ids)
         self._slot_of = {req_id: slot for slot, req_id in enumerate(req_ids)}
 

@@ -14,6 +14,17 @@ the block to another request, which drops its hash), so they may enter the prefi
 ``c + s'`` on receive compacted entries and are never hashed (``publishable_tokens``). A later request can
 therefore only ever find full, uncompacted blocks.
 
+Spare blocks: the ``k = n - c - s'`` blocks that would receive the kept entries are prompt blocks, so a
+request compacting in place publishes only ``c + s'`` of its ``n`` prompt blocks and the next request with
+the same prefix recomputes the rest. Where the scheduler can, it gives a request whose prompt completes
+(with no generated token in the same step) ``k`` spare blocks beyond its prompt in that step: blocks
+``[n, n + k)``. The worker compacts into them, so all ``n`` prompt blocks stay as computed, every full one
+is published, and all of ``[c, n)`` is freed once the prompt is processed. From then on the request's
+block list is that of the in-place layout shifted by ``k`` (its kept entries at ``[n, n + k)`` instead of
+``[c + s', n)``, its new blocks ``k`` columns later), so it holds exactly as many blocks as it would have.
+The scheduler decides (it knows the pool's free blocks); the worker reads the decision from the request's
+block-table row, which then holds ``k`` blocks more than its tokens need (``spare_blocks_seen``).
+
 Prefix reuse is for whole-prompt eviction: a plan that evicts between chunks or while generating rewrites
 the blocks it holds over time (and would have to leave the shared ones out of every re-score), so such a
 request keeps skipping the prefix cache (``reads_prefix_cache``). Both sides derive everything here from
@@ -25,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vllm_kvevict.layout.accounting import RequestPlan
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 
 
 def reads_prefix_cache(plan: RequestPlan) -> bool:
@@ -56,25 +67,72 @@ def shared_blocks(shared_tokens: int, block_size: int) -> int:
     return shared_tokens // block_size
 
 
-def freed_range(plan: RequestPlan, shared_tokens: int, computed_tokens: int) -> tuple[int, int]:
+def spare_blocks(plan: RequestPlan) -> int:
+    """k: the blocks whose sub-blocks receive the kept entries of a request compacting once, after its
+    prompt (``n - c - s'``, the private part's blocks less the freed ones); the spare blocks it is given
+    where the scheduler can (module docstring). 0 for a plan that keeps its part whole or rewrites its
+    blocks over time (it never compacts into spares)."""
+    if not plan.compacts or not reads_prefix_cache(plan):
+        return 0
+    return cdiv(plan.prompt_len, plan.block_size) - plan.blocks_to_free
+
+
+def spare_blocks_seen(plan: RequestPlan, row_blocks: int, seq_len: int, spare_columns: int) -> int:
+    """The spare blocks a request completing its prompt in this step was given, read on the worker from its
+    block-table row: ``row_blocks`` entries against the ``cdiv(seq_len, bs)`` its tokens need. 0 when the
+    scheduler gave none; a row longer by anything but ``spare_blocks(plan)`` (at most ``spare_columns``)
+    breaks the rule and raises."""
+    extra = row_blocks - cdiv(seq_len, plan.block_size)
+    if extra <= 0:
+        return 0
+    if extra != spare_blocks(plan) or extra > spare_columns:
+        raise RuntimeError(
+            f"a compacting request's block-table row holds {row_blocks} blocks for {seq_len} tokens; the "
+            f"spare-block rule allows {spare_blocks(plan)} spare blocks (at most {spare_columns}): the block "
+            "accounting of the scheduler and the worker disagree"
+        )
+    return extra
+
+
+def spare_columns_for(plan_for: Callable[[int], RequestPlan], max_len: int) -> int:
+    """Block-table columns past ``cdiv(max_len, bs)`` that spare blocks may take: the largest
+    ``spare_blocks`` over private parts of up to ``max_len`` tokens (sampled at most ~512 lengths and at
+    ``max_len``; a request whose plan needs more compacts in place)."""
+    if max_len <= 0:
+        return 0
+    step = max(1, max_len // 512)
+    lengths = [*range(step, max_len, step), max_len]
+    return max(spare_blocks(plan_for(length)) for length in lengths)
+
+
+def freed_range(
+    plan: RequestPlan, shared_tokens: int, computed_tokens: int, spare: int = 0
+) -> tuple[int, int]:
     """[first, last) blocks the scheduler has freed once ``computed_tokens`` tokens (shared prefix included)
-    are processed; ``plan`` is the private plan."""
+    are processed; ``plan`` is the private plan, ``spare`` the spare blocks the request was given (then
+    every private prompt block is freed once the prompt is processed)."""
     first = shared_blocks(shared_tokens, plan.block_size)
-    return first, first + plan.blocks_freed_at(max(0, computed_tokens - shared_tokens))
+    private = max(0, computed_tokens - shared_tokens)
+    if spare:
+        return first, first + (cdiv(plan.prompt_len, plan.block_size) if private >= plan.prompt_len else 0)
+    return first, first + plan.blocks_freed_at(private)
 
 
-def first_kept_block(plan: RequestPlan, shared_tokens: int, computed_tokens: int) -> int:
+def first_kept_block(plan: RequestPlan, shared_tokens: int, computed_tokens: int, spare: int = 0) -> int:
     """The first block whose sub-blocks hold the private part's kept entries (the block after the freed
     range)."""
-    return freed_range(plan, shared_tokens, computed_tokens)[1]
+    return freed_range(plan, shared_tokens, computed_tokens, spare)[1]
 
 
-def publishable_tokens(plan: RequestPlan, shared_tokens: int) -> int | None:
-    """Tokens of a request whose blocks may enter the prefix cache: the shared prefix and the private
-    blocks freed at compaction (``c + s'`` blocks) for a request that compacts; None (no limit) for one that
-    keeps its whole cache; 0 for one that rewrites its blocks over time (it publishes nothing)."""
+def publishable_tokens(plan: RequestPlan, shared_tokens: int, spare: int = 0) -> int | None:
+    """Tokens of a request whose blocks may enter the prefix cache: for a request that compacts, the shared
+    prefix and the private blocks freed at compaction (``c + s'`` blocks), or its whole prompt when it was
+    given spare blocks (nothing is compacted into a prompt block); None (no limit) for one that keeps its
+    whole cache; 0 for one that rewrites its blocks over time (it publishes nothing)."""
     if not reads_prefix_cache(plan):
         return 0
     if not plan.compacts:
         return None
+    if spare:
+        return shared_tokens + plan.prompt_len
     return shared_tokens + plan.blocks_to_free * plan.block_size

@@ -50,6 +50,7 @@ def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWo
             block_size=spec.block_size,
             config=config,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+            spare_columns=spec.spare_columns,
         )
         set_worker(worker)
         logger.info(

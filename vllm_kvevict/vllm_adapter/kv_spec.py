@@ -29,6 +29,8 @@ from vllm_kvevict.layout.shared_prefix import (
     private_plan,
     publishable_tokens,
     reads_prefix_cache,
+    spare_blocks,
+    spare_columns_for,
 )
 from vllm_kvevict.settings.config import EvictionConfig, eviction_config_from_json, get_eviction_config
 from vllm_kvevict.settings.request_settings import RequestSettings, ResolvedSetting
@@ -47,23 +49,33 @@ class EvictingAttentionSpec(FullAttentionSpec):
     eviction: the EvictionConfig as JSON (specs travel from workers to the EngineCore by pickle and must
         stay hashable, so it is a string).
     num_model_layers: attention layers of the model (PyramidKV budgets depend on the depth).
+    spare_columns: block-table columns each worker row has past ``cdiv(max_len, block_size)``, for the
+        spare blocks a compacting request may be given (``shared_prefix.spare_blocks``; 0: prefix caching
+        off, never given).
     """
 
     eviction: str = ""
     num_model_layers: int = 1
+    spare_columns: int = 0
 
     @classmethod
     def merge(cls, specs: list[EvictingAttentionSpec]) -> EvictingAttentionSpec:
-        settings = {(spec.eviction, spec.num_model_layers) for spec in specs}
+        settings = {(spec.eviction, spec.num_model_layers, spec.spare_columns) for spec in specs}
         if len(settings) != 1:
             raise ValueError(f"all layers of a KV cache group must share one eviction setting: {settings}")
         base = FullAttentionSpec.merge(specs)  # type: ignore[arg-type]
-        eviction, num_model_layers = settings.pop()
+        eviction, num_model_layers, spare_columns = settings.pop()
         inherited = {f.name: getattr(base, f.name) for f in fields(FullAttentionSpec)}
-        return cls(**inherited, eviction=eviction, num_model_layers=num_model_layers)
+        return cls(
+            **inherited, eviction=eviction, num_model_layers=num_model_layers, spare_columns=spare_columns
+        )
 
     def eviction_config(self) -> EvictionConfig:
         return eviction_config_from_json(self.eviction)
+
+    def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
+        """The worker's block-table width: vLLM's, plus the columns spare blocks may take."""
+        return super().max_num_blocks_per_req(vllm_config, max_len) + self.spare_columns
 
 
 class EvictingAttentionManager(FullAttentionManager):
@@ -72,7 +84,9 @@ class EvictingAttentionManager(FullAttentionManager):
     c blocks it shares through the prefix cache (``shared_prefix.py``); with a decode-time cap more leading
     blocks as its output grows (``RequestPlan.blocks_freed(t)``, like SlidingWindowManager). Positions, slot
     math and ``num_computed_tokens`` stay untouched; freed blocks return to the pool and are reused by the
-    next ``allocate_slots``."""
+    next ``allocate_slots``. With vLLM's prefix cache on, a request whose prompt completes is given spare
+    blocks for its kept entries where the pool has room (``shared_prefix.spare_blocks``): every allocation
+    of it then counts ``k`` blocks more, and all its private prompt blocks are freed and stay published."""
 
     def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
@@ -87,6 +101,12 @@ class EvictingAttentionManager(FullAttentionManager):
         # request -> prompt tokens it found in the prefix cache when it was admitted (shared blocks)
         self.shared_tokens: dict[str, int] = {}
         self.saved_blocks: dict[str, int] = {}  # request -> blocks freed (metrics)
+        # Spare blocks (shared_prefix.py): request -> prompt length (noted at admission); request -> spare
+        # blocks it was given (0: compacts in place), decided by its allocation that reaches its prompt's end.
+        self.spare_columns = kv_cache_spec.spare_columns if self.enable_caching else 0
+        self.prompt_lens: dict[str, int] = {}
+        self.spares: dict[str, int] = {}
+        self._offered: dict[str, int] = {}  # spare blocks the last get_num_blocks_to_allocate counted
         # Kept contexts (layout/context_reuse.py): request -> identity of its setting, for requests asking
         # kv_context "keep"; creator -> chain hash of its context, until its entry is published.
         self.context_requests: dict[str, str] = {}
@@ -110,6 +130,8 @@ class EvictingAttentionManager(FullAttentionManager):
         kept context notes its context's chain hash from it."""
         if request_id in self.req_to_blocks:
             return
+        if request is not None:
+            self.prompt_lens[request_id] = request.num_prompt_tokens
         setting = self.settings.resolve(getattr(sampling_params, "extra_args", None))
         if setting is None:
             self.request_planners.pop(request_id, None)
@@ -203,7 +225,7 @@ class EvictingAttentionManager(FullAttentionManager):
             limit: int | None = shared  # a reader: nothing after the entry it started from
         else:
             plan = self.request_plan(request.request_id, request.num_prompt_tokens)
-            limit = publishable_tokens(plan, shared)
+            limit = publishable_tokens(plan, shared, self.spares.get(request.request_id, 0))
         if limit is not None:
             num_tokens = min(num_tokens, limit)
         super().cache_blocks(request, num_tokens, *args, **kwargs)
@@ -220,16 +242,88 @@ class EvictingAttentionManager(FullAttentionManager):
         # Processed tokens only: the worker compacted in the step that computed them (per chunk, then after
         # the prompt and at decode-time re-scores; accounting.py).
         plan = self.request_plan(request_id, num_prompt_tokens)
-        first, last = freed_range(plan, self.shared_tokens.get(request_id, 0), processed_computed_tokens)
+        spare = self.spares.get(request_id, 0)
+        shared = self.shared_tokens.get(request_id, 0)
+        first, last = freed_range(plan, shared, processed_computed_tokens, spare)
         if last > first:
             # Iterates backwards and stops at the first null block, so repeated calls cost O(1).
             self._remove_blocks_in_range(request_id, first, last)
-            freed = last - first
+            freed = last - first - spare  # blocks held in addition without eviction
             if self.saved_blocks.get(request_id) != freed and request_id in self.req_to_blocks:
                 self.saved_blocks[request_id] = freed
                 self._publish_saved_blocks()
             if request_id in self.pending_contexts:
                 self._publish_context(request_id, plan)
+
+    # ----- spare blocks (shared_prefix.py) ---------------------------------------------------------------
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> int:
+        """vLLM's count, plus the request's spare blocks: those it holds, or those offered to it when this
+        allocation completes its prompt and the pool keeps room for them beyond the allocation."""
+        def count(tokens: int) -> int:
+            return super(EvictingAttentionManager, self).get_num_blocks_to_allocate(
+                request_id,
+                tokens,
+                new_computed_blocks,
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                *args,
+                **kwargs,
+            )
+
+        spare = self.spares.get(request_id)
+        if spare is not None:
+            return count(num_tokens + spare * self.block_size)
+        base = count(num_tokens)
+        offer = self._spare_offer(request_id, num_tokens_main_model)
+        self._offered.pop(request_id, None)
+        if offer:
+            with_spares = count(num_tokens + offer * self.block_size)
+            # Room for the spares and as many blocks again: they never take the pool's last blocks.
+            if with_spares + offer <= self.block_pool.get_num_free_blocks():
+                self._offered[request_id] = offer
+                return with_spares
+        return base
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[Any]:
+        """vLLM's allocation shifted by the request's spare blocks; the allocation that completes its prompt
+        decides them (those ``get_num_blocks_to_allocate`` offered, or none)."""
+        spare = self.spares.get(request_id)
+        if spare is None:
+            prompt_len = self.prompt_lens.get(request_id)
+            if prompt_len is None or num_tokens_main_model < prompt_len:
+                spare = 0
+            else:
+                spare = self._offered.pop(request_id, 0)
+                self.spares[request_id] = spare
+        shifted = num_tokens + spare * self.block_size
+        return super().allocate_new_blocks(request_id, shifted, num_tokens_main_model)
+
+    def _spare_offer(self, request_id: str, num_tokens_main_model: int) -> int:
+        """Spare blocks a request may be given in an allocation of ``num_tokens_main_model`` tokens: its
+        plan's ``k`` when the allocation ends exactly at its prompt's end (nothing generated after it: a
+        request recomputed after preemption compacts in place), it reads the prefix cache, keeps no kept
+        context and ``k`` fits the block-table's spare columns; else 0."""
+        prompt_len = self.prompt_lens.get(request_id)
+        if (
+            not self.spare_columns
+            or prompt_len is None
+            or num_tokens_main_model != prompt_len
+            or request_id in self.context_requests
+        ):
+            return 0
+        spare = spare_blocks(self.request_plan(request_id, prompt_len))
+        return spare if spare <= self.spare_columns else 0
 
     def finish_request(self, request: Any) -> None:
         """Before ``request``'s blocks are freed (finished, aborted or preempted; the ``KVCacheManager.free``
@@ -261,6 +355,9 @@ class EvictingAttentionManager(FullAttentionManager):
         self.shared_tokens.pop(request_id, None)
         self.context_requests.pop(request_id, None)
         self.pending_contexts.pop(request_id, None)
+        self.prompt_lens.pop(request_id, None)
+        self.spares.pop(request_id, None)
+        self._offered.pop(request_id, None)
         if self.saved_blocks.pop(request_id, None) is not None:
             self._publish_saved_blocks()
 
@@ -317,6 +414,13 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
         )
     inherited = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    spare_columns = 0
+    if vllm_config.cache_config.enable_prefix_caching:
+        planner = RequestSettings(config, spec.block_size, num_layers).plan_for
+        spare_columns = spare_columns_for(planner, vllm_config.model_config.max_model_len)
     return EvictingAttentionSpec(
-        **inherited, eviction=json.dumps(config.to_dict(), sort_keys=True), num_model_layers=num_layers
+        **inherited,
+        eviction=json.dumps(config.to_dict(), sort_keys=True),
+        num_model_layers=num_layers,
+        spare_columns=spare_columns,
     )

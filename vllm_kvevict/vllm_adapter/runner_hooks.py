@@ -78,6 +78,7 @@ def prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *ar
                 scheduled=num_scheduled_tokens[:num_reqs].copy(),
                 extra_args=[_extra_args(runner, req_id) for req_id in batch.req_ids[:num_reqs]],
                 prompt_token_ids=lambda slot: batch.token_ids_cpu[slot, : batch.num_prompt_tokens[slot]],
+                row_blocks=batch.block_table[0].num_blocks_per_row[:num_reqs].copy(),
             )
         )
     return original(runner, scheduler_output, num_scheduled_tokens, *args, **kwargs)

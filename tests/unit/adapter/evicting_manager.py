@@ -18,9 +18,11 @@ def evicting_manager(
     num_blocks: int,
     dtype: torch.dtype = torch.bfloat16,
     enable_caching: bool = False,
+    spare_columns: int = 0,
 ) -> tuple[EvictingAttentionManager, BlockPool]:
     """A manager for the bundled model's shapes (30 layers, 3 KV heads of 64) over ``num_blocks`` blocks
-    (``dtype``: the cache's, torch.uint8 for an fp8 cache; ``enable_caching``: vLLM's prefix cache on)."""
+    (``dtype``: the cache's, torch.uint8 for an fp8 cache; ``enable_caching``: vLLM's prefix cache on;
+    ``spare_columns``: the spec's columns for spare blocks)."""
     spec = EvictingAttentionSpec(
         block_size=block_size,
         num_kv_heads=3,
@@ -28,6 +30,7 @@ def evicting_manager(
         dtype=dtype,
         eviction=json.dumps(config.to_dict()),
         num_model_layers=30,
+        spare_columns=spare_columns,
     )
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=enable_caching, hash_block_size=block_size)
     manager = EvictingAttentionManager(
