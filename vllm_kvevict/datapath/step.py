@@ -19,7 +19,7 @@ from vllm_kvevict.datapath.query_ring import RingWrites
 from vllm_kvevict.datapath.question_echo import EchoLayer, EchoPass
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
 from vllm_kvevict.datapath.step_inputs import StepRequest
-from vllm_kvevict.layout.batch_tables import BatchSubBlocks, StepLayout
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks, StepLayout, host_to_device
 from vllm_kvevict.policies.base import KeptTokens
 
 
@@ -32,6 +32,8 @@ class HeadSequenceBatch:
     seq_lens:        [H*R] int32 KV length of each sequence after this step.
     query_start_loc: [H*R + 1] int32 query rows of each sequence in the head-major query [H*T, g, D].
     slot_mapping:    [T*H] int64 one-head-view slot of (token t, head h) at t*H + h (-1: skip).
+    tokens:          [Tc] int64 rows of the step's tensors these sequences attend (``StepSplit``: the
+                     compacted requests' tokens), or None: every token of the step, in order.
     kernel_metadata: backend-specific data built once for this batch (e.g. CPU scheduler metadata).
     """
 
@@ -39,6 +41,26 @@ class HeadSequenceBatch:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     slot_mapping: torch.Tensor
+    kernel_metadata: object | None = None
+    tokens: torch.Tensor | None = None
+
+
+@dataclass
+class StandardPart:
+    """The requests of a step that holds compacted ones too, but are themselves in vLLM's standard layout:
+    attended by the backend's own kernel call, as vanilla vLLM would (``EvictionStep.split_batch``).
+
+    tokens:          [Ts] int64 rows of the step's tensors that are theirs, in order.
+    query_start_loc: [Rs + 1] int32 their query rows in the gathered query [Ts, Hq, D].
+    seq_lens:        [Rs] int32 their KV lengths after this step.
+    block_table:     [Rs, W] int32 their rows of vLLM's block table.
+    kernel_metadata: backend-specific data built once per step (e.g. CPU scheduler metadata).
+    """
+
+    tokens: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
     kernel_metadata: object | None = None
 
 
@@ -53,6 +75,8 @@ class StepSizes:
     max_query_len: int
     seq_lens: np.ndarray
     prompt_lens: np.ndarray
+    q_lens: np.ndarray | None = None  # [R] tokens of each request in this step
+    compacted: np.ndarray | None = None  # [R] bool: the request reads sub-block tables (None: none does)
 
 
 class EvictionStep:
@@ -103,6 +127,8 @@ class EvictionStep:
         #: some layer work follows attention in this step (a decode step without a cap has none)
         self.acts_after_attention = bool(prompts.requests or chunk_rescores or rescores or ring_writes)
         self._per_layer: list[HeadSequenceBatch] | None = None  # built at the first head_batch call
+        # split_batch's per-layer head batches of the compacted requests and the standard part
+        self._split: tuple[list[HeadSequenceBatch], StandardPart] | None = None
         self._chunk_kept: dict[str, list[KeptTokens]] = {}  # req -> per layer (final; all when dumping)
 
     @property
@@ -135,6 +161,83 @@ class EvictionStep:
             ]
             self._per_layer = [groups[self.tables.group_of(layer)] for layer in range(self.shape.num_layers)]
         return self._per_layer[layer_idx]
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when the batch holds compacted requests and requests still in vLLM's standard layout."""
+        compacted = self.sizes.compacted
+        return compacted is not None and bool(compacted.any()) and not bool(compacted.all())
+
+    def split_batch(self, layer_idx: int) -> tuple[HeadSequenceBatch, StandardPart | None]:
+        """For a mixed batch (``is_mixed``): the head-as-sequence batch of the compacted requests only
+        (sequence h*Rc + i is head h of the i-th compacted request, ``tokens`` their rows) and the standard
+        part (every other request, for the backend's own kernel). Otherwise ``(head_batch(layer_idx), None)``.
+
+        A batch in which one compacted request decodes among standard ones (a long prompt compacted, short
+        ones kept whole) then runs at vLLM's speed for all but that request: through the server, decode
+        batches head-as-sequence took 1.8x vLLM's time per work unit (``benchmarks/prefix_profile.py``,
+        --kv-budget 1024). Writes are unchanged (every token per head, ``HeadSequenceBatch.slot_mapping``:
+        a standard request's slots are where vLLM writes them)."""
+        if not self.is_mixed:
+            return self.head_batch(layer_idx), None
+        if self._split is None:
+            self._split = self._build_split()
+        per_layer, standard = self._split
+        return per_layer[layer_idx], standard
+
+    def _build_split(self) -> tuple[list[HeadSequenceBatch], StandardPart]:
+        sizes, heads = self.sizes, self.shape.num_kv_heads
+        assert sizes.compacted is not None and sizes.q_lens is not None
+        q_lens = sizes.q_lens.astype(np.int64)
+        num_reqs = sizes.num_reqs
+        compacted = np.flatnonzero(sizes.compacted[:num_reqs])
+        standard = np.flatnonzero(~sizes.compacted[:num_reqs])
+        q_start = np.cumsum(q_lens) - q_lens
+
+        def rows(requests: np.ndarray) -> np.ndarray:
+            return np.concatenate([np.arange(q_start[r], q_start[r] + q_lens[r]) for r in requests])
+
+        head_starts = np.zeros(heads * len(compacted) + 1, dtype=np.int64)
+        np.cumsum(np.tile(q_lens[compacted], heads), out=head_starts[1:])
+        standard_starts = np.zeros(len(standard) + 1, dtype=np.int64)
+        np.cumsum(q_lens[standard], out=standard_starts[1:])
+        sequences = (np.arange(heads)[:, None] * num_reqs + compacted[None, :]).reshape(-1)
+        parts = [
+            rows(compacted),
+            rows(standard),
+            head_starts,
+            standard_starts,
+            sequences,
+            standard,
+            sizes.seq_lens[standard],
+        ]
+        device = self._block_table.device
+        packed = host_to_device(np.concatenate([p.astype(np.int64) for p in parts]), device)
+        head_tokens, tokens, head_qsl, qsl, sequences_dev, standard_dev, seq_lens = packed.split(
+            [len(p) for p in parts]
+        )
+        part = StandardPart(
+            tokens,
+            qsl.to(torch.int32),
+            seq_lens.to(torch.int32),
+            self._block_table[standard_dev],
+        )
+        head_qsl = head_qsl.to(torch.int32)
+        groups: dict[int, HeadSequenceBatch] = {}
+        per_layer = []
+        for layer in range(self.shape.num_layers):
+            full = self.head_batch(layer)
+            group = self.tables.group_of(layer)
+            if group not in groups:
+                groups[group] = HeadSequenceBatch(
+                    full.block_table[sequences_dev],
+                    full.seq_lens[sequences_dev],
+                    head_qsl,
+                    full.slot_mapping,
+                    tokens=head_tokens,
+                )
+            per_layer.append(groups[group])
+        return per_layer, part
 
     # ----- after a layer's attention: the one call a backend makes ----------------------------------------
     def after_attention(

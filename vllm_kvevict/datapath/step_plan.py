@@ -129,6 +129,8 @@ class StepPlanner:
             max_query_len=int(q_lens.max(initial=0)),
             seq_lens=seq_lens,
             prompt_lens=prompt_lens,
+            q_lens=q_lens,
+            compacted=compacted if layout is not None else None,
         )
         timer = StepTimer()
         prompts = PromptEviction(

@@ -32,7 +32,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
+from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch, StandardPart
 from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter.cpu_packing import PackedRows, one_head_caches, packed_offsets, packed_parts
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
@@ -246,7 +246,10 @@ class CPUCacheRows:
 
 
 class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
-    """CPU attention that reads and writes per-head sub-blocks for compacted requests."""
+    """CPU attention that reads and writes per-head sub-blocks for compacted requests; in a batch mixing them
+    with standard-layout requests, those are attended by vLLM's own call (``standard_attention``)."""
+
+    attends_standard_part = True
 
     def write_head_tokens(self, layer, key, value, kv_cache, slots) -> None:
         key_cache, value_cache = one_head_caches(kv_cache)
@@ -298,6 +301,45 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
             block_table=batch.block_table,
             softcap=self.logits_soft_cap,
             scheduler_metadata=batch.kernel_metadata,
+            s_aux=None,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+
+    def standard_attention(self, layer, part: StandardPart, query, kv_cache, out) -> None:
+        if part.kernel_metadata is None:
+            part.kernel_metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=part.seq_lens.shape[0],
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size,
+                seq_lens=part.seq_lens,
+                dtype=query.dtype,
+                query_start_loc=part.query_start_loc,
+                causal=True,
+                sliding_window_size=-1,
+                isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+        num_blocks, heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(num_blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        ops.cpu_attention_with_kv_cache(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=out,
+            query_start_loc=part.query_start_loc,
+            seq_lens=part.seq_lens,
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=part.block_table,
+            softcap=self.logits_soft_cap,
+            scheduler_metadata=part.kernel_metadata,
             s_aux=None,
             k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float,

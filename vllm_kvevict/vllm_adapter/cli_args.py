@@ -327,8 +327,9 @@ def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
     if engine_args.enable_prefix_caching is not False:
         logger.info(
             "kv-eviction: prefix caching stays on; a request evicting its whole prompt reads cached blocks "
-            "(kept whole, shared) and publishes the blocks it frees; one evicting between chunks or while "
-            "generating neither reads nor publishes"
+            "(kept whole, shared), compacts into spare blocks where the pool has room and publishes its full "
+            "prompt blocks (else only those it frees); one evicting between chunks or while generating "
+            "neither reads nor publishes"
         )
     if engine_args.enable_chunked_prefill is not False and not config.keeps_chunked_prefill:
         logger.info(

@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_kvevict import metrics
 from vllm_kvevict.datapath.moves import CacheRows
 from vllm_kvevict.datapath.question_echo import EchoLayer
-from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
+from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch, StandardPart
 from vllm_kvevict.datapath.worker import EvictionWorker, current_worker, set_worker
 from vllm_kvevict.settings.config import EvictionConfigError, get_eviction_config
 from vllm_kvevict.vllm_adapter import model_support
@@ -127,9 +127,13 @@ class EvictingImpl:
     eviction on a batch without compacted requests runs vLLM's own write and kernel, a batch with compacted
     requests writes and attends "head as sequence", and after attention the step evicts what it must.
 
-    A backend implements ``write_head_tokens``, ``head_attention`` and ``cache_rows``."""
+    A backend implements ``write_head_tokens``, ``head_attention`` and ``cache_rows``; one that also
+    implements ``standard_attention`` (``attends_standard_part``) attends the requests of such a batch that
+    are still in the standard layout with its own kernel call (``EvictionStep.split_batch``)."""
 
     _layer_idx: int | None = None
+    #: the backend implements ``standard_attention`` (a mixed batch then makes two kernel calls per layer)
+    attends_standard_part: bool = False
 
     # vLLM impl attributes this mixin reads
     num_kv_heads: int
@@ -187,6 +191,17 @@ class EvictingImpl:
         """The layer's cache rows for this step (key/value [T, H, D]: this step's rows)."""
         raise NotImplementedError
 
+    def standard_attention(
+        self,
+        layer: torch.nn.Module,
+        part: StandardPart,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """vLLM's own attention of ``part``'s requests: query/out [Ts, Hq, D], the standard layout."""
+        raise NotImplementedError
+
     # ----- shared ---------------------------------------------------------------------------------------
     def layer_index(self, layer: torch.nn.Module) -> int:
         if self._layer_idx is None:
@@ -239,10 +254,15 @@ class EvictingImpl:
         if step is None or self.attn_type != AttentionType.DECODER:
             return super().forward(*args)  # type: ignore[misc]
         layer_idx = self.layer_index(layer)
-        if step.has_compacted:
-            self._head_sequence_attention(layer, step, step.head_batch(layer_idx), query, kv_cache, output)
-        else:
+        if not step.has_compacted:
             super().forward(*args)  # type: ignore[misc]
+        elif self.attends_standard_part:
+            batch, standard = step.split_batch(layer_idx)
+            self._head_sequence_attention(layer, step, batch, query, kv_cache, output)
+            if standard is not None:
+                self._standard_attention(layer, standard, query, kv_cache, output)
+        else:
+            self._head_sequence_attention(layer, step, step.head_batch(layer_idx), query, kv_cache, output)
         if not step.acts_after_attention:
             return output
         tokens = step.num_tokens
@@ -264,14 +284,30 @@ class EvictingImpl:
         kv_cache: torch.Tensor,
         output: torch.Tensor,
     ) -> None:
-        """Attention of the whole batch with each (request, KV head) as one sequence.
+        """Attention of the batch's tokens (``batch.tokens``, else all of them) with each (request, KV head)
+        as one sequence.
 
         query [T, Hq, D] -> [H*T, g, D] head-major (row h*T + t: sequence h*R + r holds request r's tokens
         of head h, the tokens being in request order); the result lands in output [T, Hq, D] the same way."""
-        tokens, heads, group = step.num_tokens, self.num_kv_heads, self.num_queries_per_kv
-        grouped = query[:tokens].view(tokens, heads, group, self.head_size).transpose(0, 1)
+        heads, group = self.num_kv_heads, self.num_queries_per_kv
+        rows = batch.tokens
+        selected = query[: step.num_tokens] if rows is None else query.index_select(0, rows)
+        tokens = selected.shape[0]
+        grouped = selected.view(tokens, heads, group, self.head_size).transpose(0, 1)
         grouped = grouped.reshape(heads * tokens, group, self.head_size)
         result = torch.empty_like(grouped)
         self.head_attention(layer, step, batch, grouped, kv_cache, result)
-        target = output[:tokens].view(tokens, heads, group, -1)
-        target.copy_(result.view(heads, tokens, group, -1).transpose(0, 1))
+        regrouped = result.view(heads, tokens, group, -1).transpose(0, 1)
+        if rows is None:
+            output[:tokens].view(tokens, heads, group, -1).copy_(regrouped)
+        else:
+            output.view(output.shape[0], -1).index_copy_(0, rows, regrouped.reshape(tokens, -1))
+
+    def _standard_attention(
+        self, layer, part: StandardPart, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        """vLLM's attention of the standard part's tokens; the result lands in their rows of output."""
+        selected = query.index_select(0, part.tokens)
+        result = torch.empty_like(selected)
+        self.standard_attention(layer, part, selected, kv_cache, result)
+        output.view(output.shape[0], -1).index_copy_(0, part.tokens, result.view(selected.shape[0], -1))

@@ -9,6 +9,7 @@ the plan from the prompt length and the request's sampling parameters (per-reque
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -414,13 +415,18 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
         )
     inherited = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    eviction = json.dumps(config.to_dict(), sort_keys=True)
     spare_columns = 0
     if vllm_config.cache_config.enable_prefix_caching:
-        planner = RequestSettings(config, spec.block_size, num_layers).plan_for
-        spare_columns = spare_columns_for(planner, vllm_config.model_config.max_model_len)
+        max_len = vllm_config.model_config.max_model_len
+        spare_columns = server_spare_columns(eviction, spec.block_size, num_layers, max_len)
     return EvictingAttentionSpec(
-        **inherited,
-        eviction=json.dumps(config.to_dict(), sort_keys=True),
-        num_model_layers=num_layers,
-        spare_columns=spare_columns,
+        **inherited, eviction=eviction, num_model_layers=num_layers, spare_columns=spare_columns
     )
+
+
+@functools.lru_cache(maxsize=8)
+def server_spare_columns(eviction: str, block_size: int, num_layers: int, max_len: int) -> int:
+    """``shared_prefix.spare_columns_for`` of the server's setting (computed once, not once per layer)."""
+    config = eviction_config_from_json(eviction)
+    return spare_columns_for(RequestSettings(config, block_size, num_layers).plan_for, max_len)

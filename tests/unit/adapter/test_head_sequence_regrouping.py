@@ -27,6 +27,10 @@ class RecordingImpl(EvictingImpl):
         self.seen = query.clone()
         out.copy_(-query)
 
+    def standard_attention(self, layer, part, query, kv_cache, out) -> None:
+        self.standard_seen = query.clone()
+        out.copy_(2 * query)
+
 
 @pytest.mark.parametrize("flat_output", [False, True])
 def test_sequence_h_of_the_kernel_reads_head_h_of_every_token_and_writes_back_in_place(flat_output):
@@ -35,10 +39,35 @@ def test_sequence_h_of_the_kernel_reads_head_h_of_every_token_and_writes_back_in
     shape = (padded, HEADS * GROUP * D) if flat_output else (padded, HEADS * GROUP, D)
     output = torch.zeros(shape)
     impl = RecordingImpl()
-    impl._head_sequence_attention(None, SimpleNamespace(num_tokens=tokens), None, query, None, output)
+    batch = SimpleNamespace(tokens=None)
+    impl._head_sequence_attention(None, SimpleNamespace(num_tokens=tokens), batch, query, None, output)
     assert impl.seen is not None and impl.seen.shape == (HEADS * tokens, GROUP, D)
     for h in range(HEADS):
         for t in range(tokens):
             assert torch.equal(impl.seen[h * tokens + t], query[t, h * GROUP : (h + 1) * GROUP])
     assert torch.equal(output[:tokens].view(tokens, HEADS * GROUP, D), -query[:tokens])
+    assert not output[tokens:].any()
+
+
+def test_a_mixed_batch_sends_the_compacted_tokens_head_major_and_the_others_to_the_standard_call():
+    """``split_batch``'s two parts: the compacted requests' tokens (rows 0, 3, 4) regrouped head-major for
+    the head-as-sequence call, the standard ones (rows 1, 2) as they are to vLLM's call; each result lands
+    in its own rows of the output and nowhere else."""
+    tokens = 5
+    query = torch.randn(tokens + 2, HEADS * GROUP, D)
+    output = torch.zeros(tokens + 2, HEADS * GROUP * D)
+    impl = RecordingImpl()
+    compacted, standard = torch.tensor([0, 3, 4]), torch.tensor([1, 2])
+    impl._head_sequence_attention(
+        None, SimpleNamespace(num_tokens=tokens), SimpleNamespace(tokens=compacted), query, None, output
+    )
+    impl._standard_attention(None, SimpleNamespace(tokens=standard), query, None, output)
+    assert impl.seen is not None and impl.seen.shape == (HEADS * 3, GROUP, D)
+    for h in range(HEADS):
+        for i, t in enumerate(compacted.tolist()):
+            assert torch.equal(impl.seen[h * 3 + i], query[t, h * GROUP : (h + 1) * GROUP])
+    assert torch.equal(impl.standard_seen, query[standard])
+    result = output.view(tokens + 2, HEADS * GROUP, D)
+    assert torch.equal(result[compacted], -query[compacted])
+    assert torch.equal(result[standard], 2 * query[standard])
     assert not output[tokens:].any()

@@ -12,6 +12,7 @@ from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.kernels import dispatch
+from vllm_kvevict.layout.shared_prefix import private_plan, spare_blocks
 from vllm_kvevict.settings.config import EvictionConfig
 
 HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 8, 16, 3
@@ -51,10 +52,20 @@ class SimulatedEngine:
     """vLLM's side of the test: block rows that grow by position, one cache tensor per layer, and the
     backend's per-layer calls. Queries/keys are random except for the (position, head, layer) marks."""
 
-    def __init__(self, config: EvictionConfig) -> None:
+    def __init__(self, config: EvictionConfig, spare_columns: int = 0) -> None:
         self.worker = EvictionWorker(
-            config.build_policy(), config.budget, LAYERS, HEADS, BS, config=config, max_num_seqs=8
+            config.build_policy(),
+            config.budget,
+            LAYERS,
+            HEADS,
+            BS,
+            config=config,
+            max_num_seqs=8,
+            spare_columns=spare_columns,
         )
+        #: request -> spare blocks the simulated scheduler gave it (``spare_columns`` > 0: every request
+        #: whose step completes its prompt with nothing after it gets its plan's ``spare_blocks``)
+        self.spares: dict[str, int] = {}
         hidden = HEADS * GROUP * DIM  # CriticalKV reads each layer's o_proj [hidden, q_heads * D]
         self.worker.o_proj = {layer: torch.randn(hidden, hidden) for layer in range(LAYERS)}
         self.caches = [torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
@@ -88,11 +99,15 @@ class SimulatedEngine:
         prompt_lens = np.array([r[1] for r in requests])
         computed = np.array([r[2] for r in requests])
         q_lens = np.array([r[3] for r in requests])
-        for req_id, _, done, scheduled, _ in requests:
+        for req_id, prompt_len, done, scheduled, _ in requests:
             if done == 0:
                 self.rows[req_id] = []
+                self.spares.pop(req_id, None)
+            if self.worker.spare_columns and done + scheduled == prompt_len and req_id not in self.spares:
+                shared = self.worker.shared_tokens.get(req_id, done)
+                self.spares[req_id] = spare_blocks(private_plan(self.worker.plan_for, prompt_len, shared))
             row = self.rows[req_id]
-            while len(row) < cdiv(done + scheduled, BS):
+            while len(row) < cdiv(done + scheduled, BS) + self.spares.get(req_id, 0):
                 row.append(self.next_block)
                 self.next_block += 1
         width = max(len(self.rows[i]) for i in ids)
@@ -108,7 +123,10 @@ class SimulatedEngine:
         )
         slot_mapping = block_of.to(torch.int64) * BS + positions % BS
         worker = self.worker
-        worker.begin_step(StepInputs(ids, prompt_lens, computed, q_lens, [r[4] for r in requests]))
+        row_blocks = np.array([len(self.rows[i]) for i in ids])
+        worker.begin_step(
+            StepInputs(ids, prompt_lens, computed, q_lens, [r[4] for r in requests], row_blocks=row_blocks)
+        )
         seq_lens = torch.tensor(computed + q_lens)
         step = worker.make_step(len(ids), int(q_lens.sum()), seq_lens, table, slot_mapping)
         assert step is not None

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from simulated_engine import BS, HEADS, LAYERS, SimulatedEngine, SimulatedRows
+from simulated_engine import BS, HEADS, LAYERS, SimulatedEngine, SimulatedRows, part_view
 
-from vllm_kvevict.layout.shared_prefix import publishable_tokens
+from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.layout.shared_prefix import publishable_tokens, spare_blocks
 from vllm_kvevict.settings.config import EvictionConfig
 
 PROMPT = 400
@@ -114,3 +115,69 @@ def test_finished_sharer_leaves_no_shared_prefix_state():
     engine.step([("sharer", PROMPT, 4 * BS, PROMPT - 4 * BS, None)])
     engine.worker.drop(["sharer", "owner"])
     assert not engine.worker.shared_tokens
+
+
+def prompt_blocks_as_computed(engine: SimulatedEngine, req_id: str, num_blocks: int) -> bool:
+    """Blocks ``[0, num_blocks)`` of ``req_id``'s row hold, in every layer and head, exactly the prompt
+    tokens vLLM wrote there (what a later request finding them in the prefix cache reads)."""
+    row = engine.rows[req_id]
+    for layer in range(LAYERS):
+        keys = part_view(engine.caches[layer], 0)
+        for block in range(num_blocks):
+            for head in range(HEADS):
+                rows = keys[row[block] * HEADS + head]
+                positions = rows[:, 0].long().tolist()
+                if positions != list(range(block * BS, (block + 1) * BS)):
+                    return False
+                if not (rows[:, 1].eq(head).all() and rows[:, 2].eq(layer).all()):
+                    return False
+    return True
+
+
+@pytest.mark.parametrize("method", ["snapkv", "ada-snapkv", "critical-ada-snapkv"])
+def test_with_spare_blocks_every_prompt_block_stays_as_computed_for_the_next_request(method):
+    """The simulated scheduler gives each request whose prompt completes its plan's spare blocks: the worker
+    compacts into them, so the owner's prompt blocks all stay as computed (all published), a sharer starts
+    from every one of them and compacts its own part into its spares, and both grow past their spares."""
+    engine = SimulatedEngine(whole_config(method), spare_columns=64)
+    worker = engine.worker
+    engine.step([("owner", PROMPT, 0, PROMPT, None)])
+    plan = worker.plan_for(PROMPT)
+    n, k = cdiv(PROMPT, BS), spare_blocks(plan)
+    assert engine.spares["owner"] == k > 0 and len(engine.rows["owner"]) == n + k
+    assert publishable_tokens(plan, 0, k) == PROMPT and PROMPT % BS == 0
+    assert prompt_blocks_as_computed(engine, "owner", n)
+    owner_spares = set(engine.rows["owner"][n:])
+    for layer in range(LAYERS):
+        assert engine.blocks_read("owner", layer) <= owner_spares
+        held = engine.held("owner", layer)
+        assert sum(len(head) for head in held) == HEADS * plan.layer_budgets[layer]
+        for head in held:
+            assert head == sorted(set(head)) and PROMPT - 1 in head
+
+    sharer_prompt = 2 * PROMPT
+    engine.share_prefix("sharer", "owner", n)  # the whole prompt of the owner: every block was published
+    engine.step([("owner", PROMPT, PROMPT, 1, None), ("sharer", sharer_prompt, PROMPT, PROMPT, None)])
+    assert worker.shared_tokens["sharer"] == PROMPT
+    private = worker.plan_for(sharer_prompt - PROMPT)
+    assert private.compacts and engine.spares["sharer"] == spare_blocks(private)
+    assert prompt_blocks_as_computed(engine, "owner", n)  # the sharer read them and wrote none
+    sharer_row = engine.rows["sharer"]
+    assert prompt_blocks_as_computed(engine, "sharer", cdiv(sharer_prompt, BS))  # its own blocks too
+    own_spares = set(sharer_row[cdiv(sharer_prompt, BS) :])
+    for layer in range(LAYERS):
+        assert engine.blocks_read("sharer", layer) <= set(sharer_row[:n]) | own_spares
+        for head in engine.held("sharer", layer):
+            assert head[:PROMPT] == list(range(PROMPT))
+            assert all(PROMPT <= p < sharer_prompt for p in head[PROMPT:])
+
+    for t in range(BS + 2):  # decoding past the spares: the rows grow by position, shifted by the spares
+        owner_step = ("owner", PROMPT, PROMPT + 1 + t, 1, None)
+        engine.step([owner_step, ("sharer", sharer_prompt, sharer_prompt + t, 1, None)])
+    for layer in range(LAYERS):
+        for head in engine.held("owner", layer):
+            assert head[-(BS + 3) :] == list(range(PROMPT, PROMPT + BS + 3))
+        for head in engine.held("sharer", layer):
+            assert head[:PROMPT] == list(range(PROMPT))
+            assert head[-(BS + 2) :] == list(range(sharer_prompt, sharer_prompt + BS + 2))
+    assert prompt_blocks_as_computed(engine, "owner", n)
