@@ -47,17 +47,17 @@ class HeadSequenceBatch:
 
 @dataclass
 class StandardPart:
-    """The requests of a step that holds compacted ones too, but are themselves in vLLM's standard layout:
-    attended by the backend's own kernel call, as vanilla vLLM would (``EvictionStep.split_batch``).
+    """The whole batch of a step that holds compacted requests and requests in vLLM's standard layout, for
+    the backend's own kernel call over the step's query and output as they are (no gather): the standard
+    requests attend their cache as vanilla vLLM would, each compacted one only the first ``q_len`` slots of
+    its row (a dummy of its query's length, whose output rows the head-as-sequence call then overwrites).
 
-    tokens:          [Ts] int64 rows of the step's tensors that are theirs, in order.
-    query_start_loc: [Rs + 1] int32 their query rows in the gathered query [Ts, Hq, D].
-    seq_lens:        [Rs] int32 their KV lengths after this step.
-    block_table:     [Rs, W] int32 their rows of vLLM's block table.
+    query_start_loc: [R + 1] int32 every request's query rows.
+    seq_lens:        [R] int32 KV lengths after this step (a compacted request's: its query length).
+    block_table:     [R, W] int32 vLLM's block table.
     kernel_metadata: backend-specific data built once per step (e.g. CPU scheduler metadata).
     """
 
-    tokens: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -171,7 +171,8 @@ class EvictionStep:
     def split_batch(self, layer_idx: int) -> tuple[HeadSequenceBatch, StandardPart | None]:
         """For a mixed batch (``is_mixed``): the head-as-sequence batch of the compacted requests only
         (sequence h*Rc + i is head h of the i-th compacted request, ``tokens`` their rows) and the standard
-        part (every other request, for the backend's own kernel). Otherwise ``(head_batch(layer_idx), None)``.
+        part (the whole batch for the backend's own kernel, compacted requests as dummies: the backend runs
+        it first). Otherwise ``(head_batch(layer_idx), None)``.
 
         A batch in which one compacted request decodes among standard ones (a long prompt compacted, short
         ones kept whole) then runs at vLLM's speed for all but that request: through the server, decode
@@ -191,37 +192,20 @@ class EvictionStep:
         q_lens = sizes.q_lens.astype(np.int64)
         num_reqs = sizes.num_reqs
         compacted = np.flatnonzero(sizes.compacted[:num_reqs])
-        standard = np.flatnonzero(~sizes.compacted[:num_reqs])
         q_start = np.cumsum(q_lens) - q_lens
-
-        def rows(requests: np.ndarray) -> np.ndarray:
-            return np.concatenate([np.arange(q_start[r], q_start[r] + q_lens[r]) for r in requests])
-
+        head_rows = np.concatenate([np.arange(q_start[r], q_start[r] + q_lens[r]) for r in compacted])
         head_starts = np.zeros(heads * len(compacted) + 1, dtype=np.int64)
         np.cumsum(np.tile(q_lens[compacted], heads), out=head_starts[1:])
-        standard_starts = np.zeros(len(standard) + 1, dtype=np.int64)
-        np.cumsum(q_lens[standard], out=standard_starts[1:])
+        starts = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        seq_lens = sizes.seq_lens[:num_reqs].astype(np.int64)
+        seq_lens[compacted] = q_lens[compacted]  # a dummy: these rows are attended head-as-sequence
         sequences = (np.arange(heads)[:, None] * num_reqs + compacted[None, :]).reshape(-1)
-        parts = [
-            rows(compacted),
-            rows(standard),
-            head_starts,
-            standard_starts,
-            sequences,
-            standard,
-            sizes.seq_lens[standard],
-        ]
+        parts = [head_rows, head_starts, starts, seq_lens, sequences]
         device = self._block_table.device
         packed = host_to_device(np.concatenate([p.astype(np.int64) for p in parts]), device)
-        head_tokens, tokens, head_qsl, qsl, sequences_dev, standard_dev, seq_lens = packed.split(
-            [len(p) for p in parts]
-        )
-        part = StandardPart(
-            tokens,
-            qsl.to(torch.int32),
-            seq_lens.to(torch.int32),
-            self._block_table[standard_dev],
-        )
+        head_tokens, head_qsl, qsl, seq_lens_dev, sequences_dev = packed.split([len(p) for p in parts])
+        part = StandardPart(qsl.to(torch.int32), seq_lens_dev.to(torch.int32), self._block_table[:num_reqs])
         head_qsl = head_qsl.to(torch.int32)
         groups: dict[int, HeadSequenceBatch] = {}
         per_layer = []

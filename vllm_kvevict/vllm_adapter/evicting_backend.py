@@ -199,7 +199,7 @@ class EvictingImpl:
         kv_cache: torch.Tensor,
         out: torch.Tensor,
     ) -> None:
-        """vLLM's own attention of ``part``'s requests: query/out [Ts, Hq, D], the standard layout."""
+        """vLLM's own attention of ``part``'s batch: query/out [T, Hq, D], the standard layout."""
         raise NotImplementedError
 
     # ----- shared ---------------------------------------------------------------------------------------
@@ -258,9 +258,9 @@ class EvictingImpl:
             super().forward(*args)  # type: ignore[misc]
         elif self.attends_standard_part:
             batch, standard = step.split_batch(layer_idx)
+            if standard is not None:  # first: the head-as-sequence call overwrites the compacted rows
+                self._standard_attention(layer, step, standard, query, kv_cache, output)
             self._head_sequence_attention(layer, step, batch, query, kv_cache, output)
-            if standard is not None:
-                self._standard_attention(layer, standard, query, kv_cache, output)
         else:
             self._head_sequence_attention(layer, step, step.head_batch(layer_idx), query, kv_cache, output)
         if not step.acts_after_attention:
@@ -304,10 +304,16 @@ class EvictingImpl:
             output.view(output.shape[0], -1).index_copy_(0, rows, regrouped.reshape(tokens, -1))
 
     def _standard_attention(
-        self, layer, part: StandardPart, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor
+        self,
+        layer,
+        step: EvictionStep,
+        part: StandardPart,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
     ) -> None:
-        """vLLM's attention of the standard part's tokens; the result lands in their rows of output."""
-        selected = query.index_select(0, part.tokens)
-        result = torch.empty_like(selected)
-        self.standard_attention(layer, part, selected, kv_cache, result)
-        output.view(output.shape[0], -1).index_copy_(0, part.tokens, result.view(selected.shape[0], -1))
+        """vLLM's attention of the whole step's query into output [T, Hq, D] (the compacted requests' rows
+        are dummies, overwritten by the head-as-sequence call after it)."""
+        tokens = step.num_tokens
+        target = output[:tokens].view(tokens, self.num_heads, self.head_size)
+        self.standard_attention(layer, part, query[:tokens], kv_cache, target)

@@ -49,24 +49,24 @@ def test_sequence_h_of_the_kernel_reads_head_h_of_every_token_and_writes_back_in
     assert not output[tokens:].any()
 
 
-def test_a_mixed_batch_sends_the_compacted_tokens_head_major_and_the_others_to_the_standard_call():
-    """``split_batch``'s two parts: the compacted requests' tokens (rows 0, 3, 4) regrouped head-major for
-    the head-as-sequence call, the standard ones (rows 1, 2) as they are to vLLM's call; each result lands
-    in its own rows of the output and nowhere else."""
+def test_a_mixed_batch_runs_vllms_call_over_every_row_then_the_compacted_rows_head_major():
+    """``split_batch``'s two parts: vLLM's call over the step's query as it is (every row, the compacted
+    requests' as dummies), then the compacted requests' tokens (rows 0, 3, 4) regrouped head-major for the
+    head-as-sequence call, whose results overwrite exactly those rows; padding rows stay untouched."""
     tokens = 5
     query = torch.randn(tokens + 2, HEADS * GROUP, D)
     output = torch.zeros(tokens + 2, HEADS * GROUP * D)
     impl = RecordingImpl()
+    impl.num_heads = HEADS * GROUP
+    step = SimpleNamespace(num_tokens=tokens)
     compacted, standard = torch.tensor([0, 3, 4]), torch.tensor([1, 2])
-    impl._head_sequence_attention(
-        None, SimpleNamespace(num_tokens=tokens), SimpleNamespace(tokens=compacted), query, None, output
-    )
-    impl._standard_attention(None, SimpleNamespace(tokens=standard), query, None, output)
+    impl._standard_attention(None, step, SimpleNamespace(), query, None, output)
+    impl._head_sequence_attention(None, step, SimpleNamespace(tokens=compacted), query, None, output)
+    assert torch.equal(impl.standard_seen, query[:tokens])
     assert impl.seen is not None and impl.seen.shape == (HEADS * 3, GROUP, D)
     for h in range(HEADS):
         for i, t in enumerate(compacted.tolist()):
             assert torch.equal(impl.seen[h * 3 + i], query[t, h * GROUP : (h + 1) * GROUP])
-    assert torch.equal(impl.standard_seen, query[standard])
     result = output.view(tokens + 2, HEADS * GROUP, D)
     assert torch.equal(result[compacted], -query[compacted])
     assert torch.equal(result[standard], 2 * query[standard])
