@@ -271,11 +271,33 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
         )
 
     def head_attention(self, layer, step: EvictionStep, batch: HeadSequenceBatch, query, kv_cache, out):
+        key_cache, value_cache = one_head_caches(kv_cache)
+        self._paged_attention(layer, batch, query, key_cache, value_cache, out, self.num_queries_per_kv, 1)
+
+    def standard_attention(self, layer, part: StandardPart, query, kv_cache, out) -> None:
+        num_blocks, heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(num_blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        heads_of = (self.num_heads, self.num_kv_heads)
+        self._paged_attention(layer, part, query, key_cache, value_cache, out, *heads_of)
+
+    def _paged_attention(
+        self,
+        layer,
+        batch: HeadSequenceBatch | StandardPart,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        out: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> None:
+        """vLLM's CPU attention of ``batch``'s sequences, each ``num_heads`` query heads over ``num_kv_heads``
+        KV heads of ``key_cache``/``value_cache``; the kernel's scheduler metadata is built once per batch."""
         if batch.kernel_metadata is None:
             batch.kernel_metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=batch.seq_lens.shape[0],
-                num_heads=self.num_queries_per_kv,
-                num_kv_heads=1,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
                 head_dim=self.head_size,
                 seq_lens=batch.seq_lens,
                 dtype=query.dtype,
@@ -286,7 +308,6 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
                 enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
                 kv_cache_dtype=self.kv_cache_dtype,
             )
-        key_cache, value_cache = one_head_caches(kv_cache)
         ops.cpu_attention_with_kv_cache(
             query=query,
             key_cache=key_cache,
@@ -301,45 +322,6 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
             block_table=batch.block_table,
             softcap=self.logits_soft_cap,
             scheduler_metadata=batch.kernel_metadata,
-            s_aux=None,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
-
-
-    def standard_attention(self, layer, part: StandardPart, query, kv_cache, out) -> None:
-        if part.kernel_metadata is None:
-            part.kernel_metadata = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=part.seq_lens.shape[0],
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_size,
-                seq_lens=part.seq_lens,
-                dtype=query.dtype,
-                query_start_loc=part.query_start_loc,
-                causal=True,
-                sliding_window_size=-1,
-                isa=layer.isa,
-                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-                kv_cache_dtype=self.kv_cache_dtype,
-            )
-        num_blocks, heads, block_size, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(num_blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-        ops.cpu_attention_with_kv_cache(
-            query=query,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=out,
-            query_start_loc=part.query_start_loc,
-            seq_lens=part.seq_lens,
-            scale=self.scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=part.block_table,
-            softcap=self.logits_soft_cap,
-            scheduler_metadata=part.kernel_metadata,
             s_aux=None,
             k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float,
