@@ -63,9 +63,6 @@ def prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *ar
         if not worker.o_proj_collected:
             worker.o_proj = o_proj_weights(runner.get_model())
             worker.chunks.rope_inv_freq = rope_inv_freq(runner.get_model())
-            from vllm_kvevict.vllm_adapter.echo_forward import load_user_header
-
-            worker.use_user_header(load_user_header(runner.vllm_config))
             worker.o_proj_collected = True
             _mute_metrics_off_tp_rank_0()
         batch = runner.input_batch
