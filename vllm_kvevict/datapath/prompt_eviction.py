@@ -17,6 +17,7 @@ from vllm_kvevict.datapath.selection import select_kept
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.layout.subblock_store import TableRows
 from vllm_kvevict.policies.base import KeptTokens, LayerKV
 
@@ -79,7 +80,8 @@ class PromptEviction:
             if self.decode is not None and req.req_id in self.decode.records:  # the cap starts from here
                 self.decode.records[req.req_id].positions[layer_idx] = kept.indices.to(torch.int64)
             if self.tables.last_layer_of_group(layer_idx):
-                self.tables.commit(layer_idx, req.index, table, first_kept(req))
+                first_block = first_kept_block(plan, 0, req.seq_len, req.spare)
+                self.tables.commit(layer_idx, req.index, table, first_block)
                 del self._pending[(req.req_id, self.tables.group_of(layer_idx))]
             self._finish_layer(req, layer_idx, kept)
         return Moves.join(moves)
@@ -176,7 +178,7 @@ class PromptEviction:
             table = store.assign(
                 counts,
                 self._block_table[req.index],
-                first_kept(req),
+                first_kept_block(req.plan, 0, req.seq_len, req.spare),
                 trailing,
                 total=self.shape.num_kv_heads * budget,
                 num_blocks=cdiv(req.seq_len, self.shape.block_size) + req.spare,
@@ -206,9 +208,3 @@ class PromptEviction:
         src = ((standard // bs) * heads + placed.heads) * bs + standard % bs
         return Moves(src, placed.destinations(table, bs), rows, placed.heads)
 
-
-def first_kept(req: StepRequest) -> int:
-    """The first block of ``req``'s row whose sub-blocks receive its kept entries: after the blocks its plan
-    frees, or after its whole prompt when it was given spare blocks (``layout/shared_prefix.py``)."""
-    assert req.plan is not None
-    return cdiv(req.prompt_len, req.plan.block_size) if req.spare else req.plan.blocks_to_free

@@ -285,7 +285,6 @@ class EvictingAttentionManager(FullAttentionManager):
         spare = self.spares.get(request_id)
         if spare is not None:
             return count(num_tokens + spare * self.block_size)
-        base = count(num_tokens)
         offer = self._spare_offer(request_id, num_tokens_main_model)
         self._offered.pop(request_id, None)
         if offer:
@@ -294,7 +293,7 @@ class EvictingAttentionManager(FullAttentionManager):
             if with_spares + offer <= self.block_pool.get_num_free_blocks():
                 self._offered[request_id] = offer
                 return with_spares
-        return base
+        return count(num_tokens)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[Any]:
         """vLLM's allocation shifted by the request's spare blocks; the allocation that completes its prompt
