@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from vllm import _custom_ops as ops
 
+from vllm_kvevict.vllm_adapter.cpu_tiles import SubblockTiles
+
 #: values written per probe digit (1..DIGIT: integers every float dtype of a cache holds exactly)
 DIGIT = 64
 
@@ -88,16 +90,20 @@ def separable_offsets(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 @dataclass(frozen=True)
 class PackedPart:
-    """Where the elements of one part (keys or values) lie in a (block, head) region: offsets [bs, D] and,
-    when they split so (both amx parts), (row_starts [bs], dim_steps [D]): a row's elements then follow
-    from its start by one broadcast add instead of a gather of [N, D] offsets."""
+    """Where the elements of one part (keys or values) lie in a (block, head) region: offsets [bs, D]; when
+    they split so (both amx parts), (row_starts [bs], dim_steps [D]): a row's elements then follow from its
+    start by one broadcast add instead of a gather of [N, D] offsets; and when the whole part is a strided
+    tensor of a cache of ``dtype`` (the amx keys), its ``SubblockTiles``: whole sub-blocks are then read
+    without an element gather."""
 
     offsets: torch.Tensor
     split: tuple[torch.Tensor, torch.Tensor] | None
+    tiles: SubblockTiles | None = None
 
     @classmethod
-    def of(cls, offsets: torch.Tensor) -> PackedPart:
-        return cls(offsets, separable_offsets(offsets))
+    def of(cls, offsets: torch.Tensor, dtype: torch.dtype | None = None) -> PackedPart:
+        tiles = None if dtype is None else SubblockTiles.of(offsets, dtype)
+        return cls(offsets, separable_offsets(offsets), tiles)
 
 
 @functools.cache
@@ -108,7 +114,7 @@ def packed_parts(
     offsets = packed_offsets(isa, dtype, block_size, head_size)
     if offsets is None:
         return None
-    return PackedPart.of(offsets[0]), PackedPart.of(offsets[1])
+    return PackedPart.of(offsets[0], dtype), PackedPart.of(offsets[1], dtype)
 
 
 class PackedRows:
@@ -120,7 +126,7 @@ class PackedRows:
         self.flat = kv_cache.view(-1)
         self.block_size, self.head_size = block_size, two_d // 2
         self.region = block_size * two_d
-        self.offsets, self.split = part.offsets, part.split
+        self.offsets, self.split, self.tiles = part.offsets, part.split, part.tiles
 
     def elements(self, slots: torch.Tensor) -> torch.Tensor:
         """[N, D] int64 flat cache positions of the rows at ``slots`` [N]."""
@@ -137,6 +143,9 @@ class PackedRows:
             elements = self.elements(slots.reshape(-1)).view(-1)
             return self.flat.index_select(0, elements).view(-1, self.head_size)
         heads, length = slots.shape
+        if self.tiles is not None:
+            rows = self.tiles.read(self.flat, self.region, runs.reshape(-1), self.head_size)
+            return rows.view(heads, -1, self.head_size)[:, :length].reshape(heads * length, self.head_size)
         elements = (runs.reshape(-1) * self.region)[:, None] + self.offsets.view(1, -1)
         rows = self.flat.index_select(0, elements.view(-1)).view(heads, -1, self.head_size)
         return rows[:, :length].reshape(heads * length, self.head_size)

@@ -72,6 +72,9 @@ def test_probed_offsets_read_back_every_row_vllm_wrote(block_size):
     for part in (0, 1):
         rows = PackedRows(cache, PackedPart.of(offsets[part]))
         assert torch.equal(rows.read(held, runs), rows.read(held))
+        tiled = PackedRows(cache, PackedPart.of(offsets[part], DTYPE))  # whole sub-blocks as strided tiles
+        assert tiled.tiles is not None or isa != "amx" or part == 1  # amx keys: 16-token tiles of dim pairs
+        assert torch.equal(tiled.read(held, runs), rows.read(held))
 
 
 def test_offsets_agree_with_the_strided_views_where_those_exist():
