@@ -12,7 +12,11 @@ between the servers (vanilla first in the first round, the eviction server first
 with the dataset seed ``--seed + round`` (a new shared prefix each round), so each round's ratio compares
 runs a few seconds apart: on a machine whose speed drifts over minutes (a shared VM) that ratio is steadier
 than the ratio of two servers run one after the other. The servers are idle while the other one serves. It
-then prints the median and range of the per-round ratios.
+then prints the median and range of the per-round ratios. ``--pinned`` (with ``--rounds``) binds each
+server's engine to its own half of this process's CPUs (``VLLM_CPU_OMP_THREADS_BIND``; one core each on a
+2-core machine) and runs each round on both servers at the same time, so both see the same moments of the
+machine. ``--twin-vanilla`` makes the second server vanilla too: its ratios show how far two identical
+servers differ under the same method (the method's own spread).
 
     python -m benchmarks.prefix_repetition --workload 3000:400 --workload 2000:2000 --num-prompts 16 \
         --out docs/results/2026-11-27-prefix-caching/prefix_repetition.json
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -192,6 +198,33 @@ def ratio_summary(runs: list[Run], workload: str) -> str:
     )
 
 
+#: vLLM's CPU worker binds its OpenMP threads to these CPUs ("0-3", "1", "0,2")
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_halves() -> list[str]:
+    """Two disjoint halves of this process's CPUs as ``VLLM_CPU_OMP_THREADS_BIND`` values."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pinned needs at least 2 CPUs")
+    half = len(cpus) // 2
+    return [",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half : 2 * half]))]
+
+
+def together(
+    live: list[tuple[str, VLLMServer]], prefix: int, suffix: int, args: argparse.Namespace, index: int
+) -> list[Run]:
+    """One round of the workload on every server at the same time (``--pinned``)."""
+    with ThreadPoolExecutor(len(live)) as pool:
+        futures = [
+            pool.submit(bench_workload, server, label, prefix, suffix, args, index) for label, server in live
+        ]
+        runs = [future.result() for future in futures]
+    for run in runs:
+        print(f"[prefix-repetition] {run}", file=sys.stderr, flush=True)
+    return runs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -206,11 +239,15 @@ def main() -> int:
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on both (default: compiled)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1, help="> 1: both servers at once, alternating")
+    parser.add_argument("--pinned", action="store_true", help="with --rounds: half the CPUs each, together")
+    parser.add_argument("--twin-vanilla", action="store_true", help="the second server is vanilla too")
     parser.add_argument("--extra-body", default=None, help="JSON added to every request (e.g. vllm_xargs)")
     parser.add_argument("--out", type=Path, default=None, help="save every number as JSON here")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds} is not valid; it must be >= 1")
+    if args.pinned and args.rounds < 2:
+        parser.error("--pinned runs both servers together in rounds: give --rounds >= 2")
     workloads = [tuple(int(x) for x in w.split(":")) for w in (args.workload or ["3000:400"])]
     longest = max(prefix + suffix for prefix, suffix in workloads)
     common = ["--max-model-len", str(longest + args.output_len + 64)]
@@ -223,13 +260,17 @@ def main() -> int:
             [*common, "--kv-eviction", args.method, "--kv-budget", args.budget],
         ),
     ]
+    if args.twin_vanilla:
+        servers[1] = ("vanilla twin", common)
+    binds = cpu_halves() if args.pinned else [None, None]
     model_dir = prepared_model_dir()
 
-    def started(label: str, extra: list[str]) -> VLLMServer:
+    def started(label: str, extra: list[str], bind: str | None = None) -> VLLMServer:
         print(f"[prefix-repetition] {label}: vllm serve {model_dir} {' '.join(extra)}", file=sys.stderr)
         return VLLMServer(
             model_dir,
             extra_args=extra,
+            env=None if bind is None else {BIND: bind},
             kv_cache_space_gib=args.kv_cache_space_gib,
             enforce_eager=args.eager,
             startup_timeout_s=startup_timeout_for(args.eager),
@@ -244,9 +285,15 @@ def main() -> int:
                     print(f"[prefix-repetition] {runs[-1]}", file=sys.stderr, flush=True)
     else:
         with ExitStack() as stack:
-            live = [(label, stack.enter_context(started(label, extra))) for label, extra in servers]
+            live = [
+                (label, stack.enter_context(started(label, extra, bind)))
+                for (label, extra), bind in zip(servers, binds, strict=True)
+            ]
             for index in range(args.rounds):
                 for prefix, suffix in workloads:
+                    if args.pinned:
+                        runs += together(live, prefix, suffix, args, index)
+                        continue
                     for label, server in live if index % 2 == 0 else live[::-1]:
                         run = bench_workload(server, label, prefix, suffix, args, index)
                         runs.append(run)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository root: ``benchmarks`` is no package
 
 
@@ -32,3 +34,28 @@ def test_each_round_is_compared_with_its_own_vanilla_run(monkeypatch):
     assert "over 3 rounds: median 0.90x, min 0.80x, max 1.00x" in summary
     assert "per round 0.80, 1.00, 0.90" in summary
     assert "vanilla/eviction s 16.0/20.0, 25.0/25.0, 18.0/20.0" in summary
+
+
+def test_pinned_servers_get_disjoint_cpu_halves_and_serve_a_round_together(monkeypatch):
+    """``--pinned``: each engine bound to its own half of the CPUs, and a round's two ``vllm bench serve``
+    runs overlap (each waits at a barrier the other must reach: one after the other, they would time out)."""
+    import threading
+
+    monkeypatch.syspath_prepend(str(ROOT))
+    import benchmarks.prefix_repetition as bench
+
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
+    assert bench.cpu_halves() == ["0,1", "2,3"]
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(SystemExit, match="at least 2 CPUs"):
+        bench.cpu_halves()
+
+    both_running = threading.Barrier(2, timeout=10)
+
+    def fake_bench(server, label, prefix, suffix, args, index):
+        both_running.wait()
+        return run(label, index, 20.0, 50.0)
+
+    monkeypatch.setattr(bench, "bench_workload", fake_bench)
+    runs = bench.together([("vanilla", object()), ("ada-snapkv @ 0.25", object())], 3000, 400, None, 4)
+    assert [(r.server, r.round) for r in runs] == [("vanilla", 4), ("ada-snapkv @ 0.25", 4)]
