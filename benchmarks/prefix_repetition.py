@@ -12,11 +12,11 @@ between the servers (vanilla first in the first round, the eviction server first
 with the dataset seed ``--seed + round`` (a new shared prefix each round), so each round's ratio compares
 runs a few seconds apart: on a machine whose speed drifts over minutes (a shared VM) that ratio is steadier
 than the ratio of two servers run one after the other. The servers are idle while the other one serves. It
-then prints the median and range of the per-round ratios. ``--pinned`` (with ``--rounds``) binds each
-server's engine to its own half of this process's CPUs (``VLLM_CPU_OMP_THREADS_BIND``; one core each on a
-2-core machine) and runs each round on both servers at the same time, so both see the same moments of the
-machine. ``--twin-vanilla`` makes the second server vanilla too: its ratios show how far two identical
-servers differ under the same method (the method's own spread).
+then prints the median and range of the per-round ratios. ``--servers vanilla,twin,eviction`` adds a second
+vanilla server (``twin``; the rounds then rotate the order of the three): its ratios to vanilla show how far
+two identical servers differ in the same rounds, the method's own spread. ``--pinned`` (with ``--rounds``)
+binds each server's engine to its own share of this process's CPUs (``VLLM_CPU_OMP_THREADS_BIND``; one core
+each for two servers on a 2-core machine) and runs each round on all servers at the same time.
 
     python -m benchmarks.prefix_repetition --workload 3000:400 --workload 2000:2000 --num-prompts 16 \
         --out docs/results/2026-11-27-prefix-caching/prefix_repetition.json
@@ -184,31 +184,49 @@ def by_server(runs: Iterable[Run]) -> list[Run]:
 
 
 def ratio_summary(runs: list[Run], workload: str) -> str:
-    """Median and range over rounds of the eviction server's output tok/s and duration against vanilla's."""
+    """Median and range over rounds of each other server's output tok/s and duration against vanilla's in
+    the same round (a line per server)."""
     rounds = sorted({run.round for run in runs if run.workload == workload})
-    throughput, seconds = [], []
-    for index in rounds:
-        vanilla, evicting = by_server(run for run in runs if run.workload == workload and run.round == index)
-        throughput.append(evicting.output_tok_s / vanilla.output_tok_s)
-        seconds.append(f"{vanilla.duration_s:.1f}/{evicting.duration_s:.1f}")
-    return (
-        f"workload {workload}: output tok/s ratio over {len(rounds)} rounds: median "
-        f"{statistics.median(throughput):.2f}x, min {min(throughput):.2f}x, max {max(throughput):.2f}x "
-        f"(per round {', '.join(f'{x:.2f}' for x in throughput)}; vanilla/eviction s {', '.join(seconds)})"
-    )
+    others = list(dict.fromkeys(run.server for run in runs if run.server != "vanilla"))
+    lines = []
+    for other in others:
+        throughput, seconds = [], []
+        for index in rounds:
+            of_round = {run.server: run for run in runs if run.workload == workload and run.round == index}
+            vanilla, compared = of_round["vanilla"], of_round[other]
+            throughput.append(compared.output_tok_s / vanilla.output_tok_s)
+            seconds.append(f"{vanilla.duration_s:.1f}/{compared.duration_s:.1f}")
+        label, name = ("", "eviction") if len(others) == 1 else (f" ({other})", other)
+        lines.append(
+            f"workload {workload}{label}: output tok/s ratio over {len(rounds)} rounds: median "
+            f"{statistics.median(throughput):.2f}x, min {min(throughput):.2f}x, max {max(throughput):.2f}x "
+            f"(per round {', '.join(f'{x:.2f}' for x in throughput)}; vanilla/{name} s {', '.join(seconds)})"
+        )
+    return "\n".join(lines)
+
+
+#: the servers ``--servers`` names: vanilla at vLLM's defaults, a second one (twin), the eviction server
+SERVERS = ("vanilla", "twin", "eviction")
+
+
+def rotated(live: list, index: int) -> list:
+    """The order the servers serve round ``index`` in: each round starts one server later (two servers:
+    vanilla first in even rounds, the other first in odd ones)."""
+    shift = index % len(live)
+    return live[shift:] + live[:shift]
 
 
 #: vLLM's CPU worker binds its OpenMP threads to these CPUs ("0-3", "1", "0,2")
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-def cpu_halves() -> list[str]:
-    """Two disjoint halves of this process's CPUs as ``VLLM_CPU_OMP_THREADS_BIND`` values."""
+def cpu_shares(count: int) -> list[str]:
+    """``count`` disjoint equal shares of this process's CPUs as ``VLLM_CPU_OMP_THREADS_BIND`` values."""
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise SystemExit("--pinned needs at least 2 CPUs")
-    half = len(cpus) // 2
-    return [",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half : 2 * half]))]
+    if len(cpus) < count:
+        raise SystemExit(f"--pinned needs at least {count} CPUs for {count} servers; here: {len(cpus)}")
+    share = len(cpus) // count
+    return [",".join(map(str, cpus[i * share : (i + 1) * share])) for i in range(count)]
 
 
 def together(
@@ -238,31 +256,34 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="--num-gpu-blocks-override of both")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on both (default: compiled)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=1, help="> 1: both servers at once, alternating")
-    parser.add_argument("--pinned", action="store_true", help="with --rounds: half the CPUs each, together")
-    parser.add_argument("--twin-vanilla", action="store_true", help="the second server is vanilla too")
+    parser.add_argument("--rounds", type=int, default=1, help="> 1: servers at once, taking turns")
+    parser.add_argument("--pinned", action="store_true", help="with --rounds: own CPUs each, together")
+    parser.add_argument("--servers", default="vanilla,eviction", help="vanilla first, then twin, eviction")
     parser.add_argument("--extra-body", default=None, help="JSON added to every request (e.g. vllm_xargs)")
     parser.add_argument("--out", type=Path, default=None, help="save every number as JSON here")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds} is not valid; it must be >= 1")
     if args.pinned and args.rounds < 2:
-        parser.error("--pinned runs both servers together in rounds: give --rounds >= 2")
+        parser.error("--pinned runs the servers together in rounds: give --rounds >= 2")
     workloads = [tuple(int(x) for x in w.split(":")) for w in (args.workload or ["3000:400"])]
     longest = max(prefix + suffix for prefix, suffix in workloads)
     common = ["--max-model-len", str(longest + args.output_len + 64)]
     if args.num_kv_blocks is not None:
         common += ["--num-gpu-blocks-override", str(args.num_kv_blocks)]
-    servers = [
-        ("vanilla", common),
-        (
+    kinds = args.servers.split(",")
+    if kinds[0] != "vanilla" or len(set(kinds)) != len(kinds) or not set(kinds) <= set(SERVERS):
+        parser.error(f"--servers {args.servers} is not valid: vanilla first, then twin and/or eviction")
+    choices = {
+        "vanilla": ("vanilla", common),
+        "twin": ("vanilla twin", common),
+        "eviction": (
             f"{args.method} @ {args.budget}",
             [*common, "--kv-eviction", args.method, "--kv-budget", args.budget],
         ),
-    ]
-    if args.twin_vanilla:
-        servers[1] = ("vanilla twin", common)
-    binds = cpu_halves() if args.pinned else [None, None]
+    }
+    servers = [choices[kind] for kind in kinds]
+    binds = cpu_shares(len(servers)) if args.pinned else [None] * len(servers)
     model_dir = prepared_model_dir()
 
     def started(label: str, extra: list[str], bind: str | None = None) -> VLLMServer:
@@ -294,7 +315,7 @@ def main() -> int:
                     if args.pinned:
                         runs += together(live, prefix, suffix, args, index)
                         continue
-                    for label, server in live if index % 2 == 0 else live[::-1]:
+                    for label, server in rotated(live, index):
                         run = bench_workload(server, label, prefix, suffix, args, index)
                         runs.append(run)
                         print(f"[prefix-repetition] {run}", file=sys.stderr, flush=True)

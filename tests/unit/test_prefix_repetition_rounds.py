@@ -37,7 +37,7 @@ def test_each_round_is_compared_with_its_own_vanilla_run(monkeypatch):
 
 
 def test_pinned_servers_get_disjoint_cpu_halves_and_serve_a_round_together(monkeypatch):
-    """``--pinned``: each engine bound to its own half of the CPUs, and a round's two ``vllm bench serve``
+    """``--pinned``: each engine bound to its own share of the CPUs, and a round's two ``vllm bench serve``
     runs overlap (each waits at a barrier the other must reach: one after the other, they would time out)."""
     import threading
 
@@ -45,10 +45,11 @@ def test_pinned_servers_get_disjoint_cpu_halves_and_serve_a_round_together(monke
     import benchmarks.prefix_repetition as bench
 
     monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 5})
-    assert bench.cpu_halves() == ["0,1", "2,3"]
-    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0})
-    with pytest.raises(SystemExit, match="at least 2 CPUs"):
-        bench.cpu_halves()
+    assert bench.cpu_shares(2) == ["0,1", "2,3"]
+    assert bench.cpu_shares(3) == ["0", "1", "2"]
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(SystemExit, match="at least 3 CPUs for 3 servers"):
+        bench.cpu_shares(3)
 
     both_running = threading.Barrier(2, timeout=10)
 
@@ -59,3 +60,22 @@ def test_pinned_servers_get_disjoint_cpu_halves_and_serve_a_round_together(monke
     monkeypatch.setattr(bench, "bench_workload", fake_bench)
     runs = bench.together([("vanilla", object()), ("ada-snapkv @ 0.25", object())], 3000, 400, None, 4)
     assert [(r.server, r.round) for r in runs] == [("vanilla", 4), ("ada-snapkv @ 0.25", 4)]
+
+
+def test_a_twin_vanilla_server_gets_its_own_ratio_line_and_the_order_rotates(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.prefix_repetition import ratio_summary, rotated
+
+    assert rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    assert rotated(["vanilla", "eviction"], 1) == ["eviction", "vanilla"]
+    evicting = "ada-snapkv @ 0.25"
+    runs = [
+        run("vanilla", 0, 16.0, 50.0), run("vanilla twin", 0, 16.0, 45.0), run(evicting, 0, 20.0, 40.0),
+        run(evicting, 1, 20.0, 60.0), run("vanilla", 1, 16.0, 50.0), run("vanilla twin", 1, 16.0, 55.0),
+    ]
+    twin, evicted = ratio_summary(runs, "3000:400").splitlines()
+    assert twin.startswith("workload 3000:400 (vanilla twin): output tok/s ratio over 2 rounds: median 1.00x")
+    assert "per round 0.90, 1.10" in twin
+    assert evicted.startswith(f"workload 3000:400 ({evicting}): output tok/s ratio over 2 rounds: median 1")
+    assert "per round 0.80, 1.20" in evicted
