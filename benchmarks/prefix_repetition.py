@@ -186,14 +186,16 @@ def by_server(runs: Iterable[Run]) -> list[Run]:
 def ratio_summary(runs: list[Run], workload: str) -> str:
     """Median and range over rounds of each other server's output tok/s and duration against vanilla's in
     the same round (a line per server)."""
-    rounds = sorted({run.round for run in runs if run.workload == workload})
+    rounds: dict[int, dict[str, Run]] = {}
+    for run in runs:
+        if run.workload == workload:
+            rounds.setdefault(run.round, {})[run.server] = run
     others = list(dict.fromkeys(run.server for run in runs if run.server != "vanilla"))
     lines = []
     for other in others:
         throughput, seconds = [], []
-        for index in rounds:
-            of_round = {run.server: run for run in runs if run.workload == workload and run.round == index}
-            vanilla, compared = of_round["vanilla"], of_round[other]
+        for index in sorted(rounds):
+            vanilla, compared = rounds[index]["vanilla"], rounds[index][other]
             throughput.append(compared.output_tok_s / vanilla.output_tok_s)
             seconds.append(f"{vanilla.duration_s:.1f}/{compared.duration_s:.1f}")
         label, name = ("", "eviction") if len(others) == 1 else (f" ({other})", other)
@@ -203,10 +205,6 @@ def ratio_summary(runs: list[Run], workload: str) -> str:
             f"(per round {', '.join(f'{x:.2f}' for x in throughput)}; vanilla/{name} s {', '.join(seconds)})"
         )
     return "\n".join(lines)
-
-
-#: the servers ``--servers`` names: vanilla at vLLM's defaults, a second one (twin), the eviction server
-SERVERS = ("vanilla", "twin", "eviction")
 
 
 def rotated(live: list, index: int) -> list:
@@ -271,10 +269,7 @@ def main() -> int:
     common = ["--max-model-len", str(longest + args.output_len + 64)]
     if args.num_kv_blocks is not None:
         common += ["--num-gpu-blocks-override", str(args.num_kv_blocks)]
-    kinds = args.servers.split(",")
-    if kinds[0] != "vanilla" or len(set(kinds)) != len(kinds) or not set(kinds) <= set(SERVERS):
-        parser.error(f"--servers {args.servers} is not valid: vanilla first, then twin and/or eviction")
-    choices = {
+    choices = {  # what --servers names: vanilla at vLLM's defaults, a second one (twin), the eviction server
         "vanilla": ("vanilla", common),
         "twin": ("vanilla twin", common),
         "eviction": (
@@ -282,6 +277,9 @@ def main() -> int:
             [*common, "--kv-eviction", args.method, "--kv-budget", args.budget],
         ),
     }
+    kinds = args.servers.split(",")
+    if kinds[0] != "vanilla" or len(set(kinds)) != len(kinds) or not set(kinds) <= set(choices):
+        parser.error(f"--servers {args.servers} is not valid: vanilla first, then twin and/or eviction")
     servers = [choices[kind] for kind in kinds]
     binds = cpu_shares(len(servers)) if args.pinned else [None] * len(servers)
     model_dir = prepared_model_dir()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from vllm import _custom_ops as ops
 
-from vllm_kvevict.vllm_adapter.cpu_tiles import SubblockTiles
+from vllm_kvevict.vllm_adapter.cpu_tiles import SubblockTiles, separable_offsets
 
 #: values written per probe digit (1..DIGIT: integers every float dtype of a cache holds exactly)
 DIGIT = 64
@@ -79,15 +79,6 @@ def packed_offsets(isa: str, dtype: torch.dtype, block_size: int, head_size: int
     return offsets.view(2, block_size, head_size)
 
 
-def separable_offsets(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(row_starts [bs], dim_steps [D]) with offsets [bs, D] = row_starts[:, None] + dim_steps, or None when
-    the offsets of one part (``packed_offsets``) are not of that form."""
-    row_starts, dim_steps = offsets[:, 0], offsets[0] - offsets[0, 0]
-    if not torch.equal(offsets, row_starts[:, None] + dim_steps):
-        return None
-    return row_starts.contiguous(), dim_steps.contiguous()
-
-
 @dataclass(frozen=True)
 class PackedPart:
     """Where the elements of one part (keys or values) lie in a (block, head) region: offsets [bs, D]; when
@@ -145,9 +136,10 @@ class PackedRows:
         heads, length = slots.shape
         if self.tiles is not None:
             rows = self.tiles.read(self.flat, self.region, runs.reshape(-1), self.head_size)
-            return rows.view(heads, -1, self.head_size)[:, :length].reshape(heads * length, self.head_size)
-        elements = (runs.reshape(-1) * self.region)[:, None] + self.offsets.view(1, -1)
-        rows = self.flat.index_select(0, elements.view(-1)).view(heads, -1, self.head_size)
+        else:
+            elements = (runs.reshape(-1) * self.region)[:, None] + self.offsets.view(1, -1)
+            rows = self.flat.index_select(0, elements.view(-1))
+        rows = rows.view(heads, -1, self.head_size)
         return rows[:, :length].reshape(heads * length, self.head_size)
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> str:
