@@ -202,7 +202,8 @@ class EvictionWorker:
         if setting is not None and setting.keeps_context:  # prompt_len: a creator's context already
             plan = context_plan(setting.plan_for, prompt_len, shared, self.block_size, self.num_layers)
             return plan, setting
-        return private_plan(setting.plan_for if setting else self.plan_for, prompt_len, shared), setting
+        plan_for = setting.plan_for if setting else self.plan_for
+        return private_plan(plan_for, prompt_len, shared, self.settings.server.min_freed_share), setting
 
     def layer_table(self, req_id: str, layer_idx: int) -> SubBlockTable:
         """A compacted request's table for ``layer_idx`` as the reference model (inspection and tests)."""

@@ -172,7 +172,7 @@ class EvictingAttentionManager(FullAttentionManager):
         shared = self.shared_tokens.get(request_id, 0)
         if request_id in self.context_requests:
             return context_plan(planner, num_prompt_tokens, shared, self.block_size, self.num_layers)
-        return private_plan(planner, num_prompt_tokens, shared)
+        return private_plan(planner, num_prompt_tokens, shared, self.settings.server.min_freed_share)
 
     def kept_context_hit(self, request: Any) -> tuple[list[Any], int] | None:
         """(blocks, computed tokens) a kv_context request starts from — ``[null] × (C/bs - m)`` and an entry's

@@ -207,6 +207,34 @@ def test_shared_prefix_stays_and_the_private_part_frees_a_middle_range():
     manager.free(owner.request_id)
 
 
+def test_a_sharer_whose_part_would_free_too_little_keeps_it_and_frees_nothing():
+    """``min_freed_share``: the scheduler plans the private part kept whole when compacting it frees less than
+    that share of the whole prompt, so it frees no block and holds its prompt as vanilla would."""
+    config = EvictionConfig(method="snapkv", budget=0.25, prefill="whole", min_freed_share=0.5)
+    manager, pool = make_manager(config=config)
+    prompt, shared = 4000, 2048
+    c = shared // BLOCK_SIZE
+    owner = _request(prompt, tag="owner")
+    manager.admit_request(owner.request_id, owner.sampling_params, 0)
+    manager.allocate_new_blocks(owner.request_id, shared, shared)
+    prefix = list(manager.req_to_blocks[owner.request_id][:c])
+    sharer = _request(prompt, tag="sharer")
+    manager.admit_request(sharer.request_id, sharer.sampling_params, shared)
+    pool.touch(prefix)
+    manager.req_to_blocks[sharer.request_id].extend(prefix)
+    manager.allocate_new_blocks(sharer.request_id, prompt, prompt)
+    free_after_prompt = pool.get_num_free_blocks()
+
+    compacting = manager.plan_for(prompt - shared)
+    assert compacting.compacts and compacting.blocks_to_free * BLOCK_SIZE < 0.5 * prompt
+    assert not manager.request_plan(sharer.request_id, prompt).compacts
+    manager.remove_skipped_blocks(sharer.request_id, prompt, prompt)
+    assert pool.get_num_free_blocks() == free_after_prompt
+    assert not any(b.is_null for b in manager.req_to_blocks[sharer.request_id])
+    manager.free(sharer.request_id)
+    manager.free(owner.request_id)
+
+
 def test_with_a_quantised_cache_compacting_requests_skip_the_prefix_cache():
     """A quantised cache cannot be read back, so a request that compacts must be computed in one step: it
     does not start from cached blocks; one kept whole still does."""

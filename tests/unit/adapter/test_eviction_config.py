@@ -126,6 +126,7 @@ def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
         "between_scorer": "keydiff",
         "question_echo": 32,
         "echo_between_chunks": False,
+        "min_freed_share": 0.2,
     }
     assert engine_args.enable_prefix_caching is True  # evicting requests skip it themselves
     assert engine_args.enable_chunked_prefill is True  # prompts are evicted once, after their last chunk

@@ -105,7 +105,9 @@ class SimulatedEngine:
                 self.spares.pop(req_id, None)
             if self.worker.spare_columns and done + scheduled == prompt_len and req_id not in self.spares:
                 shared = self.worker.shared_tokens.get(req_id, done)
-                self.spares[req_id] = spare_blocks(private_plan(self.worker.plan_for, prompt_len, shared))
+                share = self.worker.settings.server.min_freed_share
+                plan = private_plan(self.worker.plan_for, prompt_len, shared, share)
+                self.spares[req_id] = spare_blocks(plan)
             row = self.rows[req_id]
             while len(row) < cdiv(done + scheduled, BS) + self.spares.get(req_id, 0):
                 row.append(self.next_block)

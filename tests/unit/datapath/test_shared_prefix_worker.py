@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from simulated_engine import BS, HEADS, LAYERS, SimulatedEngine, SimulatedRows, part_view
+from simulated_engine import BS, HEADS, LAYERS, SimulatedEngine, SimulatedRows, part_view, read_rows
 
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.shared_prefix import publishable_tokens, spare_blocks
@@ -16,10 +16,10 @@ from vllm_kvevict.settings.config import EvictionConfig
 PROMPT = 400
 
 
-def whole_config(method: str, budget: int | float = 0.25) -> EvictionConfig:
-    return EvictionConfig.from_dict(
-        {"method": method, "budget": budget, "prefill": "whole", "decode": {"method": "none"}}
-    )
+def whole_config(method: str, budget: int | float = 0.25, min_freed_share: float = 0.0) -> EvictionConfig:
+    """The tests below compact every private part (``min_freed_share`` 0) unless they say otherwise."""
+    raw = {"method": method, "budget": budget, "prefill": "whole", "decode": {"method": "none"}}
+    return EvictionConfig.from_dict({**raw, "min_freed_share": min_freed_share})
 
 
 @pytest.mark.parametrize(
@@ -67,6 +67,28 @@ def test_a_request_on_a_shared_prefix_keeps_it_whole_and_evicts_only_its_own_par
             assert head[:shared] == list(range(shared))
             assert head[-(BS + 2) :] == list(range(PROMPT, PROMPT + BS + 2))
         assert not engine.blocks_read("sharer", layer) & freed
+
+
+def test_a_sharer_whose_part_would_free_too_little_keeps_everything_in_the_standard_layout():
+    """Under ``min_freed_share`` the worker plans the sharer's part kept whole, as the scheduler does: nothing
+    is scored or moved, and every head reads the whole prompt and its new tokens."""
+    engine = SimulatedEngine(whole_config("ada-snapkv", min_freed_share=1.0))
+    worker = engine.worker
+    engine.step([("owner", PROMPT, 0, PROMPT, None)])
+    shared_blocks = publishable_tokens(worker.plan_for(PROMPT), 0) // BS
+    shared = shared_blocks * BS
+    engine.share_prefix("sharer", "owner", shared_blocks)
+    assert worker.plan_for(PROMPT - shared).compacts  # it would compact without the share
+    engine.step([("sharer", PROMPT, shared, PROMPT - shared, None)])
+    for t in range(2):
+        engine.step([("sharer", PROMPT, PROMPT + t, 1, None)])
+    assert "sharer" not in worker.requests and "owner" in worker.requests
+    rows = engine.rows["sharer"]
+    for layer in range(LAYERS):
+        keys = part_view(engine.caches[layer], 0)
+        for head in range(HEADS):  # sub-block b·H + h of block b: vLLM's own layout
+            slots = torch.tensor([(rows[p // BS] * HEADS + head) * BS + p % BS for p in range(PROMPT + 2)])
+            assert read_rows(keys, slots)[:, 0].long().tolist() == list(range(PROMPT + 2))
 
 
 @pytest.mark.parametrize(("method", "reads_values"), [("ada-snapkv", False), ("critical-ada-snapkv", True)])
