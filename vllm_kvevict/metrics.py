@@ -50,7 +50,9 @@ class EvictionMetrics:
             ["method"], registry=registry,
         )
         self.requests_skipped = Counter(
-            PREFIX + "requests_skipped", "Requests left untouched because their prompt fits the budget.",
+            PREFIX + "requests_skipped",
+            "Requests left untouched: their prompt (or their part after a shared prefix) fits the budget, or "
+            "compacting that part would free less than min_freed_share of the prompt.",
             ["method"], registry=registry,
         )
         self.tokens_kept = Counter(
@@ -300,7 +302,8 @@ def record_decode_config(method: str) -> None:
 
 
 def record_request_skipped(method: str) -> None:
-    """One request not compacted because its prompt already fits the budget."""
+    """One request not compacted: its prompt fits the budget, or its part after a shared prefix would free
+    less than ``min_freed_share`` of it."""
     process_metrics().record_request_skipped(method)
 
 
