@@ -166,6 +166,20 @@ def test_only_requests_that_rewrite_their_blocks_over_time_skip_the_prefix_cache
     assert capped.skips_prefix_cache(_request(200))  # kept whole at prefill, but rewritten while generating
 
 
+def _sharer_on_prefix(manager, pool, prompt: int, shared: int):
+    """(owner, sharer, prefix blocks): the owner computed the first ``shared`` tokens itself and stays their
+    other holder; the sharer was admitted having found them in the prefix cache and holds the same blocks."""
+    owner = _request(prompt, tag="owner")
+    manager.admit_request(owner.request_id, owner.sampling_params, 0)
+    manager.allocate_new_blocks(owner.request_id, shared, shared)
+    prefix = list(manager.req_to_blocks[owner.request_id][: shared // BLOCK_SIZE])
+    sharer = _request(prompt, tag="sharer")
+    manager.admit_request(sharer.request_id, sharer.sampling_params, shared)
+    pool.touch(prefix)  # what vLLM does to a hit: one more holder
+    manager.req_to_blocks[sharer.request_id].extend(prefix)
+    return owner, sharer, prefix
+
+
 def test_shared_prefix_stays_and_the_private_part_frees_a_middle_range():
     """A request that found 2048 prompt tokens in the prefix cache owns only the rest: the scheduler plans it
     as a 1952-token prompt and frees blocks [64, 64 + s') once the prompt is processed; the shared blocks are
@@ -173,15 +187,7 @@ def test_shared_prefix_stays_and_the_private_part_frees_a_middle_range():
     manager, pool = make_manager(budget=0.25, prefill="whole")
     prompt, shared = 4000, 2048
     c = shared // BLOCK_SIZE
-    owner = _request(prompt, tag="owner")  # computed the prefix itself, kept as the other holder
-    manager.admit_request(owner.request_id, owner.sampling_params, 0)
-    manager.allocate_new_blocks(owner.request_id, shared, shared)
-    prefix = list(manager.req_to_blocks[owner.request_id][:c])
-
-    sharer = _request(prompt, tag="sharer")
-    manager.admit_request(sharer.request_id, sharer.sampling_params, shared)
-    pool.touch(prefix)  # what vLLM does to a hit: one more holder
-    manager.req_to_blocks[sharer.request_id].extend(prefix)
+    owner, sharer, prefix = _sharer_on_prefix(manager, pool, prompt, shared)
     free_before = pool.get_num_free_blocks()
     manager.allocate_new_blocks(sharer.request_id, prompt, prompt)
     own = cdiv(prompt, BLOCK_SIZE) - c
@@ -213,15 +219,7 @@ def test_a_sharer_whose_part_would_free_too_little_keeps_it_and_frees_nothing():
     config = EvictionConfig(method="snapkv", budget=0.25, prefill="whole", min_freed_share=0.5)
     manager, pool = make_manager(config=config)
     prompt, shared = 4000, 2048
-    c = shared // BLOCK_SIZE
-    owner = _request(prompt, tag="owner")
-    manager.admit_request(owner.request_id, owner.sampling_params, 0)
-    manager.allocate_new_blocks(owner.request_id, shared, shared)
-    prefix = list(manager.req_to_blocks[owner.request_id][:c])
-    sharer = _request(prompt, tag="sharer")
-    manager.admit_request(sharer.request_id, sharer.sampling_params, shared)
-    pool.touch(prefix)
-    manager.req_to_blocks[sharer.request_id].extend(prefix)
+    owner, sharer, _ = _sharer_on_prefix(manager, pool, prompt, shared)
     manager.allocate_new_blocks(sharer.request_id, prompt, prompt)
     free_after_prompt = pool.get_num_free_blocks()
 
