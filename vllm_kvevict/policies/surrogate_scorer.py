@@ -1,0 +1,165 @@
+"""A learned, question-agnostic scorer of KV entries (KVzap-style surrogate of KVzip's scores).
+
+KVzap (arXiv 2601.07891) fits one small model per layer that predicts KVzip's reconstruction scores from the
+layer's hidden states. The served datapath does not hold hidden states for entries written in earlier steps,
+only their keys and values in the cache, so this surrogate reads what the cache holds: each token's values and
+the rotation-invariant part of its post-RoPE keys (the length of every RoPE coordinate pair, unchanged by the
+rotation, so a token's features do not depend on its position). A token's score is then a function of its own
+cache row only: the same whether it arrived alone, in a chunk or in the whole prompt, and computable again
+from the cache at any later eviction (per chunk, at decode, for a kept context).
+
+A scorer is a directory: ``scorer.json`` (what it was fitted for and how) and ``weights.safetensors`` (per
+layer ``layers.{i}.mean``/``scale`` feature standardisation, ``w1``/``b1`` and, for an MLP, ``w2``/``b2``).
+``vllm-kvevict calibrate`` writes it. Pure torch: no vLLM or transformers import.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+SPEC_FILE = "scorer.json"
+WEIGHTS_FILE = "weights.safetensors"
+FORMAT_VERSION = 1
+KINDS = ("linear", "mlp")
+
+
+def kv_pair_norm_features(keys: torch.Tensor, values: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """[n, H * (D - rotary_dim / 2 + D)] float32 features of n tokens from keys/values [H, n, D].
+
+    Per head: the lengths of the key's RoPE pairs (NeoX rotate-half layout: coordinate i pairs with
+    i + rotary_dim / 2), the key's coordinates past ``rotary_dim`` as they are, then the value.
+    """
+    heads, n, dim = keys.shape
+    half = rotary_dim // 2
+    k = keys.float()
+    pair_norms = torch.sqrt(k[..., :half] ** 2 + k[..., half:rotary_dim] ** 2)
+    per_head = torch.cat([pair_norms, k[..., rotary_dim:], values.float()], dim=-1)  # [H, n, F/H]
+    return per_head.transpose(0, 1).reshape(n, -1)
+
+
+FEATURE_SETS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
+    "kv-pair-norms": kv_pair_norm_features,
+}
+
+
+@dataclass(frozen=True)
+class ScorerSpec:
+    """What a scorer was fitted for (the served model must match) and how it computes."""
+
+    model_name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    kind: str  # "linear" or "mlp"
+    features: str = "kv-pair-norms"
+    hidden_dim: int | None = None  # the MLP's width; None for a linear scorer
+    target: str = "log KVzip+ score"
+    fit: dict = field(default_factory=dict)  # held-out metrics and how they were measured
+    format: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"scorer kind {self.kind!r} is not valid; valid: {', '.join(KINDS)}")
+        if self.features not in FEATURE_SETS:
+            raise ValueError(
+                f"scorer features {self.features!r} are not known; valid: {', '.join(FEATURE_SETS)}"
+            )
+        if (self.kind == "mlp") != (self.hidden_dim is not None):
+            raise ValueError(f"hidden_dim={self.hidden_dim} must be set exactly when kind is 'mlp'")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(
+                f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"
+            )
+        if self.format != FORMAT_VERSION:
+            raise ValueError(
+                f"scorer format {self.format} is not readable; this version reads {FORMAT_VERSION}"
+            )
+
+    @property
+    def input_dim(self) -> int:
+        return self.num_kv_heads * (self.rotary_dim // 2 + (self.head_dim - self.rotary_dim) + self.head_dim)
+
+
+class SurrogateScorer:
+    """Per-layer scores [H, n] of KV entries from their cache rows.
+
+    ``layers[i]`` holds layer i's tensors: ``mean``/``scale`` [F], ``w1`` [F, M], ``b1`` [M] and, for an
+    MLP, ``w2`` [M, H], ``b2`` [H] (a linear scorer has M = H and no second layer).
+    """
+
+    def __init__(self, spec: ScorerSpec, layers: list[dict[str, torch.Tensor]]) -> None:
+        if len(layers) != spec.num_layers:
+            raise ValueError(f"scorer has {len(layers)} layers of weights, its spec says {spec.num_layers}")
+        out = spec.hidden_dim if spec.kind == "mlp" else spec.num_kv_heads
+        for i, layer in enumerate(layers):
+            if tuple(layer["w1"].shape) != (spec.input_dim, out):
+                raise ValueError(
+                    f"layer {i} w1 is {tuple(layer['w1'].shape)}, expected {(spec.input_dim, out)} for {spec}"
+                )
+        self.spec = spec
+        self.layers = [{k: v.float() for k, v in layer.items()} for layer in layers]
+        self._featurize = FEATURE_SETS[spec.features]
+
+    def mismatch(self, num_layers: int, num_kv_heads: int, head_dim: int) -> str | None:
+        """Why this scorer cannot score the given model's cache, or None when it can."""
+        wanted = (num_layers, num_kv_heads, head_dim)
+        have = (self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+        if wanted != have:
+            return (
+                f"the scorer was fitted for {self.spec.model_name} (layers, KV heads, head dim = {have}); "
+                f"the served model has {wanted}"
+            )
+        return None
+
+    def layer_scores(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """[H, n] float32 predicted log-scores of the entries keys/values [H, n, D] of layer ``layer_idx``."""
+        weights = self.layers[layer_idx]
+        x = self._featurize(keys, values, self.spec.rotary_dim).to(weights["w1"].device)
+        x = (x - weights["mean"]) / weights["scale"]
+        y = x @ weights["w1"] + weights["b1"]
+        if self.spec.kind == "mlp":
+            y = torch.nn.functional.gelu(y) @ weights["w2"] + weights["b2"]
+        return y.transpose(0, 1).contiguous()
+
+    def to(self, device: torch.device | str) -> SurrogateScorer:
+        """This scorer with its weights on ``device``."""
+        return SurrogateScorer(
+            self.spec, [{k: v.to(device) for k, v in layer.items()} for layer in self.layers]
+        )
+
+    def save(self, directory: Path | str) -> None:
+        """Write ``scorer.json`` and ``weights.safetensors`` into ``directory`` (created if missing)."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            f"layers.{i}.{k}": v.contiguous() for i, layer in enumerate(self.layers) for k, v in layer.items()
+        }
+        save_file(tensors, str(out / WEIGHTS_FILE))
+        (out / SPEC_FILE).write_text(json.dumps(asdict(self.spec), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path | str) -> SurrogateScorer:
+        """The scorer saved in ``directory``; ValueError naming the directory when it is not one."""
+        from safetensors.torch import load_file
+
+        path = Path(directory)
+        if not (path / SPEC_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+            raise ValueError(
+                f"{path} is not a scorer directory (needs {SPEC_FILE} and {WEIGHTS_FILE}); "
+                "write one with `vllm-kvevict calibrate MODEL --out DIR`"
+            )
+        spec = ScorerSpec(**json.loads((path / SPEC_FILE).read_text()))
+        tensors = load_file(str(path / WEIGHTS_FILE))
+        layers: list[dict[str, torch.Tensor]] = [{} for _ in range(spec.num_layers)]
+        for name, tensor in tensors.items():
+            _, index, key = name.split(".", 2)
+            layers[int(index)][key] = tensor
+        return cls(spec, layers)
