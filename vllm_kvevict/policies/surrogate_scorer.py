@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +27,33 @@ SPEC_FILE = "scorer.json"
 WEIGHTS_FILE = "weights.safetensors"
 FORMAT_VERSION = 1
 KINDS = ("linear", "mlp")
+#: Scorers that ship with the package, one directory each (``scorer.json`` + ``weights.safetensors``).
+PACKAGED_SCORERS = Path(__file__).resolve().parent.parent / "scorers"
+#: The HF config fields a scorer must agree with: the same shapes are not enough (a random-weight model of
+#: the bundled model's config has them too), so the vocabulary and architecture are compared as well.
+FINGERPRINT_FIELDS = (
+    "architecture",
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_size",
+    "vocab_size",
+)
+
+
+def model_fingerprint(hf_config: Any) -> dict[str, object]:
+    """The fields of an HF config (``transformers.PretrainedConfig`` or alike) that a scorer must match."""
+    architectures = getattr(hf_config, "architectures", None) or [""]
+    heads = hf_config.num_attention_heads
+    hidden = hf_config.hidden_size
+    return {
+        "architecture": architectures[0],
+        "num_hidden_layers": hf_config.num_hidden_layers,
+        "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(hf_config, "head_dim", None) or hidden // heads,
+        "hidden_size": hidden,
+        "vocab_size": hf_config.vocab_size,
+    }
 
 
 def kv_pair_norm_features(keys: torch.Tensor, values: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -52,6 +80,7 @@ class ScorerSpec:
     """What a scorer was fitted for (the served model must match) and how it computes."""
 
     model_name: str
+    fingerprint: dict  # model_fingerprint() of the model it was fitted on
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -76,6 +105,9 @@ class ScorerSpec:
             raise ValueError(
                 f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]"
             )
+        missing = [f for f in FINGERPRINT_FIELDS if f not in self.fingerprint]
+        if missing:
+            raise ValueError(f"scorer fingerprint lacks {', '.join(missing)}")
         if self.format != FORMAT_VERSION:
             raise ValueError(
                 f"scorer format {self.format} is not readable; this version reads {FORMAT_VERSION}"
@@ -106,15 +138,13 @@ class SurrogateScorer:
         self.layers = [{k: v.float() for k, v in layer.items()} for layer in layers]
         self._featurize = FEATURE_SETS[spec.features]
 
-    def mismatch(self, num_layers: int, num_kv_heads: int, head_dim: int) -> str | None:
-        """Why this scorer cannot score the given model's cache, or None when it can."""
-        wanted = (num_layers, num_kv_heads, head_dim)
-        have = (self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
-        if wanted != have:
-            return (
-                f"the scorer was fitted for {self.spec.model_name} (layers, KV heads, head dim = {have}); "
-                f"the served model has {wanted}"
-            )
+    def mismatch(self, fingerprint: dict[str, object]) -> str | None:
+        """Why this scorer cannot score the model of ``fingerprint`` (``model_fingerprint``), or None."""
+        differing = [f for f in FINGERPRINT_FIELDS if self.spec.fingerprint.get(f) != fingerprint.get(f)]
+        if differing:
+            have = ", ".join(f"{f}={self.spec.fingerprint.get(f)}" for f in differing)
+            want = ", ".join(f"{f}={fingerprint.get(f)}" for f in differing)
+            return f"the scorer was fitted for {self.spec.model_name} ({have}); the served model has {want}"
         return None
 
     def layer_scores(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -163,3 +193,19 @@ class SurrogateScorer:
             _, index, key = name.split(".", 2)
             layers[int(index)][key] = tensor
         return cls(spec, layers)
+
+
+def find_packaged_scorer(fingerprint: dict[str, object], kind: str | None = None) -> Path | None:
+    """The directory of a packaged scorer fitted on the model of ``fingerprint`` (of ``kind`` when given;
+    an MLP before a linear one otherwise), or None."""
+    if not PACKAGED_SCORERS.is_dir():
+        return None
+    found = []
+    for directory in sorted(PACKAGED_SCORERS.iterdir()):
+        if not (directory / SPEC_FILE).is_file():
+            continue
+        spec = json.loads((directory / SPEC_FILE).read_text())
+        same = all(spec.get("fingerprint", {}).get(f) == fingerprint.get(f) for f in FINGERPRINT_FIELDS)
+        if same and kind in (None, spec.get("kind")):
+            found.append((spec.get("kind") != "mlp", directory))
+    return min(found)[1] if found else None

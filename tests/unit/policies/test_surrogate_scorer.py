@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from vllm_kvevict.policies.surrogate_scorer import ScorerSpec, SurrogateScorer, kv_pair_norm_features
+from vllm_kvevict.policies.surrogate_scorer import (
+    ScorerSpec,
+    SurrogateScorer,
+    kv_pair_norm_features,
+    model_fingerprint,
+)
 
 
 def _rotate(keys: torch.Tensor, angle: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -16,6 +21,16 @@ def _rotate(keys: torch.Tensor, angle: torch.Tensor, rotary_dim: int) -> torch.T
     x, y = keys[..., :half], keys[..., half:rotary_dim]
     cos, sin = angle.cos(), angle.sin()
     return torch.cat([x * cos - y * sin, y * cos + x * sin, keys[..., rotary_dim:]], dim=-1)
+
+
+_FINGERPRINT = {
+    "architecture": "LlamaForCausalLM",
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "hidden_size": 32,
+    "vocab_size": 100,
+}
 
 
 def _spec(kind: str, rotary_dim: int = 8) -> ScorerSpec:
@@ -113,8 +128,26 @@ def test_load_names_the_directory_and_calibrate(tmp_path) -> None:
 
 def test_mismatch_names_both_shapes() -> None:
     scorer = _random_scorer("linear")
-    assert scorer.mismatch(2, 2, 8) is None
-    assert "(30, 3, 64)" in scorer.mismatch(30, 3, 64)
+    assert scorer.mismatch(dict(_FINGERPRINT)) is None
+    other = _FINGERPRINT | {"vocab_size": 49152, "num_hidden_layers": 30}
+    assert scorer.mismatch(other) == (
+        "the scorer was fitted for tiny (num_hidden_layers=2, vocab_size=100); "
+        "the served model has num_hidden_layers=30, vocab_size=49152"
+    )
+
+
+def test_fingerprint_reads_an_hf_config() -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        architectures=["LlamaForCausalLM"],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        vocab_size=100,
+    )
+    assert model_fingerprint(config) == _FINGERPRINT
 
 
 @pytest.mark.parametrize(
@@ -128,6 +161,7 @@ def test_mismatch_names_both_shapes() -> None:
 )
 def test_bad_specs_are_refused_naming_the_value(changes: dict, message: str) -> None:
     fields = {
+        "fingerprint": _FINGERPRINT,
         "model_name": "m",
         "num_layers": 1,
         "num_kv_heads": 1,
