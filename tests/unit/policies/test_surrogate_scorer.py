@@ -36,6 +36,7 @@ _FINGERPRINT = {
 def _spec(kind: str, rotary_dim: int = 8) -> ScorerSpec:
     return ScorerSpec(
         model_name="tiny",
+        fingerprint=_FINGERPRINT,
         num_layers=2,
         num_kv_heads=2,
         head_dim=8,
