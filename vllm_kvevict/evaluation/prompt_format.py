@@ -1,8 +1,9 @@
 """The served model's prompt format: its chat template and tokenizer turn a task's parts into exact prompts.
 
-Prompts are sent as text to the completions endpoint, rendered here with the model's own chat template and
-followed by the task's answer prefix (as RULER does), so the token count measured here is the one the server
-sees (``usage.prompt_tokens``; the end-to-end test checks that they agree).
+Prompts are sent as text to the completions endpoint, rendered here with the model's own chat template (or,
+for the plain-completion layout, without one) and followed by the task's answer prefix (as RULER does), so
+the token count measured here is the one the server sees (``usage.prompt_tokens``; the end-to-end test
+checks that they agree).
 """
 
 from __future__ import annotations
@@ -57,16 +58,24 @@ class PromptFormat:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
 
     def render_text(self, parts: TaskParts) -> tuple[str, int]:
-        """The prompt text of ``parts`` and the character offset where its context ends (the user turn's
-        end when the question comes first)."""
-        if parts.question_first:
+        """The prompt text of ``parts`` and the character offset where its context ends."""
+        if parts.layout == "completion_question_first":
+            head = f"{parts.instruction}\n\nQuestion: {parts.question}\n\nContext:\n{parts.context}"
+            return f"{head}\n\nAnswer:{parts.answer_prefix}", len(head)
+        if parts.layout == "question_in_system":
+            messages = [
+                {"role": "system", "content": f"{parts.instruction}\n\n{parts.question}"},
+                {"role": "user", "content": parts.context},
+            ]
+            head = user = parts.context
+        elif parts.layout == "question_first":
             head = user = f"{parts.instruction}\n\n{parts.question}\n\n{parts.context}"
+            messages = [{"role": "user", "content": user}]
         else:
             head = f"{parts.instruction}\n\n{parts.context}"
             user = f"{head}\n\n{parts.question}"
-        chat = self._tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
-        )
+            messages = [{"role": "user", "content": user}]
+        chat = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         start = chat.rfind(user)
         if start < 0:
             raise ValueError("the chat template altered the user message; cannot locate the context in it")

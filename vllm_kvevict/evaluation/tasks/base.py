@@ -6,6 +6,16 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 Metric = Literal["all", "part"]
+Layout = Literal["question_last", "question_first", "question_in_system", "completion_question_first"]
+"""Where the question sits: after the context in the user turn (``question_last``), before it in the user turn
+(``question_first``), in the system message with the context as the user turn (``question_in_system``), or
+before the context in a plain completion prompt with no chat template (``completion_question_first``)."""
+LAYOUTS: tuple[Layout, ...] = (
+    "question_last",
+    "question_first",
+    "question_in_system",
+    "completion_question_first",
+)
 """RULER's scorers: ``all`` = fraction of the reference answers found in the output (string_match_all),
 ``part`` = 1 if any reference answer is found (string_match_part)."""
 
@@ -21,9 +31,12 @@ class TaskParts:
     answers: tuple[str, ...]
     unique_in_context: tuple[str, ...] = ()
     """Strings that must occur exactly once in the context (needle keys and values); checked on generation."""
-    question_first: bool = False
-    """The instruction and question open the user turn and the context follows them (else the question
-    follows the context)."""
+    layout: Layout = "question_last"
+    """Where the instruction and question sit relative to the context (``Layout``)."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not valid; valid: {', '.join(LAYOUTS)}")
 
 
 class Task(Protocol):

@@ -10,9 +10,11 @@ the assistant turn starts empty, as in a plain chat request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import ClassVar
 
-from vllm_kvevict.evaluation.tasks.base import Metric, Task, TaskParts
+from vllm_kvevict.evaluation.tasks.base import Layout
+from vllm_kvevict.evaluation.tasks.placed_question import PlacedQuestion
 
 #: Said before the question, which comes before the text.
 INSTRUCTION = (
@@ -25,32 +27,10 @@ PREFIX = "qfirst_"
 
 
 @dataclass(frozen=True)
-class QuestionFirst:
-    """``inner``'s prompt with the question before the document (``TaskParts.question_first``)."""
+class QuestionFirst(PlacedQuestion):
+    """``inner``'s prompt with the question before the document in the user turn."""
 
-    inner: Task
-
-    @property
-    def name(self) -> str:
-        return f"{PREFIX}{self.inner.name}"
-
-    @property
-    def seed_name(self) -> str:
-        """The wrapped task's name: samples draw the same documents as the question-last task."""
-        return getattr(self.inner, "seed_name", self.inner.name)
-
-    @property
-    def description(self) -> str:
-        return f"{self.inner.description}; the question before the text"
-
-    @property
-    def metric(self) -> Metric:
-        return self.inner.metric
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.inner.max_new_tokens
-
-    def build(self, seed: int, units: int, target_tokens: int) -> TaskParts:
-        parts = self.inner.build(seed, units, target_tokens)
-        return replace(parts, instruction=INSTRUCTION, answer_prefix=ANSWER_PREFIX, question_first=True)
+    prefix: ClassVar[str] = PREFIX
+    layout: ClassVar[Layout] = "question_first"
+    instruction: ClassVar[str] = INSTRUCTION
+    placement: ClassVar[str] = "the question before the text"
