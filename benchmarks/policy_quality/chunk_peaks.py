@@ -4,8 +4,9 @@ A request prefilled in ``--chunk``-token chunks holds, while a chunk is computed
 after the previous evicting chunk plus the chunk's own (``RequestPlan.blocks_freed_at``: what the scheduler
 frees); the peak is the largest of those over the prompt's chunks, and after the last chunk the plan's
 whole-prompt budget. Vanilla (and whole-prompt eviction, evicted only once the prompt is complete) holds the
-whole prompt. The through-server peak of one 4k prompt (docs/benchmarks.md, 41 blocks at 512-token chunks
-and ``--kv-budget 512``) equals this count. Prints one markdown table of ratios to vanilla.
+whole prompt. The through-server peak of one 4k prompt (2026-11-24, 41 blocks at 512-token chunks and
+``--kv-budget 512``: docs/history/2026-11-24-benchmarks-per-chunk-eviction.md) equals this count. Prints
+one markdown table of ratios to vanilla.
 
     .venv/bin/python benchmarks/policy_quality/chunk_peaks.py --lengths 4096,7168 --trailing-windows 128,256
 """
