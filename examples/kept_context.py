@@ -20,9 +20,12 @@ from openai import BadRequestError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 DOCUMENT = "Stock list. " + " ".join(
-    f"Shelf {n} holds {n * 3 % 40} boxes of item {n * 11 % 89}." for n in range(60)
+    f"Shelf {n} holds {n * 3 % 40} boxes of item {n * 11 % 89}." for n in range(28)
 )
-QUESTIONS = ("\nHow many boxes are on shelf 12? Answer:", "\nWhich item is on shelf 30? Answer:")
+QUESTIONS = (
+    "\nQ: How many boxes are on shelf 12?\nA: Shelf 12 holds",
+    "\nQ: Which item is on shelf 20?\nA: Shelf 20 holds",
+)
 
 
 def post_json(url: str, payload: dict) -> dict:
@@ -76,7 +79,7 @@ def main() -> None:
         answer = client.completions.create(
             model=model, prompt=document + token_ids(question), max_tokens=8, temperature=0, extra_body=keep
         )
-        print(f"{question.strip()} {answer.choices[0].text.strip()!r}")
+        print(f"{' '.join(question.split())} {answer.choices[0].text!r}")
     after = kept_contexts(f"{root}/metrics")
     print(
         f"{len(document)}-token document, {args.method} at {args.budget}: contexts kept "
