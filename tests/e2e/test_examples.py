@@ -67,7 +67,7 @@ def test_per_request_settings_are_served_refused_and_counted_by_method(run):
     outputs, _ = run
     text = outputs["per_request_settings.py"]
     for label in ("server's setting", "snapkv at 10 %", "kept whole"):
-        assert re.search(rf"^{label}: '.+' \((\d+) prompt tokens\)$", text, re.M), text
+        assert re.search(rf"^{label}: (['\"]).+\1 \((\d+) prompt tokens\)$", text, re.M), text
     assert (
         "refused with HTTP 400: vllm_xargs.kv_budget='lots' is a string, not a number; valid: an integer >= 1"
         in text
@@ -88,7 +88,7 @@ def test_kept_context_is_refused_for_the_default_and_read_by_both_questions(run)
         "the server's method cannot keep a context, HTTP 400: vllm_xargs.kv_context='keep' with "
         "kv_eviction='ada-snapkv': a kept context needs a method that keeps the same count" in text
     )
-    assert len(re.findall(r"^Q: .+ A: Shelf \d+ holds '.+'$", text, re.M)) == 2, text
+    assert len(re.findall(r"^Q: .+ A: Shelf \d+ holds (['\"]).+\1$", text, re.M)) == 2, text
     found = re.search(r"(\d+)-token document, snapkv at 0.25: contexts kept (\d+), read (\d+)", text)
     assert found, text
     assert int(found.group(1)) > 256  # 25 % of it is more than the window of 32: a compacted context
