@@ -19,6 +19,7 @@ SLOWEST_FIRST = (
     "tests/e2e/test_prefix_caching_server.py",
     "tests/e2e/test_serve_command.py",
     "tests/e2e/test_eval_cli.py",
+    "tests/e2e/test_examples.py",  # one server, four example scripts
     "tests/e2e/test_criticalkv_server.py",
     "tests/e2e/test_model_matrix.py",  # ~35: two tiny models
     "tests/gpu_bundle/test_gpu_bundle.py",  # ~35: builds the GPU bundle once
