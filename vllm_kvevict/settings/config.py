@@ -24,7 +24,13 @@ from vllm_kvevict.policies.decode.registry import (
     decode_method_params,
 )
 from vllm_kvevict.policies.presets import Preset, load_preset, preset_file
-from vllm_kvevict.policies.registry import available_methods, build_policy, method_implies_decode_cap
+from vllm_kvevict.policies.registry import (
+    available_methods,
+    build_policy,
+    method_implies_decode_cap,
+    method_takes_echo,
+    methods_taking_echo,
+)
 
 #: key of the eviction settings inside vLLM's ``additional_config``.
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
@@ -56,6 +62,9 @@ _DECODE_KEYS = ("method", "budget", "interval", "params", "allocation")
 NO_DECODE = "none"
 #: how a layer's decode-time cap is split across its KV heads at a re-score.
 DECODE_ALLOCATIONS = ("uniform", "ada")
+#: ``question_echo`` of a method that takes the echo: tokens of the last user turn echoed after the prompt,
+#: as measured in the HF runner (docs/question_first.md).
+DEFAULT_ECHO_WIDTH = 32
 
 
 class EvictionConfigError(ValueError):
@@ -350,11 +359,9 @@ class EvictionConfig:
         return build_policy(self.method, **self.params)
 
     def _check_question_echo(self) -> None:
-        from vllm_kvevict.datapath.question_echo import DEFAULT_ECHO_WIDTH, echo_policy, methods_with_echo
-
-        echo, policy = self.question_echo, self.build_policy()
+        echo, takes_echo = self.question_echo, method_takes_echo(self.method)
         if echo is None:  # the default: the echo wherever the method judges by a query window
-            echo = DEFAULT_ECHO_WIDTH if echo_policy(policy, DEFAULT_ECHO_WIDTH) else 0
+            echo = DEFAULT_ECHO_WIDTH if takes_echo else 0
             object.__setattr__(self, "question_echo", echo)
         if isinstance(echo, bool) or not isinstance(echo, int) or echo < 0:
             raise EvictionConfigError(
@@ -369,14 +376,13 @@ class EvictionConfig:
         if self.echo_between_chunks and not echo:
             raise EvictionConfigError(
                 "kv_eviction.echo_between_chunks=true needs the question echo; set question_echo > 0 (valid "
-                f"with methods: {', '.join(methods_with_echo(DEFAULT_ECHO_WIDTH))})"
+                f"with methods: {', '.join(methods_taking_echo())})"
             )
-        if echo and echo_policy(policy, echo) is None:
-            windowed = methods_with_echo(echo)
+        if echo and not takes_echo:
             raise EvictionConfigError(
                 f"kv_eviction.question_echo={echo} with method {self.method!r}, which judges no query "
                 "window; "
-                f"valid methods: {', '.join(windowed)} (or question_echo 0)"
+                f"valid methods: {', '.join(methods_taking_echo())} (or question_echo 0)"
             )
 
     @property

@@ -27,7 +27,7 @@ from vllm_kvevict.layout.accounting import RequestPlan, request_planner
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
-from vllm_kvevict.policies.registry import method_needs_o_proj
+from vllm_kvevict.policies.registry import method_needs_o_proj, method_takes_echo, methods_taking_echo
 from vllm_kvevict.settings.config import (
     PREFILL_MODES,
     DecodeConfig,
@@ -120,17 +120,13 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
         from_text=False,
     )
     context = parse_context(extra_args, server, method, policy, decode_budget, prefill)
-    echo = parse_question_echo(extra_args, method, policy, context)
+    echo = parse_question_echo(extra_args, method, context)
     return RequestOverride(method, budget, decode_budget, prefill, context, echo)
 
 
-def parse_question_echo(
-    extra_args: Mapping[str, Any], method: str, policy: EvictionPolicy, context: bool
-) -> int | None:
+def parse_question_echo(extra_args: Mapping[str, Any], method: str, context: bool) -> int | None:
     """``kv_question_echo``: tokens of the request's last user turn echoed after its prompt (an int >= 0; 0
     turns the echo off for this request); None when not given (the server's ``question_echo``)."""
-    from vllm_kvevict.datapath.question_echo import echo_policy, methods_with_echo
-
     if ECHO_KEY not in extra_args:
         return None
     raw = extra_args[ECHO_KEY]
@@ -139,10 +135,10 @@ def parse_question_echo(
             f"vllm_xargs.{ECHO_KEY}={raw!r} is not valid; valid: an integer >= 0 (tokens of the last user "
             "turn echoed after the prompt; 0: off)"
         )
-    if raw and echo_policy(policy, raw) is None:
+    if raw and not method_takes_echo(method):
         raise EvictionConfigError(
             f"vllm_xargs.{ECHO_KEY}={raw} with {METHOD_KEY}={method!r}, which judges no query window; valid "
-            f"methods: {', '.join(methods_with_echo(raw))} (or {ECHO_KEY}=0)"
+            f"methods: {', '.join(methods_taking_echo())} (or {ECHO_KEY}=0)"
         )
     if raw and context:
         raise EvictionConfigError(
