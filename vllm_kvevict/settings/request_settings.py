@@ -8,10 +8,11 @@ A client overrides the server's method and/or budget for one request::
     extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_context": "keep"}}  # keep/reuse the compacted
                                                              # context (layout/context_reuse.py)
 
-The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The scheduler's
-manager (``kv_spec.py``) and each worker (``eviction_step.py``) both see the request's sampling parameters,
-and both resolve them with :class:`RequestSettings` built from the same server config, block size and depth:
-the same pure function of (extra_args, prompt length) on both sides, so they agree without a message.
+The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The
+scheduler's manager (``evicting_kv_manager.py``) and each worker (``eviction_step.py``) both see the request's
+sampling parameters, and both resolve them with :class:`RequestSettings` built from the same server config,
+block size and depth: the same pure function of (extra_args, prompt length) on both sides, so they agree
+without a message.
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ from vllm_kvevict.layout.accounting import RequestPlan, request_planner
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
-from vllm_kvevict.policies.registry import method_needs_o_proj, method_takes_echo, methods_taking_echo
-from vllm_kvevict.settings.config import (
-    PREFILL_MODES,
-    DecodeConfig,
-    EvictionConfig,
-    EvictionConfigError,
+from vllm_kvevict.policies.registry import (
     method_names,
-    parse_budget,
+    method_needs_o_proj,
+    method_takes_echo,
+    methods_taking_echo,
 )
+from vllm_kvevict.settings.config import PREFILL_MODES, EvictionConfig
+from vllm_kvevict.settings.decode_config import DecodeConfig
+from vllm_kvevict.settings.parsers import EvictionConfigError, parse_budget
 
 logger = logging.getLogger("vllm.kvevict")
 

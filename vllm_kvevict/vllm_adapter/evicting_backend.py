@@ -26,7 +26,8 @@ from vllm_kvevict.datapath.moves import CacheRows
 from vllm_kvevict.datapath.question_echo import EchoLayer
 from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch, StandardPart
 from vllm_kvevict.datapath.worker import EvictionWorker, current_worker, set_worker
-from vllm_kvevict.settings.config import EvictionConfigError, get_eviction_config
+from vllm_kvevict.settings.additional_config import get_eviction_config
+from vllm_kvevict.settings.parsers import EvictionConfigError
 from vllm_kvevict.vllm_adapter import model_support
 from vllm_kvevict.vllm_adapter.echo_forward import load_user_header
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_spec_from

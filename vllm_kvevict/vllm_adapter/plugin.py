@@ -91,7 +91,7 @@ def install_eviction_if_configured(vllm_config: Any) -> bool:
     """Install the eviction machinery in this process when ``vllm_config`` asks for eviction; True if it
     is installed (now or before). A model or setting eviction cannot serve raises ValueError with one line
     (``model_support.eviction_refusal``) before any weight is loaded."""
-    from vllm_kvevict.settings.config import get_eviction_config
+    from vllm_kvevict.settings.additional_config import get_eviction_config
     from vllm_kvevict.vllm_adapter.model_support import eviction_refusal
 
     if get_eviction_config(vllm_config) is None:
@@ -113,12 +113,13 @@ def eviction_installed() -> bool:
 
 def _install_eviction() -> None:
     """The KV-cache spec with its manager, the attention backend and the model-runner hooks
-    (kv_spec.py, backend_cpu.py / backend_cuda.py, the eviction hooks of vllm_patches.py)."""
+    (kv_spec.py, evicting_kv_manager.py, backend_cpu.py / backend_cuda.py, the eviction hooks of
+    vllm_patches.py)."""
     from vllm.platforms import current_platform
 
-    from vllm_kvevict.vllm_adapter import kv_spec, vllm_patches
+    from vllm_kvevict.vllm_adapter import evicting_kv_manager, vllm_patches
 
-    kv_spec.register_evicting_spec()
+    evicting_kv_manager.register_evicting_spec()
     if current_platform.is_cpu():
         from vllm_kvevict.vllm_adapter.backend_cpu import register_cpu_backend
 

@@ -40,7 +40,8 @@ def execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any)
 def get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
     from vllm.config import set_current_vllm_config
 
-    from vllm_kvevict.settings.config import EvictionConfigError, get_eviction_config
+    from vllm_kvevict.settings.additional_config import get_eviction_config
+    from vllm_kvevict.settings.parsers import EvictionConfigError
     from vllm_kvevict.vllm_adapter import model_support
 
     with set_current_vllm_config(runner.vllm_config):
@@ -202,7 +203,7 @@ def _method_needs_o_proj() -> bool:
     from vllm.config import get_current_vllm_config_or_none
 
     from vllm_kvevict.policies.registry import method_needs_o_proj
-    from vllm_kvevict.settings.config import get_eviction_config
+    from vllm_kvevict.settings.additional_config import get_eviction_config
 
     config = get_eviction_config(get_current_vllm_config_or_none())
     return config is not None and method_needs_o_proj(config.method)

@@ -116,8 +116,12 @@ def install_cli_hooks() -> None:
 
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args, apply_eviction_to_engine_args
-    from vllm_kvevict.vllm_adapter.engine_guard import guard_engine_args, mark_guarded
+    from vllm_kvevict.vllm_adapter.engine_setup import (
+        apply_eviction_to_engine_args,
+        guard_engine_args,
+        mark_guarded,
+    )
+    from vllm_kvevict.vllm_adapter.eviction_flags import add_eviction_args
 
     if getattr(EngineArgs.add_cli_args, _CLI_MARK, False):
         return

@@ -12,7 +12,8 @@ from vllm_kvevict.policies.registry import (
     method_takes_echo,
     methods_taking_echo,
 )
-from vllm_kvevict.settings.config import DEFAULT_ECHO_WIDTH, EvictionConfig, EvictionConfigError
+from vllm_kvevict.settings.config import DEFAULT_ECHO_WIDTH, EvictionConfig
+from vllm_kvevict.settings.parsers import EvictionConfigError
 
 
 def test_the_registry_names_the_methods_whose_policy_takes_the_echo():

@@ -7,7 +7,7 @@ import os
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_kvevict.vllm_adapter.engine_guard import GUARDED_MARK, guard_engine_args
+from vllm_kvevict.vllm_adapter.engine_setup import GUARDED_MARK, guard_engine_args
 from vllm_kvevict.vllm_adapter.request_validation import SERVER_CONFIG_ENV, VALIDATOR_FQCN
 
 
