@@ -3,9 +3,9 @@ compacted cache no longer needs.
 
 The worker compacts each layer's kept entries into the blocks the accounting rule lets the request keep
 (``vllm_kvevict.layout.accounting``); this manager frees the others through vLLM's own
-``_remove_blocks_in_range`` (the in-tree RSWAManager frees a middle gap the same way). Both sides derive
-the plan from the prompt length and the request's sampling parameters (per-request ``vllm_xargs``,
-``request_settings.py``), so no message crosses between them.
+``_remove_blocks_in_range`` (``vllm_private.remove_blocks_in_range``; the in-tree RSWAManager frees a middle
+gap the same way). Both sides derive the plan from the prompt length and the request's sampling parameters
+(per-request ``vllm_xargs``, ``request_settings.py``), so no message crosses between them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.request_settings import RequestSettings, ResolvedSetting
 from vllm_kvevict.vllm_adapter.kept_contexts import KeptContexts
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec
+from vllm_kvevict.vllm_adapter.vllm_private import fill_spec_registry, remove_blocks_in_range
 
 logger = init_logger("vllm.kvevict")
 
@@ -210,7 +211,7 @@ class EvictingAttentionManager(FullAttentionManager):
         first, last = freed_range(plan, shared, processed_computed_tokens, spare)
         if last > first:
             # Iterates backwards and stops at the first null block, so repeated calls cost O(1).
-            self._remove_blocks_in_range(request_id, first, last)
+            remove_blocks_in_range(self, request_id, first, last)
             freed = last - first - spare  # blocks held in addition without eviction
             if self.saved_blocks.get(request_id) != freed and request_id in self.req_to_blocks:
                 self.saved_blocks[request_id] = freed
@@ -355,7 +356,7 @@ def register_evicting_spec() -> None:
 
     The built-in specs go first: the registry fills itself lazily only while it is empty, so registering
     ours first would hide them."""
-    KVCacheSpecRegistry._ensure_registered()
+    fill_spec_registry()
     KVCacheSpecRegistry.register(
         EvictingAttentionSpec, EvictingAttentionManager, uniform_type_base_spec=FullAttentionSpec
     )

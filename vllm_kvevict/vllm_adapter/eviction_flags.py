@@ -27,6 +27,7 @@ from vllm_kvevict.settings.parsers import (
     parse_params_json,
     parse_params_or_preset,
 )
+from vllm_kvevict.vllm_adapter.vllm_private import parser_has_option
 
 FLAG_GROUP_TITLE = "KVEviction"
 
@@ -73,7 +74,7 @@ def _params_type(text: str) -> dict[str, Any] | Preset:
 
 def add_eviction_args(parser: argparse.ArgumentParser) -> None:
     """Add the eviction flags to a ``vllm serve`` parser (idempotent)."""
-    if any("--kv-eviction" in action.option_strings for action in parser._actions):
+    if parser_has_option(parser, "--kv-eviction"):
         return
     group = parser.add_argument_group(
         title=FLAG_GROUP_TITLE,

@@ -23,11 +23,18 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vllm_kvevict.policies.registry import method_needs_o_proj
+from vllm_kvevict.settings.parsers import EvictionConfigError
 
 SUPPORTED = (
     "eviction supports decoder-only models whose every layer is full causal attention "
     "(MHA/GQA/MQA, any head size, QKV bias, QK-norm and fused QKV included)"
 )
+
+
+class ModelRefusedError(EvictionConfigError):
+    """Eviction refused for a model, its KV cache or one of its layers (or a setting it cannot serve): the one
+    error every refusal raises, at start-up (plugin, worker, attention impl); the message is the refusal's
+    one line. An ``EvictionConfigError``, so a ``ValueError`` too."""
 
 
 def _refusal(feature: str, supported: str = SUPPORTED) -> str:

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+#: The vLLM release this plugin was built and tested against (every wrapper here and every reach-in of
+#: ``vllm_private.py`` was checked on it); any other gets plain vLLM (``plugin.vllm_version_refusal``).
 TESTED_VLLM_VERSION = "0.32.0"
 #: marks on a wrapper, one per group: vLLM fixes (every process), eviction hooks (eviction on), CLI flags
 _WRAPPED_MARK = "_kvevict_vllm_patch"
