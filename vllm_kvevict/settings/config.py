@@ -25,9 +25,9 @@ from vllm_kvevict.policies.registry import (
 from vllm_kvevict.settings.decode_config import NO_DECODE, DecodeConfig, implied_decode
 from vllm_kvevict.settings.parsers import (
     EvictionConfigError,
+    method_entry_params,
     parse_budget,
     parse_chunk_budget,
-    parse_params_json,
 )
 
 #: how a prompt is evicted: chunk by chunk as vLLM's chunked prefill computes it, or once when it is whole
@@ -246,14 +246,7 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"kv_eviction has unknown key(s) {unknown}; valid keys: {', '.join(_KNOWN_KEYS)}"
             )
-        if "method" not in raw or "budget" not in raw:
-            raise EvictionConfigError(
-                f"kv_eviction={raw!r} needs both 'method' and 'budget' (e.g. --kv-eviction ada-snapkv "
-                "--kv-budget 1024)"
-            )
-        params = raw.get("params") or {}
-        if isinstance(params, str):
-            params = parse_params_json(params)
+        params = method_entry_params(raw, "kv_eviction", "--kv-eviction ada-snapkv --kv-budget 1024")
         # --kv-eviction-config '{"prefill": "whole"}' sets the schedule beside the method's parameters.
         params = dict(params) if isinstance(params, dict) else params
         schedule = {key: raw[key] for key in PREFILL_KEYS if key in raw}

@@ -14,7 +14,7 @@ from vllm_kvevict.policies.decode.registry import (
     decode_method_params,
 )
 from vllm_kvevict.policies.registry import method_implies_decode_cap
-from vllm_kvevict.settings.parsers import EvictionConfigError, parse_budget, parse_params_json
+from vllm_kvevict.settings.parsers import EvictionConfigError, method_entry_params, parse_budget
 
 _DECODE_KEYS = ("method", "budget", "interval", "params", "allocation")
 #: ``decode.method`` that turns the decode-time cap off (also for the paper methods that imply one).
@@ -103,14 +103,8 @@ class DecodeConfig:
             )
         if raw.get("method") == NO_DECODE:
             return None
-        if "method" not in raw or "budget" not in raw:
-            raise EvictionConfigError(
-                f"kv_eviction.decode={raw!r} needs both 'method' and 'budget' (e.g. --kv-decode-eviction "
-                "roco --kv-decode-budget 2048)"
-            )
-        params = raw.get("params") or {}
-        if isinstance(params, str):
-            params = parse_params_json(params)
+        example = "--kv-decode-eviction roco --kv-decode-budget 2048"
+        params = method_entry_params(raw, "kv_eviction.decode", example)
         interval = raw.get("interval")
         if isinstance(interval, str) and interval.strip().isdigit():
             interval = int(interval)

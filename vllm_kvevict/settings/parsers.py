@@ -105,6 +105,16 @@ def parse_params_json(text: str) -> dict[str, Any]:
     return value
 
 
+def method_entry_params(raw: dict[str, Any], field_name: str, example: str) -> Any:
+    """The ``params`` of a config entry that names a method and a budget (``kv_eviction``, its ``decode``):
+    {} when unset, a JSON object's text read as one. Raises EvictionConfigError naming ``field_name`` when
+    the method or the budget is missing (``example``: flags that give both)."""
+    if "method" not in raw or "budget" not in raw:
+        raise EvictionConfigError(f"{field_name}={raw!r} needs both 'method' and 'budget' (e.g. {example})")
+    params = raw.get("params") or {}
+    return parse_params_json(params) if isinstance(params, str) else params
+
+
 def parse_params_or_preset(text: str) -> dict[str, Any] | Preset:
     """``--kv-eviction-config`` value: a JSON object of method parameters, a packaged preset's name
     (``ada-snapkv``), or the path of a preset file (method, description, params). Errors name the value and
