@@ -5,8 +5,9 @@ per-request check of ``vllm_xargs`` turned on (``request_validation.py``).
 ``vllm serve`` does it in ``EngineArgs.from_cli_args`` (``apply_eviction_to_engine_args``, from the flags of
 ``eviction_flags.py``; ``vllm_patches.install_cli_hooks``). ``LLM()`` and ``AsyncLLM.from_engine_args`` never
 call that, they go straight to ``EngineArgs.create_engine_config``; the wrapper there calls
-``guard_engine_args`` first, so the Python path gets the same validation, the same logged setting changes and
-the same refusals: the rails' ``UnsupportedEngineSetting``, a ``ValueError``, where the CLI exits.
+``apply_eviction_from_additional_config`` first, so the Python path gets the same validation, the same logged
+setting changes and the same refusals: the rails' ``UnsupportedEngineSetting``, a ``ValueError``, where the
+CLI exits.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ CLI_ERROR_PREFIX = "vllm serve: error: "
 GUARDED_MARK = "_kvevict_guarded"
 
 
-def guard_engine_args(engine_args: Any) -> None:
+def apply_eviction_from_additional_config(engine_args: Any) -> None:
     """Validate ``additional_config["kv_eviction"]`` and apply the start-up guard rails to ``engine_args``.
 
     No-op when eviction is off or the rails already ran. Raises ValueError naming the bad value

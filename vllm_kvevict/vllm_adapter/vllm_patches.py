@@ -119,8 +119,8 @@ def install_cli_hooks() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_kvevict.vllm_adapter.engine_setup import (
+        apply_eviction_from_additional_config,
         apply_eviction_to_engine_args,
-        guard_engine_args,
         mark_guarded,
     )
     from vllm_kvevict.vllm_adapter.eviction_flags import add_eviction_args
@@ -149,9 +149,9 @@ def install_cli_hooks() -> None:
         return engine_args
 
     # Wraps EngineArgs.create_engine_config (vLLM 0.32.0): LLM(...) and AsyncLLM.from_engine_args build
-    # their config here without from_cli_args, so the same guard rails apply first (a GuardRailError).
+    # their config here without from_cli_args, so the same guard rails apply first (UnsupportedEngineSetting).
     def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> Any:
-        guard_engine_args(self)
+        apply_eviction_from_additional_config(self)
         return original_create(self, *args, **kwargs)
 
     setattr(add_cli_args, _CLI_MARK, True)
