@@ -18,7 +18,7 @@ import argparse
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request, with_chunk_budget
 from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
 from vllm_kvevict.policies.registry import build_policy
-from vllm_kvevict.settings.config import parse_chunk_budget
+from vllm_kvevict.settings.parsers import parse_chunk_budget
 
 BLOCK_SIZE = 32
 NUM_LAYERS = 30  # SmolLM2-135M

@@ -70,7 +70,7 @@ from vllm_kvevict.policies.between_chunks import (  # noqa: E402
     trailing_floor,
 )
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
-from vllm_kvevict.settings.config import parse_chunk_budget  # noqa: E402
+from vllm_kvevict.settings.parsers import parse_chunk_budget  # noqa: E402
 
 TASKS = (
     "fwe,niah_multikey,niah_multikey_hard,niah_multiquery,niah_multivalue,niah_single_digits,"

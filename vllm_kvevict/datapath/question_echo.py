@@ -38,9 +38,6 @@ from vllm_kvevict.datapath.shared_reads import HeldReads
 from vllm_kvevict.layout.batch_tables import host_to_device
 from vllm_kvevict.policies.base import EvictionPolicy
 
-#: tokens of the last user turn echoed after the prompt, as measured in the HF runner.
-DEFAULT_ECHO_WIDTH = 32
-
 
 def user_turn_start(token_ids: Sequence[int] | np.ndarray, header: Sequence[int]) -> int | None:
     """Index of the first token after the last occurrence of ``header`` (the chat template's user header),
@@ -93,13 +90,6 @@ def echo_policy(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
     if echoed is not None:
         echoed.name = policy.name  # set by the registry, not a field: metrics and logs name the method
     return echoed
-
-
-def methods_with_echo(width: int) -> list[str]:
-    """The registered methods that take the echo (their default policies read a bounded query window)."""
-    from vllm_kvevict.policies.registry import available_methods, build_policy
-
-    return [m.name for m in available_methods() if echo_policy(build_policy(m.name), width) is not None]
 
 
 def _with_echo(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:

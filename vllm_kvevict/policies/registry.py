@@ -31,6 +31,9 @@ class MethodInfo:
     needs_o_proj: it reads each layer's o_proj weight (``LayerKV.o_proj``), which the worker must collect.
     implies_decode_cap: its paper defines it at decode time, so the method alone caps every head while
         generating too (at its prefill budget).
+    takes_echo: it judges by a bounded window of trailing queries, so the question echo's queries can join
+        that window (``datapath/question_echo.py``): a part owns ``with_echo_queries`` (SnapKV and its
+        subclasses, NaCl; Ada-KV and CriticalKV wrap such a part).
     """
 
     name: str
@@ -38,6 +41,7 @@ class MethodInfo:
     params: dict[str, Any]
     needs_o_proj: bool = False
     implies_decode_cap: bool = False
+    takes_echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,10 @@ class _Method:
     @property
     def needs_o_proj(self) -> bool:
         return any(getattr(part, "needs_o_proj", False) for part in self.parts)
+
+    @property
+    def takes_echo(self) -> bool:
+        return any(hasattr(part, "with_echo_queries") for part in self.parts)
 
 
 _METHODS: dict[str, _Method] = {}
@@ -164,7 +172,14 @@ def available_methods() -> list[MethodInfo]:
         for part in method.parts:
             params.update(_params(part))
         infos.append(
-            MethodInfo(name, method.description, params, method.needs_o_proj, method.implies_decode_cap)
+            MethodInfo(
+                name,
+                method.description,
+                params,
+                method.needs_o_proj,
+                method.implies_decode_cap,
+                method.takes_echo,
+            )
         )
     return infos
 
@@ -184,6 +199,18 @@ def method_implies_decode_cap(name: str) -> bool:
     name: validation names it)."""
     method = _METHODS.get(name) if isinstance(name, str) else None
     return method is not None and method.implies_decode_cap
+
+
+def method_takes_echo(name: str) -> bool:
+    """True when the method registered as ``name`` takes the question echo (``MethodInfo.takes_echo``;
+    False for an unknown name: validation names it)."""
+    method = _METHODS.get(name) if isinstance(name, str) else None
+    return method is not None and method.takes_echo
+
+
+def methods_taking_echo() -> list[str]:
+    """The registered methods that take the question echo, in registration order."""
+    return [name for name, method in _METHODS.items() if method.takes_echo]
 
 
 def build_policy(name: str, **params: Any) -> EvictionPolicy:

@@ -1,7 +1,8 @@
-"""The eviction configuration every vLLM process agrees on.
+"""The eviction configuration every vLLM process agrees on: the server's ``EvictionConfig`` and its
+decode-time cap (``DecodeConfig``), validated once when built; the rest of the code trusts them.
 
-It travels as ``additional_config["kv_eviction"]`` (a plain dict), which vLLM hands to the API server, the
-EngineCore and every worker. It is validated once, here; the rest of the code trusts it.
+Each value is read by ``parsers.py``; vLLM carries the config in ``additional_config``
+(``additional_config.py``).
 """
 
 from __future__ import annotations
@@ -9,25 +10,26 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
-
-import yaml
 
 from vllm_kvevict.layout.accounting import CHUNK_BUDGET_FLOOR
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN, BetweenRule
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
-from vllm_kvevict.policies.decode.registry import (
-    build_decode_policy,
-    decode_method_names,
-    decode_method_params,
+from vllm_kvevict.policies.registry import (
+    build_policy,
+    method_implies_decode_cap,
+    method_names,
+    method_takes_echo,
+    methods_taking_echo,
 )
-from vllm_kvevict.policies.presets import Preset, load_preset, preset_file
-from vllm_kvevict.policies.registry import available_methods, build_policy, method_implies_decode_cap
+from vllm_kvevict.settings.decode_config import NO_DECODE, DecodeConfig, implied_decode
+from vllm_kvevict.settings.parsers import (
+    EvictionConfigError,
+    method_entry_params,
+    parse_budget,
+    parse_chunk_budget,
+)
 
-#: key of the eviction settings inside vLLM's ``additional_config``.
-ADDITIONAL_CONFIG_KEY = "kv_eviction"
 #: how a prompt is evicted: chunk by chunk as vLLM's chunked prefill computes it, or once when it is whole
 #: (after its last chunk; vLLM's chunked prefill stays on either way unless a decode-time cap is set).
 PREFILL_MODES = ("chunked", "whole")
@@ -51,191 +53,9 @@ _KNOWN_KEYS = ("method", "budget", "params", "decode", *PREFILL_KEYS)
 DEFAULT_MIN_FREED_SHARE = 0.2
 #: I between chunks, as a multiple of the final budget (docs/benchmarks.md: the memory it allows).
 DEFAULT_CHUNK_BUDGET = 1.5
-_DECODE_KEYS = ("method", "budget", "interval", "params", "allocation")
-#: ``decode.method`` that turns the decode-time cap off (also for the paper methods that imply one).
-NO_DECODE = "none"
-#: how a layer's decode-time cap is split across its KV heads at a re-score.
-DECODE_ALLOCATIONS = ("uniform", "ada")
-
-
-class EvictionConfigError(ValueError):
-    """A bad eviction setting; the message names the field, the bad value and what is allowed."""
-
-
-class GuardRailError(EvictionConfigError, SystemExit):
-    """A start-up guard rail refused the engine's settings (pipeline parallelism, a backend that cannot
-    evict, ...). ``vllm serve`` turns it into its one-line ``vllm serve: error:`` exit
-    (``cli_args.apply_eviction_to_engine_args``); ``LLM(...)`` raises it as the ValueError it is. It is a
-    SystemExit too: code that calls one rail directly (``select_cuda_backend``) has always been stopped by
-    one."""
-
-
-def method_names() -> list[str]:
-    return [info.name for info in available_methods()]
-
-
-def budget_rule(minimum: int = 1) -> str:
-    """What a budget may be, as every budget message says it."""
-    kinds = f"an integer >= {minimum} (kept tokens per KV head)"
-    return f"{kinds} or a float in (0, 1) (kept fraction of the prompt)"
-
-
-def parse_budget(
-    raw: Any,
-    field_name: str = "kv_eviction.budget",
-    *,
-    minimum: int = 1,
-    minimum_kept_by: str = "",
-    from_text: bool = True,
-) -> int | float:
-    """The one reading of a budget (``--kv-budget``, ``--kv-decode-budget``, presets, ``additional_config``
-    and ``vllm_xargs``): an int >= 1 (average kept tokens per KV head) or a float in (0, 1) (kept fraction of
-    the prompt); never a bool.
-
-    from_text: a string is read as a number ("1024", "0.25"), as flags and config files give it; False for
-        a JSON value (``vllm_xargs``), where a string is refused.
-    minimum, minimum_kept_by: an integer must also reach ``minimum``, the tokens the method always keeps;
-        ``minimum_kept_by`` says who keeps them ("tokens snapkv always keeps").
-    Raises EvictionConfigError naming ``field_name``, the bad value and the valid ones.
-    """
-    value = raw
-    if from_text and isinstance(raw, str):
-        text = raw.strip()
-        try:
-            value = int(text)
-        except ValueError:
-            try:
-                value = float(text)
-            except ValueError:
-                value = raw
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        kind = "" if from_text and isinstance(raw, str) else f"{_kind(raw)}, "
-        raise EvictionConfigError(f"{field_name}={raw!r} is {kind}not a number; valid: {budget_rule()}")
-    if isinstance(value, float) and not 0.0 < value < 1.0 and from_text:
-        # both wordings are quoted (docs/usage.md for flags and files, the API's 400s for vllm_xargs): kept
-        raise EvictionConfigError(
-            f"{field_name}={raw!r}: a fractional budget must lie in (0, 1); valid: {budget_rule()}"
-        )
-    if isinstance(value, int) and value < 1 or isinstance(value, float) and not 0.0 < value < 1.0:
-        raise EvictionConfigError(f"{field_name}={raw!r} is out of range; valid: {budget_rule()}")
-    if isinstance(value, int) and value < minimum:
-        below = f"the {minimum} {minimum_kept_by}" if minimum_kept_by else str(minimum)
-        raise EvictionConfigError(f"{field_name}={value!r} is below {below}; valid: {budget_rule(minimum)}")
-    return value if isinstance(value, int) else float(value)
-
-
-def _kind(raw: Any) -> str:
-    return "a string" if isinstance(raw, str) else f"a {type(raw).__name__}"
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """The decode-time cap: which method re-scores, the cap per KV head and how often.
-
-    method: a decode method name (``roco``, ``h2o``, ``streamingllm``, ``snapkv``).
-    budget: int >= 1 = cap in tokens per KV head while generating; float in (0, 1) = a fraction of the
-        prompt length.
-    interval: generated tokens between re-scores (None: one block); rounded up to whole blocks.
-    params: method parameters, validated by the decode registry.
-    allocation: "uniform" (every head capped at the budget) or "ada" (a layer keeps heads x budget,
-        split across heads by score at each re-score).
-    """
-
-    method: str
-    budget: int | float
-    interval: int | None = None
-    params: dict[str, Any] = field(default_factory=dict)
-    allocation: str = "uniform"
-
-    def __post_init__(self) -> None:
-        names = decode_method_names()
-        if self.method not in names:
-            raise EvictionConfigError(
-                f"kv_eviction.decode.method={self.method!r} is not a known decode method; valid: "
-                f"{', '.join([*names, NO_DECODE])}"
-            )
-        object.__setattr__(self, "budget", parse_budget(self.budget, "kv_eviction.decode.budget"))
-        if self.interval is not None and (
-            isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1
-        ):
-            raise EvictionConfigError(
-                f"kv_eviction.decode.interval={self.interval!r} is not valid; use an integer >= 1 (generated "
-                "tokens between re-scores, rounded up to whole blocks)"
-            )
-        if self.allocation not in DECODE_ALLOCATIONS:
-            raise EvictionConfigError(
-                f"kv_eviction.decode.allocation={self.allocation!r} is not valid; valid: "
-                f"{', '.join(DECODE_ALLOCATIONS)}"
-            )
-        if not isinstance(self.params, dict):
-            raise EvictionConfigError(f"kv_eviction.decode.params={self.params!r} must be a JSON object")
-        try:
-            policy = self.build_policy()
-            if self.interval is not None:
-                policy.check_interval(self.interval)
-        except (TypeError, ValueError) as exc:
-            raise EvictionConfigError(f"kv_eviction.decode for {self.method!r}: {exc}") from exc
-        parse_budget(
-            self.budget,
-            "kv_eviction.decode.budget",
-            minimum=policy.min_cap,
-            minimum_kept_by=f"entries {self.method} always keeps",
-        )
-
-    def build_policy(self) -> DecodeEvictionPolicy:
-        return build_decode_policy(self.method, **self.params)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "budget": self.budget,
-            "interval": self.interval,
-            "params": dict(self.params),
-            "allocation": self.allocation,
-        }
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> DecodeConfig | None:
-        """None for ``{"method": "none"}``."""
-        if not isinstance(raw, dict):
-            raise EvictionConfigError(
-                f"kv_eviction.decode={raw!r} must be a mapping with keys {', '.join(_DECODE_KEYS)}"
-            )
-        unknown = sorted(set(raw) - set(_DECODE_KEYS))
-        if unknown:
-            raise EvictionConfigError(
-                f"kv_eviction.decode has unknown key(s) {unknown}; valid keys: {', '.join(_DECODE_KEYS)}"
-            )
-        if raw.get("method") == NO_DECODE:
-            return None
-        if "method" not in raw or "budget" not in raw:
-            raise EvictionConfigError(
-                f"kv_eviction.decode={raw!r} needs both 'method' and 'budget' (e.g. --kv-decode-eviction "
-                "roco --kv-decode-budget 2048)"
-            )
-        params = raw.get("params") or {}
-        if isinstance(params, str):
-            params = parse_params_json(params)
-        interval = raw.get("interval")
-        if isinstance(interval, str) and interval.strip().isdigit():
-            interval = int(interval)
-        return cls(raw["method"], raw["budget"], interval, params, raw.get("allocation") or "uniform")
-
-    def describe(self) -> str:
-        cap = f"{self.budget:.0%} of each prompt" if isinstance(self.budget, float) else f"{self.budget}"
-        every = f"every {self.interval} tokens" if self.interval else "every block"
-        extra = f" {json.dumps(self.params, sort_keys=True)}" if self.params else ""
-        allocation = " (ada allocation)" if self.allocation == "ada" else ""
-        return f"decode={self.method} cap={cap} per KV head {every}{allocation}{extra}"
-
-
-def implied_decode(method: str, budget: int | float, params: dict[str, Any]) -> DecodeConfig | None:
-    """The decode-time cap a paper method implies on its own (its prefill budget, its parameters where
-    the decode form has them), or None for methods defined after prefill only."""
-    if not method_implies_decode_cap(method):
-        return None
-    known = decode_method_params(method)
-    return DecodeConfig(method, budget, None, {k: v for k, v in params.items() if k in known})
+#: ``question_echo`` of a method that takes the echo: tokens of the last user turn echoed after the prompt,
+#: as measured in the HF runner (docs/question_first.md).
+DEFAULT_ECHO_WIDTH = 32
 
 
 @dataclass(frozen=True)
@@ -350,11 +170,9 @@ class EvictionConfig:
         return build_policy(self.method, **self.params)
 
     def _check_question_echo(self) -> None:
-        from vllm_kvevict.datapath.question_echo import DEFAULT_ECHO_WIDTH, echo_policy, methods_with_echo
-
-        echo, policy = self.question_echo, self.build_policy()
+        echo, takes_echo = self.question_echo, method_takes_echo(self.method)
         if echo is None:  # the default: the echo wherever the method judges by a query window
-            echo = DEFAULT_ECHO_WIDTH if echo_policy(policy, DEFAULT_ECHO_WIDTH) else 0
+            echo = DEFAULT_ECHO_WIDTH if takes_echo else 0
             object.__setattr__(self, "question_echo", echo)
         if isinstance(echo, bool) or not isinstance(echo, int) or echo < 0:
             raise EvictionConfigError(
@@ -369,14 +187,13 @@ class EvictionConfig:
         if self.echo_between_chunks and not echo:
             raise EvictionConfigError(
                 "kv_eviction.echo_between_chunks=true needs the question echo; set question_echo > 0 (valid "
-                f"with methods: {', '.join(methods_with_echo(DEFAULT_ECHO_WIDTH))})"
+                f"with methods: {', '.join(methods_taking_echo())})"
             )
-        if echo and echo_policy(policy, echo) is None:
-            windowed = methods_with_echo(echo)
+        if echo and not takes_echo:
             raise EvictionConfigError(
                 f"kv_eviction.question_echo={echo} with method {self.method!r}, which judges no query "
                 "window; "
-                f"valid methods: {', '.join(windowed)} (or question_echo 0)"
+                f"valid methods: {', '.join(methods_taking_echo())} (or question_echo 0)"
             )
 
     @property
@@ -429,14 +246,7 @@ class EvictionConfig:
             raise EvictionConfigError(
                 f"kv_eviction has unknown key(s) {unknown}; valid keys: {', '.join(_KNOWN_KEYS)}"
             )
-        if "method" not in raw or "budget" not in raw:
-            raise EvictionConfigError(
-                f"kv_eviction={raw!r} needs both 'method' and 'budget' (e.g. --kv-eviction ada-snapkv "
-                "--kv-budget 1024)"
-            )
-        params = raw.get("params") or {}
-        if isinstance(params, str):
-            params = parse_params_json(params)
+        params = method_entry_params(raw, "kv_eviction", "--kv-eviction ada-snapkv --kv-budget 1024")
         # --kv-eviction-config '{"prefill": "whole"}' sets the schedule beside the method's parameters.
         params = dict(params) if isinstance(params, dict) else params
         schedule = {key: raw[key] for key in PREFILL_KEYS if key in raw}
@@ -475,102 +285,3 @@ class EvictionConfig:
         if self.echo_between_chunks and self.chunked:
             echo += " (also between chunks)"
         return f"method={self.method} budget={budget}{extra} {prefill}{echo}{decode}"
-
-
-def parse_chunk_budget(raw: Any) -> int | float:
-    """``chunk_budget``: an int >= 1 (kept tokens per KV head between chunks) or a float >= 1.0 (a multiple
-    of the final budget)."""
-    value = raw
-    if isinstance(raw, str):
-        try:
-            value = json.loads(raw.strip())
-        except json.JSONDecodeError:
-            value = raw
-    valid = (isinstance(value, int) and not isinstance(value, bool) and value >= 1) or (
-        isinstance(value, float) and value >= 1.0
-    )
-    if not valid:
-        raise EvictionConfigError(
-            f"kv_eviction.chunk_budget={raw!r} is not valid; use an integer >= 1 (kept tokens per KV head "
-            "between chunks) or a float >= 1.0 (a multiple of the final budget)"
-        )
-    return value
-
-
-def parse_params_json(text: str) -> dict[str, Any]:
-    """``--kv-eviction-config`` value: a JSON object of method parameters."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise EvictionConfigError(
-            f"--kv-eviction-config={text!r} is not valid JSON ({exc.msg}); example: '{{\"window\": 32}}'"
-        ) from exc
-    if not isinstance(value, dict):
-        raise EvictionConfigError(
-            f"--kv-eviction-config={text!r} must be a JSON object, e.g. '{{\"window\": 32}}'"
-        )
-    return value
-
-
-def parse_params_or_preset(text: str) -> dict[str, Any] | Preset:
-    """``--kv-eviction-config`` value: a JSON object of method parameters, a packaged preset's name
-    (``ada-snapkv``), or the path of a preset file (method, description, params). Errors name the value and
-    the problem in one line."""
-    if text.lstrip().startswith("{"):
-        return parse_params_json(text)
-    try:
-        path = preset_file(text)
-    except LookupError as exc:
-        raise EvictionConfigError(f"--kv-eviction-config {text}: {exc}") from None
-    try:
-        return load_preset(path)
-    except FileNotFoundError:
-        problem = "no such file (give a preset name such as ada-snapkv, a preset file, or a JSON object)"
-    except IsADirectoryError:
-        problem = "is a directory, not a preset file"
-    except OSError as exc:
-        problem = f"cannot be read ({exc.strerror or exc})"
-    except yaml.YAMLError as exc:
-        problem = f"is not valid YAML ({exc})"
-    except (TypeError, ValueError) as exc:
-        problem = str(exc).removeprefix(f"{path}: ")
-    raise EvictionConfigError(f"--kv-eviction-config {text}: {' '.join(problem.split())}")
-
-
-def eviction_config_from_additional(
-    additional_config: dict[str, Any] | None, chunk_stride: int | None = None
-) -> EvictionConfig | None:
-    """The eviction config inside a vLLM ``additional_config`` dict, or None when eviction is off;
-    ``chunk_stride``: the stride where the config leaves it unset (vLLM's chunk size)."""
-    raw = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-    if raw is None:
-        return None
-    if isinstance(raw, EvictionConfig):
-        if raw.chunk_stride is None and chunk_stride is not None:
-            return dataclasses.replace(raw, chunk_stride=chunk_stride)
-        return raw
-    if isinstance(raw, str):
-        raw = parse_params_json(raw)
-    if isinstance(raw, dict) and not raw:
-        return None
-    if not isinstance(raw, dict):
-        return EvictionConfig.from_dict(raw)
-    if raw.get("chunk_stride") is None and chunk_stride is not None:
-        raw = {**raw, "chunk_stride": chunk_stride}
-    # Called on hot paths (per layer, per step): validate each distinct setting once.
-    return eviction_config_from_json(json.dumps(raw, sort_keys=True))
-
-
-@lru_cache(maxsize=8)
-def eviction_config_from_json(text: str) -> EvictionConfig:
-    """An EvictionConfig from its JSON dict, validated once per distinct text (hot paths call this)."""
-    return EvictionConfig.from_dict(json.loads(text))
-
-
-def get_eviction_config(vllm_config: Any) -> EvictionConfig | None:
-    """The eviction config of a ``VllmConfig`` (None when eviction is off or there is no config)."""
-    if vllm_config is None:
-        return None
-    chunk_size = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
-    stride = chunk_size if isinstance(chunk_size, int) and chunk_size > 0 else None
-    return eviction_config_from_additional(getattr(vllm_config, "additional_config", None), stride)

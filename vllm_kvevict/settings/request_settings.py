@@ -8,10 +8,11 @@ A client overrides the server's method and/or budget for one request::
     extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_context": "keep"}}  # keep/reuse the compacted
                                                              # context (layout/context_reuse.py)
 
-The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The scheduler's
-manager (``kv_spec.py``) and each worker (``eviction_step.py``) both see the request's sampling parameters,
-and both resolve them with :class:`RequestSettings` built from the same server config, block size and depth:
-the same pure function of (extra_args, prompt length) on both sides, so they agree without a message.
+The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The
+scheduler's manager (``evicting_kv_manager.py``) and each worker (``eviction_step.py``) both see the request's
+sampling parameters, and both resolve them with :class:`RequestSettings` built from the same server config,
+block size and depth: the same pure function of (extra_args, prompt length) on both sides, so they agree
+without a message.
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ from vllm_kvevict.layout.accounting import RequestPlan, request_planner
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
 from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
-from vllm_kvevict.policies.registry import method_needs_o_proj
-from vllm_kvevict.settings.config import (
-    PREFILL_MODES,
-    DecodeConfig,
-    EvictionConfig,
-    EvictionConfigError,
+from vllm_kvevict.policies.registry import (
     method_names,
-    parse_budget,
+    method_needs_o_proj,
+    method_takes_echo,
+    methods_taking_echo,
 )
+from vllm_kvevict.settings.config import PREFILL_MODES, EvictionConfig
+from vllm_kvevict.settings.decode_config import DecodeConfig
+from vllm_kvevict.settings.parsers import EvictionConfigError, parse_budget
 
 logger = logging.getLogger("vllm.kvevict")
 
@@ -120,17 +121,13 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
         from_text=False,
     )
     context = parse_context(extra_args, server, method, policy, decode_budget, prefill)
-    echo = parse_question_echo(extra_args, method, policy, context)
+    echo = parse_question_echo(extra_args, method, context)
     return RequestOverride(method, budget, decode_budget, prefill, context, echo)
 
 
-def parse_question_echo(
-    extra_args: Mapping[str, Any], method: str, policy: EvictionPolicy, context: bool
-) -> int | None:
+def parse_question_echo(extra_args: Mapping[str, Any], method: str, context: bool) -> int | None:
     """``kv_question_echo``: tokens of the request's last user turn echoed after its prompt (an int >= 0; 0
     turns the echo off for this request); None when not given (the server's ``question_echo``)."""
-    from vllm_kvevict.datapath.question_echo import echo_policy, methods_with_echo
-
     if ECHO_KEY not in extra_args:
         return None
     raw = extra_args[ECHO_KEY]
@@ -139,10 +136,10 @@ def parse_question_echo(
             f"vllm_xargs.{ECHO_KEY}={raw!r} is not valid; valid: an integer >= 0 (tokens of the last user "
             "turn echoed after the prompt; 0: off)"
         )
-    if raw and echo_policy(policy, raw) is None:
+    if raw and not method_takes_echo(method):
         raise EvictionConfigError(
             f"vllm_xargs.{ECHO_KEY}={raw} with {METHOD_KEY}={method!r}, which judges no query window; valid "
-            f"methods: {', '.join(methods_with_echo(raw))} (or {ECHO_KEY}=0)"
+            f"methods: {', '.join(methods_taking_echo())} (or {ECHO_KEY}=0)"
         )
     if raw and context:
         raise EvictionConfigError(

@@ -36,6 +36,7 @@ from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch, Standard
 from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter.cpu_packing import PackedRows, one_head_caches, packed_offsets, packed_parts
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
+from vllm_kvevict.vllm_adapter.vllm_private import kv_scales_float
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cpu.EvictingCPUAttentionBackend"
 
@@ -253,6 +254,7 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
 
     def write_head_tokens(self, layer, key, value, kv_cache, slots) -> None:
         key_cache, value_cache = one_head_caches(kv_cache)
+        k_scale, v_scale = kv_scales_float(layer)
         ops.cpu_attn_reshape_and_cache(
             key,
             value,
@@ -260,15 +262,13 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
             value_cache,
             slots,
             layer.isa,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
+            k_scale=k_scale,
+            v_scale=v_scale,
             kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def cache_rows(self, layer, kv_cache, key, value) -> CPUCacheRows:
-        return CPUCacheRows(
-            kv_cache, layer.isa, key, value, layer._k_scale_float, layer._v_scale_float, self.kv_cache_dtype
-        )
+        return CPUCacheRows(kv_cache, layer.isa, key, value, *kv_scales_float(layer), self.kv_cache_dtype)
 
     def head_attention(self, layer, step: EvictionStep, batch: HeadSequenceBatch, query, kv_cache, out):
         key_cache, value_cache = one_head_caches(kv_cache)
@@ -308,6 +308,7 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
                 enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
                 kv_cache_dtype=self.kv_cache_dtype,
             )
+        k_scale, v_scale = kv_scales_float(layer)
         ops.cpu_attention_with_kv_cache(
             query=query,
             key_cache=key_cache,
@@ -323,8 +324,8 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
             softcap=self.logits_soft_cap,
             scheduler_metadata=batch.kernel_metadata,
             s_aux=None,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
+            k_scale=k_scale,
+            v_scale=v_scale,
             kv_cache_dtype=self.kv_cache_dtype,
         )
 

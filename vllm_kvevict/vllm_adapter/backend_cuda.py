@@ -34,6 +34,7 @@ from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
 from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
+from vllm_kvevict.vllm_adapter.vllm_private import kv_scales
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cuda.EvictingTritonAttentionBackend"
 
@@ -95,7 +96,7 @@ class EvictingTritonAttentionImpl(EvictingImpl, TritonAttentionImpl):
     def write_head_tokens(self, layer, key, value, kv_cache, slots) -> None:
         key_cache, value_cache = one_head_caches(kv_cache)
         triton_reshape_and_cache_flash(
-            key, value, key_cache, value_cache, slots, self.kv_cache_dtype, layer._k_scale, layer._v_scale
+            key, value, key_cache, value_cache, slots, self.kv_cache_dtype, *kv_scales(layer)
         )
 
     def cache_rows(self, layer, kv_cache, key, value) -> GPUCacheRows:
@@ -104,6 +105,7 @@ class EvictingTritonAttentionImpl(EvictingImpl, TritonAttentionImpl):
     def head_attention(self, layer, step: EvictionStep, batch: HeadSequenceBatch, query, kv_cache, out):
         key_cache, value_cache = one_head_caches(kv_cache)
         sequences = batch.seq_lens.shape[0]
+        k_scale, v_scale = kv_scales(layer)
         unified_attention(
             q=query,
             k=key_cache,
@@ -119,8 +121,8 @@ class EvictingTritonAttentionImpl(EvictingImpl, TritonAttentionImpl):
             block_table=batch.block_table,
             softcap=self.logits_soft_cap,
             q_descale=None,
-            k_descale=layer._k_scale.expand(sequences, 1),
-            v_descale=layer._v_scale.expand(sequences, 1),
+            k_descale=k_scale.expand(sequences, 1),
+            v_descale=v_scale.expand(sequences, 1),
         )
 
 

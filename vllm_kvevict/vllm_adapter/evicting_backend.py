@@ -26,7 +26,7 @@ from vllm_kvevict.datapath.moves import CacheRows
 from vllm_kvevict.datapath.question_echo import EchoLayer
 from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch, StandardPart
 from vllm_kvevict.datapath.worker import EvictionWorker, current_worker, set_worker
-from vllm_kvevict.settings.config import EvictionConfigError, get_eviction_config
+from vllm_kvevict.settings.additional_config import get_eviction_config
 from vllm_kvevict.vllm_adapter import model_support
 from vllm_kvevict.vllm_adapter.echo_forward import load_user_header
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_spec_from
@@ -39,7 +39,7 @@ def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWo
     after the refusals of a model or configuration no backend can evict correctly."""
     refusal = model_support.eviction_refusal(vllm_config)
     if refusal is not None:
-        raise EvictionConfigError(refusal)
+        raise model_support.ModelRefusedError(refusal)
     worker = current_worker()
     if worker is None:
         config = spec.eviction_config()
@@ -162,7 +162,7 @@ class EvictingImpl:
             sliding_window=getattr(self, "sliding_window", None),
         ) or model_support.cache_refusal(self.kv_cache_dtype, config.decode is not None, chunked_prefill)
         if refusal is not None:
-            raise EvictionConfigError(refusal)
+            raise model_support.ModelRefusedError(refusal)
 
     # ----- platform methods -----------------------------------------------------------------------------
     def write_head_tokens(

@@ -10,8 +10,9 @@ hash covers the context's token ids and vLLM's extra keys (``cache_salt``, LoRA)
 budget and parameters: a request with another setting, another salt or a full-KV request never finds the
 entry (full-KV requests look up token hashes only).
 
-Uses two private parts of vLLM 0.32.0's ``BlockPool``: ``_insert_block_hash`` (how ``cache_full_blocks``
-registers a block under a hash) and ``KVCacheBlock.block_hash`` (reset when the pool reclaims a block).
+Registers a block under a hash as ``cache_full_blocks`` does (``vllm_private.insert_block_hash``, a private
+part of vLLM 0.32.0's ``BlockPool``) and reads ``KVCacheBlock.block_hash`` (reset when the pool reclaims a
+block).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
+
+from vllm_kvevict.vllm_adapter.vllm_private import insert_block_hash
 
 _MARKER = b"vllm-kvevict kept context\x00"
 
@@ -85,7 +88,7 @@ class KeptContexts:
         self._drop_broken()
         hashes = [self._entry_hash(identity, chain, i) for i in range(len(blocks))]
         for block, block_hash in zip(blocks, hashes, strict=True):
-            self.block_pool._insert_block_hash(block_hash, block, num_tokens=None)
+            insert_block_hash(self.block_pool, block_hash, block)
         self.entries[key] = KeptContext(context_tokens, list(blocks), hashes)
         return True
 

@@ -23,11 +23,18 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vllm_kvevict.policies.registry import method_needs_o_proj
+from vllm_kvevict.settings.parsers import EvictionConfigError
 
 SUPPORTED = (
     "eviction supports decoder-only models whose every layer is full causal attention "
     "(MHA/GQA/MQA, any head size, QKV bias, QK-norm and fused QKV included)"
 )
+
+
+class ModelRefusedError(EvictionConfigError):
+    """Eviction refused for a model, its KV cache or one of its layers (or a setting it cannot serve): the one
+    error every refusal raises, at start-up (plugin, worker, attention impl); the message is the refusal's
+    one line. An ``EvictionConfigError``, so a ``ValueError`` too."""
 
 
 def _refusal(feature: str, supported: str = SUPPORTED) -> str:
@@ -81,7 +88,8 @@ def cache_refusal(cache_dtype: str, has_decode_cap: bool, chunked_prefill: bool 
     """A quantised KV cache (``--kv-cache-dtype`` other than auto) cannot be read back: not for a decode-time
     cap's re-scores, and not for a prompt computed in several steps (vLLM's chunked prefill), whose earlier
     chunks are read from the cache when it is evicted. A prompt computed in one step is evicted from the
-    step's own rows, in any cache dtype (evicting requests then skip the prefix cache, ``kv_spec.py``)."""
+    step's own rows, in any cache dtype (evicting requests then skip the prefix cache,
+    ``evicting_kv_manager.py``)."""
     if cache_dtype in ("auto", None):
         return None
     if has_decode_cap:
@@ -181,7 +189,7 @@ def criticalkv_refusal(method: str, o_proj_layers: Iterable[int], num_layers: in
 def eviction_refusal(vllm_config: Any) -> str | None:
     """The config-level checks together (model, KV-cache dtype with a decode cap); None when eviction is
     off or the model is supported."""
-    from vllm_kvevict.settings.config import get_eviction_config
+    from vllm_kvevict.settings.additional_config import get_eviction_config
 
     config = get_eviction_config(vllm_config)
     if config is None:

@@ -18,11 +18,9 @@ engine config may be built more than once; every step is idempotent.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
-#: The vLLM release this plugin was built and tested against; any other gets plain vLLM.
-TESTED_VLLM_VERSION = "0.32.0"
+from vllm_kvevict.vllm_adapter.vllm_patches import TESTED_VLLM_VERSION
 
 logger = logging.getLogger("vllm.kvevict")
 _state = {"eviction_installed": False, "version_refused": False}
@@ -35,10 +33,10 @@ def register() -> None:
             _state["version_refused"] = True
             logger.warning("%s", refusal)
         return
-    from vllm_kvevict.vllm_adapter import vllm_patches
+    from vllm_kvevict.vllm_adapter import vllm_patches, vllm_private
 
     vllm_patches.install_vllm_fixes()
-    vllm_config = vllm_config_of_caller()
+    vllm_config = vllm_private.vllm_config_of_caller()
     if vllm_config is not None:
         # EngineCore or a worker: the config it was started with decides.
         install_eviction_if_configured(vllm_config)
@@ -68,38 +66,19 @@ def vllm_version_refusal(version: str | None) -> str | None:
     )
 
 
-def vllm_config_of_caller(max_depth: int = 8) -> Any:
-    """The ``VllmConfig`` of the vLLM frame that loaded the plugins, or None (API server, plain Python).
-
-    vLLM 0.32.0 calls ``load_general_plugins()`` from ``EngineCore.__init__(vllm_config, ...)`` and from
-    ``WorkerWrapperBase.init_worker``, which has just bound ``vllm_config``: the process's config is a local
-    of that frame. The API server loads them while building its parser, before any config exists."""
-    from vllm.config import VllmConfig
-
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("vllm_config")
-        if isinstance(candidate, VllmConfig):
-            return candidate
-        frame = frame.f_back
-    return None
-
-
 def install_eviction_if_configured(vllm_config: Any) -> bool:
     """Install the eviction machinery in this process when ``vllm_config`` asks for eviction; True if it
-    is installed (now or before). A model or setting eviction cannot serve raises ValueError with one line
-    (``model_support.eviction_refusal``) before any weight is loaded."""
-    from vllm_kvevict.settings.config import get_eviction_config
-    from vllm_kvevict.vllm_adapter.model_support import eviction_refusal
+    is installed (now or before). A model or setting eviction cannot serve raises ModelRefusedError with one
+    line (``model_support.eviction_refusal``) before any weight is loaded."""
+    from vllm_kvevict.settings.additional_config import get_eviction_config
+    from vllm_kvevict.vllm_adapter.model_support import ModelRefusedError, eviction_refusal
 
     if get_eviction_config(vllm_config) is None:
         return _state["eviction_installed"]
     refusal = eviction_refusal(vllm_config)
     if refusal is not None:
         logger.error("%s", refusal)
-        raise ValueError(refusal)
+        raise ModelRefusedError(refusal)
     if _state["eviction_installed"]:
         return True
     _install_eviction()
@@ -113,12 +92,13 @@ def eviction_installed() -> bool:
 
 def _install_eviction() -> None:
     """The KV-cache spec with its manager, the attention backend and the model-runner hooks
-    (kv_spec.py, backend_cpu.py / backend_cuda.py, the eviction hooks of vllm_patches.py)."""
+    (kv_spec.py, evicting_kv_manager.py, backend_cpu.py / backend_cuda.py, the eviction hooks of
+    vllm_patches.py)."""
     from vllm.platforms import current_platform
 
-    from vllm_kvevict.vllm_adapter import kv_spec, vllm_patches
+    from vllm_kvevict.vllm_adapter import evicting_kv_manager, vllm_patches
 
-    kv_spec.register_evicting_spec()
+    evicting_kv_manager.register_evicting_spec()
     if current_platform.is_cpu():
         from vllm_kvevict.vllm_adapter.backend_cpu import register_cpu_backend
 

@@ -1,5 +1,5 @@
 """API-server validation of the per-request ``vllm_xargs`` keys, through two of vLLM's extension points
-(no vLLM function is wrapped; ``cli_args.enable_request_validation`` registers both when eviction is on):
+(no vLLM function is wrapped; ``engine_setup.enable_request_validation`` registers both when eviction is on):
 
 - ``--middleware`` (``VllmXargsMiddleware``, a plain ASGI middleware): a JSON POST body whose ``vllm_xargs``
   holds a bad ``kv_eviction``/``kv_budget`` gets HTTP 400 before vLLM's handler runs. Needed for streaming:
@@ -27,7 +27,9 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError, eviction_config_from_json
+from vllm_kvevict.settings.additional_config import eviction_config_from_json
+from vllm_kvevict.settings.config import EvictionConfig
+from vllm_kvevict.settings.parsers import EvictionConfigError
 from vllm_kvevict.settings.request_settings import parse_override
 
 #: JSON of the server's EvictionConfig, read by the API server processes.

@@ -40,7 +40,7 @@ def execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any)
 def get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
     from vllm.config import set_current_vllm_config
 
-    from vllm_kvevict.settings.config import EvictionConfigError, get_eviction_config
+    from vllm_kvevict.settings.additional_config import get_eviction_config
     from vllm_kvevict.vllm_adapter import model_support
 
     with set_current_vllm_config(runner.vllm_config):
@@ -53,7 +53,7 @@ def get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
             config.method, o_proj_weights(runner.get_model()), num_layers
         )
         if refusal is not None:
-            raise EvictionConfigError(refusal)
+            raise model_support.ModelRefusedError(refusal)
     return specs
 
 
@@ -202,7 +202,7 @@ def _method_needs_o_proj() -> bool:
     from vllm.config import get_current_vllm_config_or_none
 
     from vllm_kvevict.policies.registry import method_needs_o_proj
-    from vllm_kvevict.settings.config import get_eviction_config
+    from vllm_kvevict.settings.additional_config import get_eviction_config
 
     config = get_eviction_config(get_current_vllm_config_or_none())
     return config is not None and method_needs_o_proj(config.method)
@@ -227,11 +227,13 @@ def o_proj_weights(model: Any) -> dict[int, Any]:
 
 def rope_inv_freq(model: Any) -> Any:
     """[rotary_dim / 2] float32 RoPE inverse frequencies of the model's attention layers (they share them),
-    as vLLM's rotary embedding computes them (its scaling variants override ``_compute_inv_freq``); None for
+    as vLLM's rotary embedding computes them (``vllm_private.rotary_inv_freq``); None for
     a model without a NeoX-style rotary embedding (Expected Attention then has none to take out)."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
+    from vllm_kvevict.vllm_adapter.vllm_private import rotary_inv_freq
+
     for module in model.modules():
         if isinstance(module, RotaryEmbeddingBase) and module.is_neox_style:
-            return module._compute_inv_freq(module.base).float()
+            return rotary_inv_freq(module)
     return None

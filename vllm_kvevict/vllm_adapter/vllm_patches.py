@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+#: The vLLM release this plugin was built and tested against (every wrapper here and every reach-in of
+#: ``vllm_private.py`` was checked on it); any other gets plain vLLM (``plugin.vllm_version_refusal``).
 TESTED_VLLM_VERSION = "0.32.0"
 #: marks on a wrapper, one per group: vLLM fixes (every process), eviction hooks (eviction on), CLI flags
 _WRAPPED_MARK = "_kvevict_vllm_patch"
@@ -116,8 +118,12 @@ def install_cli_hooks() -> None:
 
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args, apply_eviction_to_engine_args
-    from vllm_kvevict.vllm_adapter.engine_guard import guard_engine_args, mark_guarded
+    from vllm_kvevict.vllm_adapter.engine_setup import (
+        apply_eviction_from_additional_config,
+        apply_eviction_to_engine_args,
+        mark_guarded,
+    )
+    from vllm_kvevict.vllm_adapter.eviction_flags import add_eviction_args
 
     if getattr(EngineArgs.add_cli_args, _CLI_MARK, False):
         return
@@ -143,9 +149,9 @@ def install_cli_hooks() -> None:
         return engine_args
 
     # Wraps EngineArgs.create_engine_config (vLLM 0.32.0): LLM(...) and AsyncLLM.from_engine_args build
-    # their config here without from_cli_args, so the same guard rails apply first (a GuardRailError).
+    # their config here without from_cli_args, so the same guard rails apply first (UnsupportedEngineSetting).
     def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> Any:
-        guard_engine_args(self)
+        apply_eviction_from_additional_config(self)
         return original_create(self, *args, **kwargs)
 
     setattr(add_cli_args, _CLI_MARK, True)

@@ -9,7 +9,8 @@ import torch
 from vllm.v1.core.block_pool import BlockPool
 
 from vllm_kvevict.settings.config import EvictionConfig
-from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager, EvictingAttentionSpec
+from vllm_kvevict.vllm_adapter.evicting_kv_manager import EvictingAttentionManager
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec
 
 
 def evicting_manager(

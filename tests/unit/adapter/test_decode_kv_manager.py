@@ -8,7 +8,7 @@ from vllm.v1.core.block_pool import BlockPool
 
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.settings.config import EvictionConfig
-from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager
+from vllm_kvevict.vllm_adapter.evicting_kv_manager import EvictingAttentionManager
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 600

@@ -12,11 +12,8 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict.layout.accounting import CHUNK_BUDGET_FLOOR, cdiv
 from vllm_kvevict.settings.config import EvictionConfig
-from vllm_kvevict.vllm_adapter.kv_spec import (
-    EvictingAttentionManager,
-    EvictingAttentionSpec,
-    register_evicting_spec,
-)
+from vllm_kvevict.vllm_adapter.evicting_kv_manager import EvictingAttentionManager, register_evicting_spec
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 400

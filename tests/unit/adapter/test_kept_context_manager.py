@@ -17,7 +17,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.context_reuse import entry_blocks
 from vllm_kvevict.settings.config import EvictionConfig
-from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionManager
+from vllm_kvevict.vllm_adapter.evicting_kv_manager import EvictingAttentionManager
 
 BS = 32
 NUM_BLOCKS = 600

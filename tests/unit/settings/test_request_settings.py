@@ -18,10 +18,12 @@ from vllm.v1.request import Request
 from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
 
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
-from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError
+from vllm_kvevict.settings.config import EvictionConfig
+from vllm_kvevict.settings.parsers import EvictionConfigError
 from vllm_kvevict.settings.request_settings import RequestOverride, RequestSettings, parse_override
 from vllm_kvevict.vllm_adapter import vllm_patches
-from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, register_evicting_spec
+from vllm_kvevict.vllm_adapter.evicting_kv_manager import register_evicting_spec
+from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec
 from vllm_kvevict.vllm_adapter.request_validation import (
     SERVER_CONFIG_ENV,
     VALIDATOR_FQCN,
@@ -123,7 +125,7 @@ def test_kv_prefill_chooses_eviction_between_chunks_for_one_request():
 
 
 def test_a_server_with_a_decode_cap_refuses_chunked_prompts():
-    from vllm_kvevict.settings.config import DecodeConfig
+    from vllm_kvevict.settings.decode_config import DecodeConfig
 
     capped = EvictionConfig("ada-snapkv", 64, decode=DecodeConfig("roco", 256))
     whole = RequestOverride("ada-snapkv", 64, prefill="whole")
@@ -133,7 +135,7 @@ def test_a_server_with_a_decode_cap_refuses_chunked_prompts():
 
 
 def test_a_kept_context_needs_equal_counts_and_a_server_without_a_decode_cap():
-    from vllm_kvevict.settings.config import DecodeConfig
+    from vllm_kvevict.settings.decode_config import DecodeConfig
 
     with pytest.raises(EvictionConfigError) as raised:
         parse_override({"kv_context": "keep"}, SERVER)

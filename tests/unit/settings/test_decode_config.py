@@ -6,8 +6,9 @@ import argparse
 
 import pytest
 
-from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError
-from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args, eviction_config_from_args
+from vllm_kvevict.settings.config import EvictionConfig
+from vllm_kvevict.settings.parsers import EvictionConfigError
+from vllm_kvevict.vllm_adapter.eviction_flags import add_eviction_args, eviction_config_from_args
 
 
 def config_of(argv: list[str]) -> EvictionConfig | None:

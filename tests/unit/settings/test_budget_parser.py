@@ -8,9 +8,10 @@ import argparse
 
 import pytest
 
-from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError, budget_rule, parse_budget
+from vllm_kvevict.settings.config import EvictionConfig
+from vllm_kvevict.settings.parsers import EvictionConfigError, budget_rule, parse_budget
 from vllm_kvevict.settings.request_settings import parse_override
-from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args
+from vllm_kvevict.vllm_adapter.eviction_flags import add_eviction_args
 
 SERVER = EvictionConfig("snapkv", 512, {"window": 4})
 CAPPED = EvictionConfig.from_dict({"method": "h2o", "budget": 512})

@@ -7,7 +7,7 @@ import os
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_kvevict.vllm_adapter.engine_guard import GUARDED_MARK, guard_engine_args
+from vllm_kvevict.vllm_adapter.engine_setup import GUARDED_MARK, apply_eviction_from_additional_config
 from vllm_kvevict.vllm_adapter.request_validation import SERVER_CONFIG_ENV, VALIDATOR_FQCN
 
 
@@ -74,6 +74,6 @@ def test_unsupported_engine_features_are_refused(model_dir, setting, named):
     for name, value in setting.items():
         setattr(args, name, value)
     with pytest.raises(ValueError, match=named) as raised:
-        guard_engine_args(args)
+        apply_eviction_from_additional_config(args)
     assert "vllm serve: error" not in str(raised.value)
 

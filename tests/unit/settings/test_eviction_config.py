@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.settings.config import (
-    EvictionConfig,
-    EvictionConfigError,
-    eviction_config_from_additional,
-    parse_budget,
-)
-from vllm_kvevict.vllm_adapter.cli_args import add_eviction_args, eviction_config_from_args
+from vllm_kvevict.settings.additional_config import eviction_config_from_additional
+from vllm_kvevict.settings.config import EvictionConfig
+from vllm_kvevict.settings.parsers import EvictionConfigError, parse_budget
+from vllm_kvevict.vllm_adapter.eviction_flags import add_eviction_args, eviction_config_from_args
 from vllm_kvevict.vllm_adapter.request_validation import MIDDLEWARE_PATH, SERVER_CONFIG_ENV, VALIDATOR_FQCN
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -101,14 +98,14 @@ def test_config_round_trips_through_dict():
 def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
+    from vllm_kvevict.vllm_adapter.engine_setup import apply_eviction_to_engine_args
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     monkeypatch.setenv(SERVER_CONFIG_ENV, "")  # restored after the test
     # The real call turns on multi-process Prometheus for this whole pytest process; record it instead.
     multiprocess_calls = []
     monkeypatch.setattr(
-        "vllm_kvevict.vllm_adapter.cli_args.ensure_multiprocess_collection",
+        "vllm_kvevict.vllm_adapter.engine_setup.ensure_multiprocess_collection",
         lambda: multiprocess_calls.append(True),
     )
     engine_args = EngineArgs(model="unused", enable_prefix_caching=True, enable_chunked_prefill=True)
@@ -143,7 +140,7 @@ def test_guard_rails_keep_prefix_caching_and_chunked_prefill(monkeypatch):
 def test_no_eviction_leaves_engine_args_alone():
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
+    from vllm_kvevict.vllm_adapter.engine_setup import apply_eviction_to_engine_args
 
     engine_args = EngineArgs(model="unused", enable_prefix_caching=True)
     apply_eviction_to_engine_args(parse([]), engine_args)
@@ -154,7 +151,7 @@ def test_no_eviction_leaves_engine_args_alone():
 def test_bad_setting_exits_with_one_line():
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
+    from vllm_kvevict.vllm_adapter.engine_setup import apply_eviction_to_engine_args
 
     engine_args = EngineArgs(model="unused", additional_config={"kv_eviction": {"method": "x", "budget": 1}})
     with pytest.raises(SystemExit, match=r"^vllm serve: error: kv_eviction.method='x' is not a known method"):
@@ -164,7 +161,7 @@ def test_bad_setting_exits_with_one_line():
 def test_cuda_selects_the_evicting_custom_backend():
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvevict.vllm_adapter.cli_args import select_cuda_backend
+    from vllm_kvevict.vllm_adapter.engine_requirements import select_cuda_backend
 
     engine_args = EngineArgs(model="unused")
     select_cuda_backend(engine_args, is_cuda=True)
@@ -177,7 +174,7 @@ def test_cuda_selects_the_evicting_custom_backend():
 def test_cuda_refuses_a_backend_that_cannot_evict():
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvevict.vllm_adapter.cli_args import select_cuda_backend
+    from vllm_kvevict.vllm_adapter.engine_requirements import select_cuda_backend
 
     engine_args = EngineArgs(model="unused", attention_backend="FLASH_ATTN")
     with pytest.raises(SystemExit, match="FLASH_ATTN cannot evict"):
@@ -233,7 +230,7 @@ def test_json_parameters_still_work_beside_preset_files():
 def test_pipeline_parallelism_is_refused_with_one_line(monkeypatch):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvevict.vllm_adapter.cli_args import apply_eviction_to_engine_args
+    from vllm_kvevict.vllm_adapter.engine_setup import apply_eviction_to_engine_args
 
     monkeypatch.setenv(SERVER_CONFIG_ENV, "")
     engine_args = EngineArgs(model="unused", pipeline_parallel_size=2)
@@ -245,7 +242,7 @@ def test_compiled_model_keeps_attention_out_of_cuda_graphs():
     from vllm.config.compilation import CompilationConfig, CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvevict.vllm_adapter.cli_args import keep_attention_out_of_graphs
+    from vllm_kvevict.vllm_adapter.engine_requirements import keep_attention_out_of_graphs
 
     for given in (
         None,

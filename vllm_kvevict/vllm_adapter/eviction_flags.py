@@ -1,52 +1,35 @@
-"""The ``--kv-eviction``, ``--kv-budget`` and ``--kv-eviction-config`` flags of ``vllm serve``.
+"""The ``--kv-eviction``, ``--kv-budget``, ``--kv-eviction-config`` and ``--kv-decode-*`` flags of
+``vllm serve`` and the eviction config they give.
 
 The flags end up in ``additional_config["kv_eviction"]``, the one piece of configuration vLLM hands to every
-process. ``--additional-config.kv_eviction.*`` (or ``--additional-config '{"kv_eviction": ...}'``) stays the
-documented fallback and goes through the same validation and start-up guard rails.
+process (``engine_setup.apply_eviction_to_engine_args``). ``--additional-config.kv_eviction.*`` (or
+``--additional-config '{"kv_eviction": ...}'``) stays the documented fallback and goes through the same
+validation.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import Any
-
-from vllm.logger import init_logger
 
 from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, BETWEEN_SCORERS
 from vllm_kvevict.policies.decode.registry import decode_method_names
 from vllm_kvevict.policies.presets import Preset
-from vllm_kvevict.policies.registry import available_methods
-from vllm_kvevict.settings.config import (
-    ADDITIONAL_CONFIG_KEY,
-    DECODE_ALLOCATIONS,
-    NO_DECODE,
-    EvictionConfig,
+from vllm_kvevict.policies.registry import available_methods, method_names
+from vllm_kvevict.settings.additional_config import ADDITIONAL_CONFIG_KEY, eviction_config_from_additional
+from vllm_kvevict.settings.config import EvictionConfig
+from vllm_kvevict.settings.decode_config import DECODE_ALLOCATIONS, NO_DECODE, implied_decode
+from vllm_kvevict.settings.parsers import (
     EvictionConfigError,
-    GuardRailError,
     budget_rule,
-    eviction_config_from_additional,
-    implied_decode,
-    method_names,
     parse_budget,
     parse_params_json,
     parse_params_or_preset,
 )
-from vllm_kvevict.vllm_adapter.metrics_multiprocess import ensure_multiprocess_collection
-from vllm_kvevict.vllm_adapter.request_validation import (
-    MIDDLEWARE_PATH,
-    VALIDATOR_FQCN,
-    publish_server_config,
-)
-
-logger = init_logger("vllm.kvevict")
+from vllm_kvevict.vllm_adapter.vllm_private import parser_has_option
 
 FLAG_GROUP_TITLE = "KVEviction"
-
-
-#: the one line every refusal of ``vllm serve`` starts with (the form of argparse's own errors).
-CLI_ERROR_PREFIX = "vllm serve: error: "
 
 
 def _budget_type(flag: str) -> Callable[[str], int | float]:
@@ -91,7 +74,7 @@ def _params_type(text: str) -> dict[str, Any] | Preset:
 
 def add_eviction_args(parser: argparse.ArgumentParser) -> None:
     """Add the eviction flags to a ``vllm serve`` parser (idempotent)."""
-    if any("--kv-eviction" in action.option_strings for action in parser._actions):
+    if parser_has_option(parser, "--kv-eviction"):
         return
     group = parser.add_argument_group(
         title=FLAG_GROUP_TITLE,
@@ -268,135 +251,3 @@ def decode_from_args(args: argparse.Namespace, existing: Any) -> dict[str, Any] 
             f"--kv-decode-eviction {decode['method']} needs --kv-decode-budget (e.g. 2048): {budget_rule()}"
         )
     return decode
-
-
-def apply_eviction_to_engine_args(args: argparse.Namespace, engine_args: Any) -> None:
-    """Put the eviction config into ``engine_args.additional_config`` and apply the start-up guard rails,
-    each stated in one log line. The ``vllm serve`` path (``vllm_patches.install_cli_hooks``): a bad setting
-    or a refusal of the rails exits with one line, the only place either becomes an exit."""
-    try:
-        config = eviction_config_from_args(args, engine_args.additional_config)
-        if config is None:
-            return
-        additional = dict(engine_args.additional_config or {})
-        additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
-        engine_args.additional_config = additional
-        apply_guard_rails(engine_args, config)
-    except EvictionConfigError as exc:  # GuardRailError included
-        raise SystemExit(f"{CLI_ERROR_PREFIX}{exc}") from None
-    enable_request_validation(args, engine_args, config)
-    # Before EngineCore/workers start: their vllm_kvevict_* metrics reach /metrics only this way.
-    ensure_multiprocess_collection()
-
-
-def enable_request_validation(args: argparse.Namespace, engine_args: Any, config: EvictionConfig) -> None:
-    """Per-request ``vllm_xargs`` overrides are checked by the API server (HTTP 400 before scheduling):
-    an ASGI middleware (``--middleware``, read from ``args`` when the app is built) and vLLM's
-    logits-processor ``validate_params`` hook (``request_validation.py``)."""
-    add_request_validator(engine_args, config)
-    middleware = list(getattr(args, "middleware", None) or [])
-    if MIDDLEWARE_PATH not in middleware:
-        args.middleware = [*middleware, MIDDLEWARE_PATH]
-
-
-def add_request_validator(engine_args: Any, config: EvictionConfig) -> None:
-    """The engine side of the per-request check (also for ``LLM()``): the server's setting published for
-    ``request_validation.py`` and its logits processor, whose ``validate_params`` refuses bad extra_args."""
-    publish_server_config(config)
-    processors = list(engine_args.logits_processors or [])
-    if VALIDATOR_FQCN not in processors:
-        engine_args.logits_processors = [*processors, VALIDATOR_FQCN]
-
-
-def apply_guard_rails(engine_args: Any, config: EvictionConfig) -> None:
-    """Settings eviction needs; every change is logged, none is silent. Raises GuardRailError naming a
-    setting eviction cannot run with."""
-    logger.info("kv-eviction: %s", config.describe())
-    if (getattr(engine_args, "pipeline_parallel_size", 1) or 1) > 1:
-        raise GuardRailError(
-            f"--pipeline-parallel-size {engine_args.pipeline_parallel_size} is not supported with "
-            "--kv-eviction (layers are indexed globally while a pipeline stage holds a slice of them); use "
-            "--tensor-parallel-size instead"
-        )
-    if getattr(engine_args, "speculative_config", None):
-        raise GuardRailError(
-            "--speculative-config is not supported with --kv-eviction (never tested, and vLLM refuses the "
-            "per-request vllm_xargs validator, a logits processor, with speculative decoding); drop one of "
-            "them"
-        )
-    if engine_args.enable_prefix_caching is not False:
-        logger.info(
-            "kv-eviction: prefix caching stays on; a request evicting its whole prompt reads cached blocks "
-            "(kept whole, shared), compacts into spare blocks where the pool has room and publishes its full "
-            "prompt blocks (else only those it frees); one evicting between chunks or while generating "
-            "neither reads nor publishes"
-        )
-    if engine_args.enable_chunked_prefill is not False and not config.keeps_chunked_prefill:
-        logger.info(
-            "kv-eviction: chunked prefill turned off (a decode-time cap needs whole prompts: one eviction "
-            "per prompt); max_num_batched_tokens must be >= max_model_len"
-        )
-        engine_args.enable_chunked_prefill = False
-    if not engine_args.enforce_eager:
-        keep_attention_out_of_graphs(engine_args)
-    select_cuda_backend(engine_args)
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
-        logger.info("kv-eviction: VLLM_USE_V2_MODEL_RUNNER=0 (eviction hooks the V1 model runner)")
-        # Set before the EngineCore and workers are spawned, so every child process inherits it.
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-
-
-def keep_attention_out_of_graphs(engine_args: Any, is_cuda: bool | None = None) -> None:
-    """The model stays compiled: attention is a splitting op of vLLM's compilation, so the evicting backend
-    (per-step metadata, scoring, compaction in Python) runs eagerly between the compiled pieces. What would
-    freeze it is refused or downgraded here, with one log line: no splitting ops (attention inside the
-    compiled graph) stops start-up; on CUDA a graph mode that captures attention (FULL, FULL_DECODE_ONLY,
-    FULL_AND_PIECEWISE, or vLLM's default, which is one of them) becomes PIECEWISE."""
-    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
-
-    config = engine_args.compilation_config
-    if isinstance(config, dict):
-        config = engine_args.compilation_config = CompilationConfig(**config)
-    if config.splitting_ops is not None and not any("attention" in op for op in config.splitting_ops):
-        raise GuardRailError(
-            f"--compilation-config splitting_ops={config.splitting_ops} compiles attention into the graph, "
-            "where eviction cannot run; leave splitting_ops unset or use --enforce-eager"
-        )
-    if is_cuda is None:
-        from vllm.platforms import current_platform
-
-        is_cuda = current_platform.is_cuda()
-    if not is_cuda:
-        logger.info(
-            "kv-eviction: the model runs compiled; attention (a splitting op) evicts between the pieces"
-        )
-        return
-    mode = config.cudagraph_mode
-    if mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
-        logger.info(
-            "kv-eviction: cudagraph_mode %s -> PIECEWISE (full CUDA graphs capture attention, whose eviction "
-            "metadata is built per step in Python); the model keeps piecewise CUDA graphs",
-            "default" if mode is None else mode.name,
-        )
-        config.cudagraph_mode = CUDAGraphMode.PIECEWISE
-
-
-def select_cuda_backend(engine_args: Any, is_cuda: bool | None = None) -> None:
-    """On CUDA, eviction runs in the evicting Triton attention backend, registered as ``CUSTOM``.
-
-    On CPU the plugin overrides ``CPU_ATTN`` itself (vLLM ignores --attention-backend there)."""
-    if is_cuda is None:
-        from vllm.platforms import current_platform
-
-        is_cuda = current_platform.is_cuda()
-    if not is_cuda:
-        return
-    chosen = engine_args.attention_backend
-    if chosen is not None and str(getattr(chosen, "name", chosen)).upper() != "CUSTOM":
-        raise GuardRailError(
-            f"--attention-backend {getattr(chosen, 'name', chosen)} cannot evict; with --kv-eviction leave "
-            "it unset or use CUSTOM (the evicting Triton attention backend)"
-        )
-    if chosen is None:
-        logger.info("kv-eviction: attention backend CUSTOM (the evicting Triton attention backend)")
-        engine_args.attention_backend = "CUSTOM"
