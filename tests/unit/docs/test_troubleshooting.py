@@ -4,9 +4,10 @@ and every line the page quotes is one the code still produces.
 The messages are found by scanning the package's source (``ast``), not by importing modules by path, so
 they are found wherever a message moves. A message is the first argument of:
 
-- ``raise EvictionConfigError(...)``, ``raise GuardRailError(...)`` or ``raise ...ArgumentTypeError(...)``,
-  anywhere in the package but ``cli/`` (the ``vllm-kvevict`` tool's own arguments): a bad setting, a
-  ``vllm serve: error:`` line at start-up or an HTTP 400 per request;
+- ``raise EvictionConfigError(...)``, ``raise UnsupportedEngineSetting(...)``, ``raise
+  ModelRefusedError(...)`` or ``raise ...ArgumentTypeError(...)``, anywhere in the package but ``cli/`` (the
+  ``vllm-kvevict`` tool's own arguments): a bad setting, a ``vllm serve: error:`` line at start-up or an
+  HTTP 400 per request;
 - a call of ``_refusal(...)`` (a model or setting eviction cannot serve), and the f-string returned by a
   function whose name ends in ``_refusal`` (the refusal line itself, the vLLM version line);
 - ``raise ValueError/RuntimeError/LookupError(...)`` in ``vllm_adapter/`` (the engine's own refusals), in
@@ -35,7 +36,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "vllm_kvevict"
 PAGE = ROOT / "docs" / "troubleshooting.md"
-SETTING_ERRORS = {"EvictionConfigError", "GuardRailError", "ArgumentTypeError"}
+SETTING_ERRORS = {
+    "EvictionConfigError",
+    "ModelRefusedError",
+    "UnsupportedEngineSetting",
+    "ArgumentTypeError",
+}
 ENGINE_ERRORS = {"ValueError", "RuntimeError", "LookupError"}
 #: what the CLI puts in front of a message (``cli_args.CLI_ERROR_PREFIX``; argparse names the flag)
 CLI_PREFIX = re.compile(r"^vllm serve: error: (?:argument --[a-z-]+: )?")
