@@ -13,6 +13,7 @@ from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.decode_eviction import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import Rescore
+from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
@@ -102,7 +103,7 @@ class EvictionStep:
         records: EvictionRecords,
         o_proj: dict[int, torch.Tensor],
         timer: StepTimer,
-        check: bool,
+        layer_tables: LayerTables,
         echo: EchoPass | None = None,
     ) -> None:
         self.sizes = sizes
@@ -123,7 +124,7 @@ class EvictionStep:
         self._decode = decode
         self._records = records
         self._o_proj = o_proj
-        self._check = check
+        self._layer_tables = layer_tables
         #: some layer work follows attention in this step (a decode step without a cap has none)
         self.acts_after_attention = bool(prompts.requests or chunk_rescores or rescores or ring_writes)
         self._per_layer: list[HeadSequenceBatch] | None = None  # built at the first head_batch call
@@ -269,7 +270,7 @@ class EvictionStep:
                 rows,
                 self._o_proj.get(layer_idx),
                 self.timer,
-                self._check,
+                self._layer_tables,
             )
             dumping = self._records.dump_dir is not None
             for r, result in zip(self.chunks, results, strict=True):
@@ -324,7 +325,7 @@ class EvictionStep:
             return None
         with self.timer.phase("total"):
             moves = self._decode.rescore_layer(
-                layer_idx, self.rescores, self._block_table, rows, self.timer, self._check
+                layer_idx, self.rescores, self._block_table, rows, self.timer, self._layer_tables
             )
             if layer_idx == self.shape.num_layers - 1:
                 for r in self.rescores:

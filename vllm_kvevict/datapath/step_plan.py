@@ -16,6 +16,7 @@ from vllm_kvevict import metrics
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.question_echo import EchoPass, EchoRequest, QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
@@ -133,6 +134,7 @@ class StepPlanner:
             compacted=compacted if layout is not None else None,
         )
         timer = StepTimer()
+        layer_tables = LayerTables(self.tables, check)
         prompts = PromptEviction(
             [r for r in compacting if r is not None],
             self.shape,
@@ -144,7 +146,7 @@ class StepPlanner:
             self.decode,
             self.records,
             timer,
-            check,
+            layer_tables,
         )
         return EvictionStep(
             sizes,
@@ -161,8 +163,8 @@ class StepPlanner:
             self.records,
             o_proj,
             timer,
-            check,
-            EchoPass(echo_requests, self.chunks, block_table, o_proj, timer, check)
+            layer_tables,
+            EchoPass(echo_requests, self.chunks, block_table, o_proj, timer, layer_tables)
             if echo_requests
             else None,
         )
