@@ -24,6 +24,7 @@ from vllm_kvevict.policies.decode.base import gather_padded
 
 if TYPE_CHECKING:
     from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+    from vllm_kvevict.datapath.decode_schedule import CapStarts
 
 
 class PromptEviction:
@@ -43,6 +44,7 @@ class PromptEviction:
         records: EvictionRecords,
         timer: StepTimer,
         layer_tables: LayerTables,
+        cap_starts: CapStarts,
     ) -> None:
         self.requests = requests
         self.shape = shape
@@ -55,6 +57,7 @@ class PromptEviction:
         self._block_table = block_table
         self._slot_mapping = slot_mapping
         self._tables = layer_tables
+        self.cap_starts = cap_starts  # what a decode cap starts from (committed after the step)
         self._kept: dict[str, list[KeptTokens]] = {}  # req -> per layer, until its last layer
 
     def compact_layer(
@@ -90,8 +93,9 @@ class PromptEviction:
             )
             result = evict_layer(layer_idx, held, choice, target, self._tables, self.timer)
             moves.append(result.moves)
-            if self.decode is not None and req.req_id in self.decode.records:  # the cap starts from here
-                self.decode.records[req.req_id].positions[layer_idx] = result.kept.indices.to(torch.int64)
+            self.cap_starts.keep(
+                req.req_id, layer_idx, result.kept.indices.to(torch.int64)
+            )  # a cap starts here
             self._finish_layer(req, layer_idx, result.kept)
         return Moves.join(moves)
 
@@ -165,8 +169,8 @@ class PromptEviction:
             cdiv(req.seq_len, bs),
         )
         result = evict_layer(layer_idx, held, choice, target, self._tables, self.timer)
-        record.positions[layer_idx] = gather_padded(padded, result.kept.indices, -1)
+        self.cap_starts.keep(req.req_id, layer_idx, gather_padded(padded, result.kept.indices, -1))
         if layer_idx == self.shape.num_layers - 1:
-            record.anchor = plan.prompt_len + generated
+            self.cap_starts.anchor(req.req_id, plan.prompt_len + generated)
         self._finish_layer(req, layer_idx, kept)
         return result.moves

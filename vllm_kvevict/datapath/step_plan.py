@@ -13,14 +13,16 @@ import numpy as np
 import torch
 
 from vllm_kvevict import metrics
+from vllm_kvevict.datapath.attention_metadata import HeadBatchBuilder, StepSizes
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.decode_schedule import CapStarts
 from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.question_echo import EchoPass, EchoRequest, QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
-from vllm_kvevict.datapath.step import EvictionStep, StepSizes
+from vllm_kvevict.datapath.step import EvictionStep, StepTools, StepWork
 from vllm_kvevict.datapath.step_inputs import StepInputs, StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
@@ -135,6 +137,7 @@ class StepPlanner:
         )
         timer = StepTimer()
         layer_tables = LayerTables(self.tables, check)
+        cap_starts = CapStarts(self.decode.records if self.decode is not None else {}, self.shape.num_layers)
         prompts = PromptEviction(
             [r for r in compacting if r is not None],
             self.shape,
@@ -147,27 +150,15 @@ class StepPlanner:
             self.records,
             timer,
             layer_tables,
+            cap_starts,
         )
-        return EvictionStep(
-            sizes,
-            self.shape,
-            self.tables,
-            layout,
-            block_table,
-            prompts,
-            self.chunks,
-            [c for c in chunks if c is not None],
-            self.decode,
-            ring_writes,
-            rescores,
-            self.records,
-            o_proj,
-            timer,
-            layer_tables,
-            EchoPass(echo_requests, self.chunks, block_table, o_proj, timer, layer_tables)
-            if echo_requests
-            else None,
-        )
+        echo = None
+        if echo_requests:
+            echo = EchoPass(echo_requests, self.chunks, block_table, o_proj, timer, layer_tables)
+        work = StepWork(prompts, [c for c in chunks if c is not None], rescores, ring_writes, echo)
+        tools = StepTools(self.chunks, self.decode, self.records, o_proj, timer, layer_tables, cap_starts)
+        metadata = HeadBatchBuilder(sizes, self.shape, self.tables, layout, block_table)
+        return EvictionStep(metadata, work, tools)
 
     def _echoes(
         self, inputs: StepInputs, computed: np.ndarray, seq_lens: np.ndarray, prompt_lens: np.ndarray

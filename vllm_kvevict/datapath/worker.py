@@ -142,7 +142,10 @@ class EvictionWorker:
         return self._step
 
     def end_step(self) -> None:
+        """The step is over: commit what its compacted prompts kept for their decode caps; publish."""
         if self._step is not None:
+            if self.decode is not None:
+                self.decode.start_from(self._step.cap_starts)
             self._step.publish()
         self.pending = None
         self._step = None
