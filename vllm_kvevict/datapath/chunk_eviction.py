@@ -14,7 +14,8 @@ Scores see the held entries in position order; pooling and span completion then 
 adjacent even where tokens between them were evicted, and the causal mask of the window takes the queries as
 the newest held entries (docs/design.md). A chunk shorter than the window (a last chunk of 16 tokens) takes
 the rest of its window from the previous chunks' queries, kept per request and layer (at most
-``MAX_SAVED_QUERIES``; methods that read more, such as H2O's every prompt query, see that many).
+``prompt_queries.MAX_SAVED_QUERIES``; methods that read more, such as H2O's every prompt query, see that
+many).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vllm_kvevict.datapath.layer_eviction import (
 )
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.placement import standard_entries
+from vllm_kvevict.datapath.prompt_queries import PromptQueries
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.datapath.shared_reads import HeldReads
 from vllm_kvevict.datapath.step_inputs import StepRequest
@@ -44,9 +46,6 @@ from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, read
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
 from vllm_kvevict.policies.expected_attention import uses_query_statistics
 from vllm_kvevict.policies.query_statistics import QueryStatistics
-
-#: queries kept per request and layer between chunks, for the next chunk's observation window.
-MAX_SAVED_QUERIES = 64
 
 
 @dataclass
@@ -118,41 +117,14 @@ class ChunkEviction:
         #: req -> per layer running statistics of every prompt query (Expected Attention only)
         self.statistics: dict[str, list[QueryStatistics]] = {}
         self.positions: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [H, a] held positions
-        self.queries: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [<= MAX, Hq, D]
+        self.queries = PromptQueries(shape.num_layers)  # the newest prompt queries, per request and layer
         self.held_end: dict[str, int] = {}  # req -> tokens computed at its last eviction (later: all held)
 
     def drop(self, req_id: str) -> None:
         self.statistics.pop(req_id, None)
         self.positions.pop(req_id, None)
-        self.queries.pop(req_id, None)
+        self.queries.drop(req_id)
         self.held_end.pop(req_id, None)
-
-    def observation(
-        self, layer_idx: int, r: ChunkRescore, query: torch.Tensor, end: int, window: int
-    ) -> torch.Tensor:
-        """[Hq, w, D] the last ``window`` queries up to step row ``end`` (earlier chunks' where needed)."""
-        current = query[r.q_start : end]
-        saved = self.queries.get(r.req_id, [None] * self.shape.num_layers)[layer_idx]
-        if current.shape[0] < window and saved is not None:
-            current = torch.cat([saved.to(current.dtype), current])
-        return current[max(0, current.shape[0] - window) :].transpose(0, 1)
-
-    def save_queries(self, layer_idx: int, r: ChunkRescore, query: torch.Tensor) -> None:
-        """Keep the newest ``MAX_SAVED_QUERIES`` queries of this request's prompt so far for ``layer_idx``."""
-        per_layer = self.queries.setdefault(r.req_id, [None] * self.shape.num_layers)
-        current = query[r.q_start : r.q_start + r.q_len]
-        saved = per_layer[layer_idx]
-        if saved is not None and current.shape[0] < MAX_SAVED_QUERIES:
-            current = torch.cat([saved, current])
-        per_layer[layer_idx] = current[max(0, current.shape[0] - MAX_SAVED_QUERIES) :].clone()
-
-    def saved_window(self, layer_idx: int, r: ChunkRescore, window: int) -> torch.Tensor:
-        """[w <= window, Hq, D] the newest saved prompt queries of ``layer_idx`` (the prompt's own last window
-        once its last chunk ran)."""
-        saved = self.queries.get(r.req_id, [None] * self.shape.num_layers)[layer_idx]
-        if saved is None:
-            raise RuntimeError(f"request {r.req_id} layer {layer_idx}: no prompt queries saved for a window")
-        return saved[max(0, saved.shape[0] - window) :]
 
     def read_held(
         self,
@@ -191,7 +163,7 @@ class ChunkEviction:
             layer_idx, r, block_row, echo_query, held, o_proj, timer, tables, (policy, echo_query)
         )
         if r.final and layer_idx == self.shape.num_layers - 1:
-            self.queries.pop(r.req_id, None)
+            self.queries.drop(r.req_id)
         return result
 
     def held(
@@ -239,7 +211,7 @@ class ChunkEviction:
                 moves.append(move)
             results.append(result)
             if not r.final or r.deferred:
-                self.save_queries(layer_idx, r, query)
+                self.queries.save(layer_idx, r.req_id, query[r.q_start : r.q_start + r.q_len])
             elif layer_idx == self.shape.num_layers - 1:
                 self.statistics.pop(r.req_id, None)  # the prompt is complete: no later chunk reads them
         return Moves.join(moves), results
@@ -287,7 +259,7 @@ class ChunkEviction:
         if echo is not None:  # the chunk's own last window, then the echo's queries after it
             echoing, echoed = echo
             policy = echoing if r.final else between_chunks(echoing, self.between, budget, tail)
-            own = self.saved_window(layer_idx, r, r.policy.query_window(scored - r.shared))
+            own = self.queries.window(layer_idx, r.req_id, r.policy.query_window(scored - r.shared))
             queries = torch.cat([own.to(echoed.dtype), echoed]).transpose(0, 1)
             first = scored - own.shape[0]
             query_positions = torch.arange(first, scored + echoed.shape[0], device=keys.device)
@@ -295,7 +267,7 @@ class ChunkEviction:
             prompt_end = r.q_start + (r.prompt_len - r.computed if r.final else r.q_len)
             policy = r.policy if r.final else between_chunks(r.policy, self.between, budget, tail)
             window = policy.query_window(scored - r.shared)
-            queries = self.observation(layer_idx, r, query, prompt_end, window)
+            queries = self.queries.observation(layer_idx, r.req_id, query[r.q_start : prompt_end], window)
         layer = LayerKV(
             keys=keys,
             values=None if values is None else values.to(keys.dtype),

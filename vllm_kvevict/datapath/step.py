@@ -58,25 +58,9 @@ class EvictionStep:
 
     def __init__(self, metadata: HeadBatchBuilder, work: StepWork, tools: StepTools) -> None:
         self.metadata = metadata
-        self.sizes = metadata.sizes
+        self.work = work
+        self.tools = tools
         self.num_tokens = metadata.sizes.num_tokens
-        self.shape = metadata.shape
-        #: requests compacted after the step's forward, by the question echo (None: none this step)
-        self.echo = work.echo
-        self.compacting: list[StepRequest] = work.prompts.requests
-        self.chunks = work.chunk_rescores
-        self.ring_writes = work.ring_writes
-        self.rescores = work.rescores
-        self.timer = tools.timer
-        #: what each prompt compacted in this step kept that its decode cap starts from (worker commits)
-        self.cap_starts = tools.cap_starts
-        self._block_table = metadata.block_table
-        self._prompts = work.prompts
-        self._chunk_eviction = tools.chunks
-        self._decode = tools.decode
-        self._records = tools.records
-        self._o_proj = tools.o_proj
-        self._layer_tables = tools.layer_tables
         #: some layer work follows attention in this step (a decode step without a cap has none)
         self.acts_after_attention = bool(
             work.prompts.requests or work.chunk_rescores or work.rescores or work.ring_writes
@@ -84,12 +68,27 @@ class EvictionStep:
         self._chunk_kept: dict[str, list[KeptTokens]] = {}  # req -> per layer (final; all when dumping)
 
     @property
+    def echo(self) -> EchoPass | None:
+        """Requests compacted after the step's forward, by the question echo (None: none this step)."""
+        return self.work.echo
+
+    @property
+    def compacting(self) -> list[StepRequest]:
+        """Requests whose whole prompt compacts in this step."""
+        return self.work.prompts.requests
+
+    @property
+    def cap_starts(self) -> CapStarts:
+        """What each prompt compacted in this step kept that its decode cap starts from (worker commits)."""
+        return self.tools.cap_starts
+
+    @property
     def max_seq_len(self) -> int:
-        return self.sizes.max_seq_len
+        return self.metadata.sizes.max_seq_len
 
     @property
     def max_query_len(self) -> int:
-        return self.sizes.max_query_len
+        return self.metadata.sizes.max_query_len
 
     @property
     def has_compacted(self) -> bool:
@@ -116,7 +115,7 @@ class EvictionStep:
         """The layer's eviction work: keep the queries a decode cap needs, compact prompts completing now,
         re-score prompts evicted between chunks and capped requests, and move their kept rows through
         ``rows``. query [T, Hq, D], key/value [T, H, D]: this step's rows, post-RoPE."""
-        if self.ring_writes is not None:
+        if self.work.ring_writes is not None:
             self.record_queries(layer_idx, query)
         for moves in (
             self.compact_layer(layer_idx, query, key, value),
@@ -128,47 +127,47 @@ class EvictionStep:
 
     def record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
         """Keep the queries [T, Hq, D] of capped decoding requests (one batched write per layer)."""
-        if self.ring_writes is not None and self._decode is not None:
-            self._decode.record_queries(layer_idx, query, self.ring_writes)
+        if self.work.ring_writes is not None and self.tools.decode is not None:
+            self.tools.decode.record_queries(layer_idx, query, self.work.ring_writes)
 
     def compact_layer(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> Moves | None:
         """Whole-prompt eviction of ``layer_idx`` (``PromptEviction.compact_layer``)."""
-        if not self.compacting:
+        if not self.work.prompts.requests:
             return None
-        with self.timer.phase("total"):
-            return self._prompts.compact_layer(layer_idx, query, key, value)
+        with self.tools.timer.phase("total"):
+            return self.work.prompts.compact_layer(layer_idx, query, key, value)
 
     def rescore_chunks(self, layer_idx: int, query: torch.Tensor, rows: CacheRows) -> Moves | None:
         """Re-score ``layer_idx`` of the requests whose prompt chunk evicts in this step (and keep the queries
         of the other prefilling ones for a later window). query [T, Hq, D]; runs after the layer's
         attention (the chunk is cached)."""
-        if not self.chunks:
+        if not self.work.chunk_rescores:
             return None
-        with self.timer.phase("total"):
-            moves, results = self._chunk_eviction.rescore_layer(
+        with self.tools.timer.phase("total"):
+            moves, results = self.tools.chunks.rescore_layer(
                 layer_idx,
-                self.chunks,
-                self._block_table,
+                self.work.chunk_rescores,
+                self.metadata.block_table,
                 query,
                 rows,
-                self._o_proj.get(layer_idx),
-                self.timer,
-                self._layer_tables,
+                self.tools.o_proj.get(layer_idx),
+                self.tools.timer,
+                self.tools.layer_tables,
             )
-            dumping = self._records.dump_dir is not None
-            for r, result in zip(self.chunks, results, strict=True):
+            dumping = self.tools.records.dump_dir is not None
+            for r, result in zip(self.work.chunk_rescores, results, strict=True):
                 if result is None or not (r.final or dumping):
                     continue
                 self._chunk_kept.setdefault(r.req_id, []).append(result)
                 if r.final and not r.trailing:  # the decode cap starts from the prompt's kept entries
-                    self.cap_starts.keep(r.req_id, layer_idx, result.indices)
-            if layer_idx == self.shape.num_layers - 1:
-                for r in self.chunks:
+                    self.tools.cap_starts.keep(r.req_id, layer_idx, result.indices)
+            if layer_idx == self.metadata.shape.num_layers - 1:
+                for r in self.work.chunk_rescores:
                     if r.rescores_now:
                         kept = self._chunk_kept.pop(r.req_id, None)
-                        self._records.chunk_evicted(
+                        self.tools.records.chunk_evicted(
                             r.as_request(), r.plan, r.final, kept, r.trailing, r.policy.name
                         )
             return moves
@@ -177,22 +176,22 @@ class EvictionStep:
         """One layer of the echo forward (``question_echo.EchoPass.layer``): attention into
         ``tensors.output``, then the deferred compaction of the layer through ``rows``; after the last layer
         the requests are recorded as compacted."""
-        echo = self.echo
+        echo = self.work.echo
         assert echo is not None, "echo_layer runs only in a step with an echo pass"
         moves = echo.layer(layer_idx, tensors, rows)
         if moves is not None and moves.slots.numel():
             rows.move(moves)
         for r in echo.requests:
             if r.rescore.final:  # the decode cap starts from the prompt's kept entries
-                self.cap_starts.keep(
+                self.tools.cap_starts.keep(
                     r.rescore.req_id, layer_idx, echo.kept[r.rescore.req_id][layer_idx].indices
                 )
-        if layer_idx == self.shape.num_layers - 1:
-            dumping = self._records.dump_dir is not None
+        if layer_idx == self.metadata.shape.num_layers - 1:
+            dumping = self.tools.records.dump_dir is not None
             for r in echo.requests:
                 rescore = r.rescore
                 kept = echo.kept.pop(rescore.req_id)
-                self._records.chunk_evicted(
+                self.tools.records.chunk_evicted(
                     rescore.as_request(),
                     rescore.plan,
                     rescore.final,
@@ -204,19 +203,27 @@ class EvictionStep:
     def rescore_layer(self, layer_idx: int, rows: CacheRows) -> Moves | None:
         """Re-score ``layer_idx`` of the requests whose decode cap re-scores in this step. Runs after the
         layer's attention (this step's token is cached)."""
-        if not self.rescores or self._decode is None:
+        if not self.work.rescores or self.tools.decode is None:
             return None
-        with self.timer.phase("total"):
-            moves = self._decode.rescore_layer(
-                layer_idx, self.rescores, self._block_table, rows, self.timer, self._layer_tables
+        with self.tools.timer.phase("total"):
+            moves = self.tools.decode.rescore_layer(
+                layer_idx,
+                self.work.rescores,
+                self.metadata.block_table,
+                rows,
+                self.tools.timer,
+                self.tools.layer_tables,
             )
-            if layer_idx == self.shape.num_layers - 1:
-                for r in self.rescores:
-                    self._records.rescored(r.req_id, r.slot, r.record.plan, r.generated)
+            if layer_idx == self.metadata.shape.num_layers - 1:
+                for r in self.work.rescores:
+                    self.tools.records.rescored(r.req_id, r.slot, r.record.plan, r.generated)
             return moves
 
     def publish(self) -> None:
         """The step is over: its eviction time by phase and the batch's resident entries (metrics)."""
-        self._records.publish_step(
-            self.sizes.num_reqs, self.sizes.seq_lens, self.sizes.prompt_lens, self.timer.seconds
+        self.tools.records.publish_step(
+            self.metadata.sizes.num_reqs,
+            self.metadata.sizes.seq_lens,
+            self.metadata.sizes.prompt_lens,
+            self.tools.timer.seconds,
         )
