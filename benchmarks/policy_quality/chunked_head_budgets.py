@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import decode_in_batches  # noqa: E402
 from sweep import decode_limits  # noqa: E402
 
+from vllm_kvevict.evaluation.answer_match import score as score_output  # noqa: E402
 from vllm_kvevict.evaluation.generate import generate_samples  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
-from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
 from vllm_kvevict.hf_reference import load_reference_model  # noqa: E402
 from vllm_kvevict.hf_reference.capture import recording  # noqa: E402
 from vllm_kvevict.hf_reference.chunked import ChunkedPrefill, cached_prompt, chunked_prefill  # noqa: E402

@@ -16,7 +16,7 @@ from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.query_ring import QueryRing, RingWrites
 from vllm_kvevict.layout.accounting import NEVER, RequestPlan, cdiv, evicted_offset
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy, DecodeState
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, DecodeState
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 
 from vllm_kvevict import metrics
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
 
 FAULT_INJECTION_ENV = "KVEVICT_FAULT_INJECTION"
 INJECTABLE = ("raise", "wrong_counts", "nan")

@@ -20,10 +20,10 @@ from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import KeptTokens, LayerKV
-from vllm_kvevict.policies.decode.base import gather_padded
+from vllm_kvevict.policies.decode.decode_policy import gather_padded
 
 if TYPE_CHECKING:
-    from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+    from vllm_kvevict.datapath.decode_rescore import DecodeEviction
     from vllm_kvevict.datapath.decode_schedule import CapStarts
 
 

@@ -12,7 +12,7 @@ import torch
 
 from vllm_kvevict.datapath.attention_metadata import HeadBatchBuilder, HeadSequenceBatch, StandardPart
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
-from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import CapStarts, Rescore
 from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.moves import CacheRows, Moves

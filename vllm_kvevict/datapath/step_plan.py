@@ -15,7 +15,7 @@ from vllm_kvevict import metrics
 from vllm_kvevict.datapath.attention_metadata import HeadBatchBuilder, StepSizes
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
-from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import CapStarts
 from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction

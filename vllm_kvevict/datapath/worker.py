@@ -12,7 +12,7 @@ import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
-from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.question_echo import QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.request_plans import RequestPlans

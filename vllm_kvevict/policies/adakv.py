@@ -20,7 +20,7 @@ from vllm_kvevict.policies.base import (
     check_fraction,
     shifted,
 )
-from vllm_kvevict.policies.selection import ada_allocation, ada_blend_allocation, safeguard_size
+from vllm_kvevict.policies.kept_masks import ada_allocation, ada_blend_allocation, safeguard_size
 
 #: How ``alpha`` is read: kvpress's and the paper code's safeguard, or the blend of the paper's formula.
 ALLOCATIONS: tuple[str, ...] = ("safeguard", "blend")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from vllm_kvevict.policies.selection import top_k_mask
+from vllm_kvevict.policies.kept_masks import top_k_mask
 
 if TYPE_CHECKING:
     from vllm_kvevict.policies.query_statistics import QueryStatistics

@@ -11,9 +11,9 @@ from typing import ClassVar
 import torch
 
 from vllm_kvevict.policies.adakv import AdaKV
+from vllm_kvevict.policies.attention_scores import value_norms
 from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy, WrappingPolicy, check_fraction
-from vllm_kvevict.policies.scoring import value_norms
-from vllm_kvevict.policies.selection import critical_selection
+from vllm_kvevict.policies.kept_masks import critical_selection
 
 
 @dataclass

@@ -10,8 +10,8 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvevict.policies.attention_scores import accumulated_attention, group_mean
 from vllm_kvevict.policies.base import LayerKV, RecentWindowPolicy, ScoredPolicy, check_int
-from vllm_kvevict.policies.scoring import accumulated_attention, group_mean
 
 
 @dataclass

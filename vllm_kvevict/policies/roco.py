@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvevict.policies.attention_scores import attention_statistics
 from vllm_kvevict.policies.base import (
     KeptTokens,
     LayerKV,
@@ -17,8 +18,7 @@ from vllm_kvevict.policies.base import (
     check_fraction,
     check_int,
 )
-from vllm_kvevict.policies.scoring import attention_statistics
-from vllm_kvevict.policies.selection import robust_selection
+from vllm_kvevict.policies.kept_masks import robust_selection
 
 
 @dataclass

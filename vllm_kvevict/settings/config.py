@@ -17,8 +17,8 @@ import yaml
 from vllm_kvevict.layout.accounting import CHUNK_BUDGET_FLOOR
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN, BetweenRule
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
-from vllm_kvevict.policies.decode.registry import (
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.decode_registry import (
     build_decode_policy,
     decode_method_names,
     decode_method_params,

@@ -15,7 +15,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, BETWEEN_SCORERS
-from vllm_kvevict.policies.decode.registry import decode_method_names
+from vllm_kvevict.policies.decode.decode_registry import decode_method_names
 from vllm_kvevict.policies.presets import Preset
 from vllm_kvevict.policies.registry import available_methods
 from vllm_kvevict.settings.config import (

@@ -26,7 +26,12 @@ from vllm_kvevict.datapath.policy_guard import guarded
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.policies.base import KeptTokens
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy, DecodeState, ada_caps, gather_padded
+from vllm_kvevict.policies.decode.decode_policy import (
+    DecodeEvictionPolicy,
+    DecodeState,
+    ada_caps,
+    gather_padded,
+)
 
 
 @dataclass
