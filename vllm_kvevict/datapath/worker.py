@@ -22,7 +22,6 @@ from vllm_kvevict.datapath.step_plan import StepPlanner, shares_tables
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.context_reuse import EntryBlocks, context_plan, entry_blocks, keeps_entry
-from vllm_kvevict.layout.subblock_table import SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.request_settings import RequestSettings, decode_policy
@@ -43,7 +42,6 @@ class EvictionWorker:
         spare_columns: int = 0,
     ) -> None:
         self.policy = policy
-        self.budget = budget
         self.shape = CacheShape(num_layers, num_kv_heads, block_size)
         #: block-table columns for spare blocks (``EvictingAttentionSpec.spare_columns``; 0: never given)
         self.spare_columns = spare_columns
@@ -238,10 +236,6 @@ class EvictionWorker:
                 store.commit(group, slot, table, entry.reader_first)
             self.tables.mark_compacted(slot)
             self.records.restart(slot, req_id)
-
-    def layer_table(self, req_id: str, layer_idx: int) -> SubBlockTable:
-        """A compacted request's table for ``layer_idx`` as the reference model (inspection and tests)."""
-        return self.tables.table_of(req_id, layer_idx)
 
 
 _WORKER: EvictionWorker | None = None
