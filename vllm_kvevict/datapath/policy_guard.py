@@ -8,7 +8,7 @@ outside the prompt or repeated (``wrong_counts``). Each fault is counted in
 ``kept_selection.kept_or_newest`` logs and answers with the layer's most recent tokens: the scheduler frees
 the request's blocks whatever happens, so the request must still compact, and the other requests of the
 batch are not touched. Prefill policies (``guarded_select``) and decode-time ones (``guarded``, from
-``decode_eviction.DecodeChoice``) go through the same guard.
+``decode_rescore.DecodeChoice``) go through the same guard.
 
 Test hook: ``KVEVICT_FAULT_INJECTION='{"raise": 777, "wrong_counts": 778, "nan": 779}'`` injects each fault
 into every layer of the requests whose prompt has exactly that many tokens (read once per process; off unless
