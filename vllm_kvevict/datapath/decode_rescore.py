@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_kvevict import metrics
 from vllm_kvevict.datapath.decode_schedule import DecodeRecord, DecodeSchedule, Rescore
 from vllm_kvevict.datapath.layer_eviction import (
     HeldEntries,
@@ -173,16 +172,9 @@ class DecodeEviction(DecodeSchedule):
         return self.ring.read_recent(layer_idx, record.row, newest, count)
 
     def _finish(self, r: Rescore) -> None:
-        """Every layer of ``r`` was re-scored: its tail starts after this step's token; publish."""
-        record, plan, t = r.record, r.record.plan, r.generated
-        record.anchor = plan.prompt_len + t
+        """Every layer of ``r`` was re-scored: its tail starts after this step's token."""
+        r.record.anchor = r.record.plan.prompt_len + r.generated
         self.tables.mark_compacted(r.slot)
-        previous = plan.offset(t - 1)
-        metrics.record_decode_eviction(
-            self.policy.name,
-            float(plan.offset(t) - previous),
-            plan.blocks_freed(t) - plan.blocks_freed(t - 1),
-        )
 
     # ----- a prompt whose decode cap applies in its own step (recomputed after preemption) ------------
     def recomputed_choice(

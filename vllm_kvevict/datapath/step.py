@@ -216,7 +216,9 @@ class EvictionStep:
             )
             if layer_idx == self.metadata.shape.num_layers - 1:
                 for r in self.work.rescores:
-                    self.tools.records.rescored(r.req_id, r.slot, r.record.plan, r.generated)
+                    self.tools.records.rescored(
+                        r.req_id, r.slot, r.record.plan, r.generated, self.tools.decode.policy.name
+                    )
             return moves
 
     def publish(self) -> None:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vllm_kvevict import metrics
 from vllm_kvevict.datapath.attention_metadata import HeadBatchBuilder, StepSizes
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
@@ -211,7 +210,7 @@ class StepPlanner:
             self.tables.split()
             return req
         if not plan.compacts:
-            metrics.record_request_skipped(setting.method if setting else self.policy.name)
+            self.records.skipped(setting.method if setting else self.policy.name)
             return None
         req.plan = plan
         req.spare = self._spare(inputs, index, plan, setting, int(seq_lens[index]))
@@ -239,7 +238,7 @@ class StepPlanner:
         completes = n1 >= prompt_len
         if not plan.compacts:
             if completes:
-                metrics.record_request_skipped(setting.method if setting else self.policy.name)
+                self.records.skipped(setting.method if setting else self.policy.name)
             return None
         policy = setting.policy if setting else self.policy
         assert policy is not None
