@@ -33,7 +33,9 @@ class HeldEntries:
     step_row: int | None = None
 
     @staticmethod
-    def of_step_rows(slot_mapping: torch.Tensor, start: int, length: int, heads: int, block_size: int):
+    def of_step_rows(
+        slot_mapping: torch.Tensor, start: int, length: int, heads: int, block_size: int
+    ) -> HeldEntries:
         """The ``length`` rows from ``start`` of this step's tensors, written to vLLM's standard layout at
         ``slot_mapping`` [T] (head h of a token in sub-block ``block * H + h``)."""
         standard = slot_mapping[start : start + length].to(torch.int64)
