@@ -36,7 +36,7 @@ FRAMES = (
     ("attention layers", "unified_attention_with_output (vllm/model_executor/layers/attention/attention.py"),
     ("vLLM's CPU attention kernel", "cpu_attention_with_kv_cache (vllm/_custom_ops.py"),
     ("decode-time re-score, all of it", "rescore_layer (vllm_kvevict/datapath/step.py"),
-    ("  the method's selection", "select (vllm_kvevict/datapath/decode_eviction.py"),
+    ("  the method's selection", "select (vllm_kvevict/datapath/decode_rescore.py"),
     ("  moving kept rows", "move (vllm_kvevict/vllm_adapter/backend_cpu.py"),
     ("head-as-sequence attention", "head_attention (vllm_kvevict/vllm_adapter/backend_cpu.py"),
     ("query ring", "record_queries (vllm_kvevict/datapath/step.py"),

@@ -45,8 +45,8 @@ FRAMES = (
     ("attention layers, all of it", "unified_attention_with_output (vllm/model_executor/layers/attention/"),
     ("  eviction after attention", "after_attention (vllm_kvevict/datapath/step.py"),
     ("    reading held keys/values", "read_held (vllm_kvevict/datapath/chunk_eviction.py"),
-    ("    the method's selection", "select_kept (vllm_kvevict/datapath/selection.py"),
-    ("      window attention (scoring)", "window_attention (vllm_kvevict/policies/scoring.py"),
+    ("    the method's selection", "kept_or_newest (vllm_kvevict/datapath/kept_selection.py"),
+    ("      window attention (scoring)", "window_attention (vllm_kvevict/policies/attention_scores.py"),
     ("    moving kept rows", "move (vllm_kvevict/vllm_adapter/backend_cpu.py"),
     ("sampling", "sample_tokens (vllm/v1/worker/gpu_model_runner.py"),
 )

@@ -45,15 +45,20 @@ class EvictionMetrics:
     """Every eviction metric, in one registry (the global one in production, a fresh one in tests)."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.requests_compacted = Counter(
-            PREFIX + "requests_compacted", "Requests whose KV cache was compacted after prefill.",
-            ["method"], registry=registry,
+        def latest(name: str, text: str, labels: Sequence[str] = ()) -> Gauge:
+            """A gauge whose value across processes is the one set last."""
+            return Gauge(PREFIX + name, text, labels, registry=registry, multiprocess_mode="mostrecent")
+
+        def per_method(name: str, text: str) -> Counter:
+            return Counter(PREFIX + name, text, ["method"], registry=registry)
+
+        self.requests_compacted = per_method(
+            "requests_compacted", "Requests whose KV cache was compacted after prefill.",
         )
-        self.requests_skipped = Counter(
-            PREFIX + "requests_skipped",
+        self.requests_skipped = per_method(
+            "requests_skipped",
             "Requests left untouched: their prompt (or their part after a shared prefix) fits the budget, or "
             "compacting that part would free less than min_freed_share of the prompt.",
-            ["method"], registry=registry,
         )
         self.tokens_kept = Counter(
             PREFIX + "tokens_kept", "Prompt tokens kept per KV head (mean over layers and heads).",
@@ -83,40 +88,34 @@ class EvictionMetrics:
             "Spread of per-head budgets: B_h / B for every (layer, KV head) of a compacted request.",
             buckets=HEAD_RATIO_BUCKETS, registry=registry,
         )
-        self.kv_tokens_resident = Gauge(
-            PREFIX + "kv_tokens_resident",
+        self.kv_tokens_resident = latest(
+            "kv_tokens_resident",
             "KV tokens per KV head resident for running compacted requests after eviction.",
-            registry=registry, multiprocess_mode="mostrecent",
         )
-        self.kv_blocks_saved = Gauge(
-            PREFIX + "kv_blocks_saved",
+        self.kv_blocks_saved = latest(
+            "kv_blocks_saved",
             "Blocks running requests would hold in addition without eviction.",
-            registry=registry, multiprocess_mode="mostrecent",
         )
-        self.kv_cache_saved_perc = Gauge(
-            PREFIX + "kv_cache_saved_perc",
+        self.kv_cache_saved_perc = latest(
+            "kv_cache_saved_perc",
             "Fraction of the KV pool running requests would hold in addition without eviction (1 = 100%).",
-            registry=registry, multiprocess_mode="mostrecent",
         )
-        self.layer_kept_budget = Gauge(
-            PREFIX + "layer_kept_budget",
+        self.layer_kept_budget = latest(
+            "layer_kept_budget",
             "Kept tokens per KV head of each layer for the most recently compacted request.",
-            ["layer"], registry=registry, multiprocess_mode="mostrecent",
+            ["layer"],
         )
-        self.decode_evictions = Counter(
-            PREFIX + "decode_evictions",
+        self.decode_evictions = per_method(
+            "decode_evictions",
             "Decode-time re-scores: a capped request evicted down to its cap while generating (all layers).",
-            ["method"], registry=registry,
         )
-        self.decode_tokens_evicted = Counter(
-            PREFIX + "decode_tokens_evicted",
+        self.decode_tokens_evicted = per_method(
+            "decode_tokens_evicted",
             "Entries per KV head evicted while generating (the rule's bound, summed over re-scores).",
-            ["method"], registry=registry,
         )
-        self.decode_blocks_freed = Counter(
-            PREFIX + "decode_blocks_freed",
+        self.decode_blocks_freed = per_method(
+            "decode_blocks_freed",
             "Paged KV blocks given back to vLLM's pool while generating (decode-time cap).",
-            ["method"], registry=registry,
         )
         self.policy_fallbacks = Counter(
             PREFIX + "policy_fallbacks",
@@ -129,10 +128,9 @@ class EvictionMetrics:
             "read = a later request started from one instead of computing its context.",
             ["event"], registry=registry,
         )
-        self.worker_requests = Gauge(
-            PREFIX + "worker_requests",
+        self.worker_requests = latest(
+            "worker_requests",
             "Requests whose compacted KV layout the worker holds (0 once all requests are gone: no leak).",
-            registry=registry, multiprocess_mode="mostrecent",
         )
         # An info metric by convention (``*_info`` = 1): prometheus_client's Info does not work multi-process.
         self.config_info = Gauge(

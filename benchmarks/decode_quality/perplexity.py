@@ -29,7 +29,7 @@ from vllm_kvevict.evaluation.haystacks import haystack_sentences
 from vllm_kvevict.hf_reference import load_reference_model
 from vllm_kvevict.hf_reference.decode_eviction import DecodeCap, capped_decode
 from vllm_kvevict.policies.decode import build_decode_policy, decode_method_names
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
 from vllm_kvevict.policies.method_spec import parse_method_spec
 
 

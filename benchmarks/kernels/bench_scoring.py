@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from bench_common import base_parser, emit_table, time_ms
 
 from vllm_kvevict.layout.kernels import reference, subblock_tables_from_block_tables
-from vllm_kvevict.policies.scoring import window_attention
-from vllm_kvevict.triton_kernels.scoring import paged_window_scores
+from vllm_kvevict.policies.attention_scores import window_attention
+from vllm_kvevict.triton_kernels.window_scores import paged_window_scores
 
 
 def measure(args, n: int, device, dtype) -> list[object]:

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from needle import needle_prompt  # noqa: E402
 
 from vllm_kvevict.hf_reference import kept_per_layer, kvpress_kept_count, load_reference_model, prefill  # noqa: E402
+from vllm_kvevict.policies.attention_scores import group_mean, window_attention  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
-from vllm_kvevict.policies.scoring import group_mean, window_attention  # noqa: E402
 
 
 def value_positions(tokenizer, input_ids: list[int], answer: str) -> list[int]:

@@ -43,10 +43,10 @@ from run import (  # noqa: E402
 )
 from score_cache import reused_scores  # noqa: E402
 
+from vllm_kvevict.evaluation.answer_match import score as score_output  # noqa: E402
 from vllm_kvevict.evaluation.generate import generate_sample  # noqa: E402
 from vllm_kvevict.evaluation.prompt_format import PromptFormat  # noqa: E402
 from vllm_kvevict.evaluation.sample import Sample  # noqa: E402
-from vllm_kvevict.evaluation.scoring import score as score_output  # noqa: E402
 from vllm_kvevict.evaluation.tasks import get_task  # noqa: E402
 from vllm_kvevict.evaluation.tasks.question_first import PREFIX as QUESTION_FIRST_PREFIX  # noqa: E402
 from vllm_kvevict.hf_reference import (  # noqa: E402

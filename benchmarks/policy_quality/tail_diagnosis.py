@@ -34,8 +34,8 @@ from vllm_kvevict.hf_reference import (  # noqa: E402
     load_reference_model,
     prefill,
 )
+from vllm_kvevict.policies.attention_scores import group_mean, window_attention  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
-from vllm_kvevict.policies.scoring import group_mean, window_attention  # noqa: E402
 
 
 def copy_attention(

@@ -148,7 +148,7 @@ def test_window_scores_match_reference_per_dtype_and_block_size(dtype, block_siz
 
 
 def test_window_scores_split_over_key_ranges_and_explicit_positions_match_reference():
-    from vllm_kvevict.triton_kernels.scoring import paged_window_scores as triton_scores
+    from vllm_kvevict.triton_kernels.window_scores import paged_window_scores as triton_scores
 
     seq_lens, window = [40, 70], 4
     case = paged_sequences(seq_lens, head_size=32, device=DEVICE, seed=7)

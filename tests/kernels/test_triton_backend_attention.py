@@ -23,7 +23,7 @@ import torch
 torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
 from types import SimpleNamespace
 from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.step import HeadSequenceBatch
+from vllm_kvevict.datapath.attention_metadata import HeadSequenceBatch
 from vllm_kvevict.vllm_adapter.backend_cuda import EvictingTritonAttentionImpl, GPUCacheRows, one_head_caches
 
 torch.manual_seed(0)

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
-from vllm_kvevict.triton_kernels import compaction, paged_attention, scoring  # noqa: E402
+from vllm_kvevict.triton_kernels import compaction, paged_attention, window_scores  # noqa: E402
 
 ELEMENT_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 
@@ -153,12 +153,14 @@ def cases() -> list[KernelCase]:
                 sum_ptr="fp32",
             )
             out.append(
-                KernelCase(f"window stats {dt} g{g_pad} w{w_pad}", scoring._window_stats_kernel, ptrs, common)
+                KernelCase(
+                    f"window stats {dt} g{g_pad} w{w_pad}", window_scores._window_stats_kernel, ptrs, common
+                )
             )
             out.append(
                 KernelCase(
                     f"window scores {dt} g{g_pad} w{w_pad}",
-                    scoring._window_scores_kernel,
+                    window_scores._window_scores_kernel,
                     dict(ptrs, scores_ptr="fp32"),
                     common,
                 )
@@ -167,7 +169,7 @@ def cases() -> list[KernelCase]:
         out.append(
             KernelCase(
                 f"pool + group mean {kind}",
-                scoring._pool_group_mean_kernel,
+                window_scores._pool_group_mean_kernel,
                 dict(scores_ptr="fp32", seq_lens_ptr="i32", pooled_lens_ptr="i32", out_ptr="fp32"),
                 dict(KERNEL=7, IS_MAX=kind == "max", BLOCK_N=128),
             )

@@ -14,7 +14,8 @@ Scores see the held entries in position order; pooling and span completion then 
 adjacent even where tokens between them were evicted, and the causal mask of the window takes the queries as
 the newest held entries (docs/design.md). A chunk shorter than the window (a last chunk of 16 tokens) takes
 the rest of its window from the previous chunks' queries, kept per request and layer (at most
-``MAX_SAVED_QUERIES``; methods that read more, such as H2O's every prompt query, see that many).
+``prompt_queries.MAX_SAVED_QUERIES``; methods that read more, such as H2O's every prompt query, see that
+many).
 """
 
 from __future__ import annotations
@@ -24,23 +25,27 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
+from vllm_kvevict.datapath.kept_selection import PrefillChoice
+from vllm_kvevict.datapath.layer_eviction import (
+    HeldEntries,
+    LayerTables,
+    LayerTarget,
+    evict_layer,
+    held_in_store,
+)
 from vllm_kvevict.datapath.moves import CacheRows, Moves
-from vllm_kvevict.datapath.placement import place, standard_entries, subblock_slots
+from vllm_kvevict.datapath.placement import standard_entries
+from vllm_kvevict.datapath.prompt_queries import PromptQueries
 from vllm_kvevict.datapath.records import StepTimer
-from vllm_kvevict.datapath.selection import select_kept
 from vllm_kvevict.datapath.shared_reads import HeldReads
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.layout.shared_prefix import first_kept_block, shared_blocks
-from vllm_kvevict.layout.subblock_store import TableRows
+from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, reads_values
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
 from vllm_kvevict.policies.expected_attention import uses_query_statistics
 from vllm_kvevict.policies.query_statistics import QueryStatistics
-
-#: queries kept per request and layer between chunks, for the next chunk's observation window.
-MAX_SAVED_QUERIES = 64
 
 
 @dataclass
@@ -90,13 +95,12 @@ class ChunkRescore:
 
 
 @dataclass(frozen=True)
-class HeldEntries:
-    """What one head-major layer of a request holds: slots/positions [H, L] int64 and, read from the cache,
-    the keys/values [H, scored, D] of its prompt entries (scored = L minus the trailing tokens); values
-    None when the policy judging them reads none (``reads_values``)."""
+class HeldRows:
+    """What one head-major layer of a request holds (``held``) and, read from the cache, the keys/values
+    [H, scored, D] of its prompt entries (scored = L minus the trailing tokens); values None when the policy
+    judging them reads none (``reads_values``)."""
 
-    slots: torch.Tensor
-    positions: torch.Tensor
+    held: HeldEntries
     keys: torch.Tensor
     values: torch.Tensor | None
 
@@ -113,41 +117,14 @@ class ChunkEviction:
         #: req -> per layer running statistics of every prompt query (Expected Attention only)
         self.statistics: dict[str, list[QueryStatistics]] = {}
         self.positions: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [H, a] held positions
-        self.queries: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [<= MAX, Hq, D]
+        self.queries = PromptQueries(shape.num_layers)  # the newest prompt queries, per request and layer
         self.held_end: dict[str, int] = {}  # req -> tokens computed at its last eviction (later: all held)
 
     def drop(self, req_id: str) -> None:
         self.statistics.pop(req_id, None)
         self.positions.pop(req_id, None)
-        self.queries.pop(req_id, None)
+        self.queries.drop(req_id)
         self.held_end.pop(req_id, None)
-
-    def observation(
-        self, layer_idx: int, r: ChunkRescore, query: torch.Tensor, end: int, window: int
-    ) -> torch.Tensor:
-        """[Hq, w, D] the last ``window`` queries up to step row ``end`` (earlier chunks' where needed)."""
-        current = query[r.q_start : end]
-        saved = self.queries.get(r.req_id, [None] * self.shape.num_layers)[layer_idx]
-        if current.shape[0] < window and saved is not None:
-            current = torch.cat([saved.to(current.dtype), current])
-        return current[max(0, current.shape[0] - window) :].transpose(0, 1)
-
-    def save_queries(self, layer_idx: int, r: ChunkRescore, query: torch.Tensor) -> None:
-        """Keep the newest ``MAX_SAVED_QUERIES`` queries of this request's prompt so far for ``layer_idx``."""
-        per_layer = self.queries.setdefault(r.req_id, [None] * self.shape.num_layers)
-        current = query[r.q_start : r.q_start + r.q_len]
-        saved = per_layer[layer_idx]
-        if saved is not None and current.shape[0] < MAX_SAVED_QUERIES:
-            current = torch.cat([saved, current])
-        per_layer[layer_idx] = current[max(0, current.shape[0] - MAX_SAVED_QUERIES) :].clone()
-
-    def saved_window(self, layer_idx: int, r: ChunkRescore, window: int) -> torch.Tensor:
-        """[w <= window, Hq, D] the newest saved prompt queries of ``layer_idx`` (the prompt's own last window
-        once its last chunk ran)."""
-        saved = self.queries.get(r.req_id, [None] * self.shape.num_layers)[layer_idx]
-        if saved is None:
-            raise RuntimeError(f"request {r.req_id} layer {layer_idx}: no prompt queries saved for a window")
-        return saved[max(0, saved.shape[0] - window) :]
 
     def read_held(
         self,
@@ -157,25 +134,25 @@ class ChunkEviction:
         reads: HeldReads,
         check: bool = True,
         with_values: bool = True,
-    ) -> HeldEntries:
-        """``held_entries`` of ``layer_idx`` and its prompt entries' keys (and values, unless not
-        ``with_values``), read from the cache through ``reads`` (a shared prefix once per layer and step)."""
-        slots, positions = self.held_entries(layer_idx, r, block_row, check)
-        scored = slots.shape[1] - r.trailing
-        keys, values = reads.read(slots[:, :scored], r.shared, with_values)
-        return HeldEntries(slots, positions, keys, values)
+    ) -> HeldRows:
+        """``held`` of ``layer_idx`` and its prompt entries' keys (and values, unless not ``with_values``),
+        read from the cache through ``reads`` (a shared prefix once per layer and step)."""
+        held = self.held(layer_idx, r, block_row, check)
+        scored = held.width - r.trailing
+        keys, values = reads.read(held.slots[:, :scored], r.shared, with_values)
+        return HeldRows(held, keys, values)
 
     def rescore_echoed(
         self,
         layer_idx: int,
         r: ChunkRescore,
-        held: HeldEntries,
+        held: HeldRows,
         echo_query: torch.Tensor,
         policy: EvictionPolicy,
         block_row: torch.Tensor,
         o_proj: torch.Tensor | None,
         timer: StepTimer,
-        check: bool,
+        tables: LayerTables,
     ) -> tuple[Moves, KeptTokens]:
         """The deferred re-score of ``layer_idx`` (``question_echo``) over ``held`` (read once, for the echo's
         attention too): judged by ``policy`` (the method's copy that reads echo queries; between chunks the
@@ -183,37 +160,28 @@ class ChunkEviction:
         [W, Hq, D]. After the prompt's last chunk its queries are dropped after the last layer."""
         assert r.deferred, "only a deferred re-score is judged by an echo"
         result = self._rescore(
-            layer_idx, r, block_row, echo_query, held, o_proj, timer, check, (policy, echo_query)
+            layer_idx, r, block_row, echo_query, held, o_proj, timer, tables, (policy, echo_query)
         )
         if r.final and layer_idx == self.shape.num_layers - 1:
-            self.queries.pop(r.req_id, None)
+            self.queries.drop(r.req_id)
         return result
 
-    def held_entries(
+    def held(
         self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, check: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([H, L] int64 one-head-view slots, [H, L] int64 positions) of what each head of ``layer_idx``
-        holds after this step's chunk was written (every head holds the same count L)."""
-        bs, heads = self.shape.block_size, self.shape.num_kv_heads
+    ) -> HeldEntries:
+        """What each head of ``layer_idx`` holds after this step's chunk was written (every head holds the
+        same count)."""
         if not r.compacted:
-            return standard_entries(block_row, r.seq_len, heads, bs)
-        store = self.tables.store
+            return HeldEntries(
+                *standard_entries(block_row, r.seq_len, self.shape.num_kv_heads, self.shape.block_size)
+            )
         held = self.positions[r.req_id][layer_idx] if r.req_id in self.positions else None
-        if store is None or held is None:
+        if self.tables.store is None or held is None:
             raise RuntimeError(
                 f"request {r.req_id} layer {layer_idx}: compacted between chunks, no positions"
             )
-        group = self.tables.group_of(layer_idx)
         since = self.held_end[r.req_id]
-        width = held.shape[1] + r.seq_len - since
-        slots = subblock_slots(store.tables[group, r.slot], width, bs)
-        new = torch.arange(since, r.seq_len, device=block_row.device).expand(heads, r.seq_len - since)
-        if check and bool((store.lengths[group, r.slot] != width).any()):  # a device read: CPU only
-            raise RuntimeError(
-                f"request {r.req_id} layer {layer_idx}: heads hold {store.lengths[group, r.slot].tolist()} "
-                f"entries, the chunk record {width}"
-            )
-        return slots, torch.cat([held, new], dim=1)
+        return held_in_store(self.tables, layer_idx, r.slot, held, since, r.seq_len, r.req_id, check)
 
     def rescore_layer(
         self,
@@ -224,7 +192,7 @@ class ChunkEviction:
         rows: CacheRows,
         o_proj: torch.Tensor | None,
         timer: StepTimer,
-        check: bool,
+        tables: LayerTables,
     ) -> tuple[Moves | None, list[KeptTokens | None]]:
         """Re-score ``layer_idx`` of every request in ``rescores`` and commit their new tables (at the last
         layer of a table group); query [T, Hq, D] holds the step's queries. Returns the moves to make in the
@@ -238,12 +206,12 @@ class ChunkEviction:
                 block_row = block_table[r.slot]
                 # the last chunk is judged by its method; between chunks by a rule that may read values
                 with_values = not r.final or reads_values(r.policy)
-                held = self.read_held(layer_idx, r, block_row, reads, check, with_values)
-                move, result = self._rescore(layer_idx, r, block_row, query, held, o_proj, timer, check)
+                held = self.read_held(layer_idx, r, block_row, reads, tables.check, with_values)
+                move, result = self._rescore(layer_idx, r, block_row, query, held, o_proj, timer, tables)
                 moves.append(move)
             results.append(result)
             if not r.final or r.deferred:
-                self.save_queries(layer_idx, r, query)
+                self.queries.save(layer_idx, r.req_id, query[r.q_start : r.q_start + r.q_len])
             elif layer_idx == self.shape.num_layers - 1:
                 self.statistics.pop(r.req_id, None)  # the prompt is complete: no later chunk reads them
         return Moves.join(moves), results
@@ -277,14 +245,13 @@ class ChunkEviction:
         r: ChunkRescore,
         block_row: torch.Tensor,
         query: torch.Tensor,
-        held: HeldEntries,
+        held: HeldRows,
         o_proj: torch.Tensor | None,
         timer: StepTimer,
-        check: bool,
+        tables: LayerTables,
         echo: tuple[EvictionPolicy, torch.Tensor] | None = None,
     ) -> tuple[Moves, KeptTokens]:
-        plan, heads, bs = r.plan, self.shape.num_kv_heads, self.shape.block_size
-        slots, positions, keys, values = held.slots, held.positions, held.keys, held.values
+        plan, keys, values = r.plan, held.keys, held.values
         scored = keys.shape[1]  # the prompt's entries; trailing tokens are kept after them
         budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len - r.shared)
         tail = 0 if r.final else plan.trailing_held(r.seq_len - r.shared)[1]  # a trailing window, kept whole
@@ -292,7 +259,7 @@ class ChunkEviction:
         if echo is not None:  # the chunk's own last window, then the echo's queries after it
             echoing, echoed = echo
             policy = echoing if r.final else between_chunks(echoing, self.between, budget, tail)
-            own = self.saved_window(layer_idx, r, r.policy.query_window(scored - r.shared))
+            own = self.queries.window(layer_idx, r.req_id, r.policy.query_window(scored - r.shared))
             queries = torch.cat([own.to(echoed.dtype), echoed]).transpose(0, 1)
             first = scored - own.shape[0]
             query_positions = torch.arange(first, scored + echoed.shape[0], device=keys.device)
@@ -300,7 +267,7 @@ class ChunkEviction:
             prompt_end = r.q_start + (r.prompt_len - r.computed if r.final else r.q_len)
             policy = r.policy if r.final else between_chunks(r.policy, self.between, budget, tail)
             window = policy.query_window(scored - r.shared)
-            queries = self.observation(layer_idx, r, query, prompt_end, window)
+            queries = self.queries.observation(layer_idx, r.req_id, query[r.q_start : prompt_end], window)
         layer = LayerKV(
             keys=keys,
             values=None if values is None else values.to(keys.dtype),
@@ -312,42 +279,19 @@ class ChunkEviction:
             rope_inv_freq=self.rope_inv_freq,
             query_statistics=self.statistics[r.req_id][layer_idx] if r.req_id in self.statistics else None,
         )
-        with timer.phase("selection"):
-            kept = select_kept(
-                policy, layer, min(budget, scored - r.shared), r.req_id, uniform=not r.final, shared=r.shared
-            )
-        total = int(kept.counts.sum()) + r.trailing * heads
-        placed = place(kept, r.trailing, scored, total, slots.device)
+        choice = PrefillChoice(policy, layer, min(budget, scored - r.shared), r.shared, uniform=not r.final)
         first_block = first_kept_block(plan, r.shared, r.seq_len, r.spare)
-        store = self.tables.store
-        assert store is not None
-        table = store.assign(
-            placed.per_head - r.trailing,
-            block_row,
-            first_block,
-            r.trailing,
-            total - r.trailing * heads,
-            num_blocks=cdiv(r.seq_len, bs) + r.spare,
-            check=check,
-            shared_blocks=shared_blocks(r.shared, bs),
-        )
-        kept_positions = torch.full(
-            (heads, int(placed.per_head.max())), -1, dtype=torch.int64, device=slots.device
-        )
-        kept_positions[placed.heads, placed.index] = positions[placed.heads, placed.chosen]
-        self._commit(layer_idx, r, table, first_block, kept_positions)
-        moves = Moves(slots[placed.heads, placed.chosen], placed.destinations(table, bs, r.shared))
-        return moves, KeptTokens(kept_positions, placed.per_head)
+        num_blocks = cdiv(r.seq_len, self.shape.block_size) + r.spare
+        target = LayerTarget(r.slot, r.req_id, block_row, first_block, num_blocks, r.trailing, r.shared)
+        result = evict_layer(layer_idx, held.held, choice, target, tables, timer)
+        kept = result.held_positions(held.held)
+        self._commit(layer_idx, r, kept.indices)
+        return result.moves, kept
 
-    def _commit(
-        self, layer_idx: int, r: ChunkRescore, table: TableRows, first_block: int, kept: torch.Tensor
-    ) -> None:
-        """Record the layer's held positions (read only by this layer's next re-score); the table becomes the
-        request's rows once no later layer of its group reads the old ones."""
+    def _commit(self, layer_idx: int, r: ChunkRescore, kept: torch.Tensor) -> None:
+        """Record the layer's held positions (read only by this layer's next re-score)."""
         per_layer = self.positions.setdefault(r.req_id, [None] * self.shape.num_layers)
         per_layer[layer_idx] = kept
-        if self.tables.last_layer_of_group(layer_idx):
-            self.tables.commit(layer_idx, r.slot, table, first_block)
         if layer_idx == self.shape.num_layers - 1:
             self.held_end[r.req_id] = r.seq_len
             self.tables.mark_compacted(r.slot, r.spare)

@@ -16,7 +16,7 @@ from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.query_ring import QueryRing, RingWrites
 from vllm_kvevict.layout.accounting import NEVER, RequestPlan, cdiv, evicted_offset
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy, DecodeState
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, DecodeState
 
 
 @dataclass
@@ -42,6 +42,27 @@ class DecodeRecord:
         self.positions = [None] * self.num_layers
         self.states = [None] * self.num_layers
         self.anchor = self.plan.prompt_len
+
+
+class CapStarts:
+    """What the prompts compacted in one step kept, per request and layer, that their decode caps start
+    from (positions [H, M], -1 padded), and the tail's first position where it moved (a prompt compacted
+    to its cap with its recomputed output); ``DecodeSchedule.start_from`` commits them after the step.
+    Requests without a decode cap are left out."""
+
+    def __init__(self, records: dict[str, DecodeRecord], num_layers: int) -> None:
+        self._capped = records  # read only: which requests have a cap
+        self.num_layers = num_layers
+        self.positions: dict[str, list[torch.Tensor | None]] = {}
+        self.anchors: dict[str, int] = {}
+
+    def keep(self, req_id: str, layer_idx: int, positions: torch.Tensor) -> None:
+        if req_id in self._capped:
+            self.positions.setdefault(req_id, [None] * self.num_layers)[layer_idx] = positions
+
+    def anchor(self, req_id: str, first: int) -> None:
+        if req_id in self._capped:
+            self.anchors[req_id] = first
 
 
 @dataclass(frozen=True)
@@ -107,6 +128,20 @@ class DecodeSchedule:
             record.states = [None] * self.num_layers
             record.anchor = record.plan.prompt_len
             self._slot_ids = None
+
+    def start_from(self, starts: CapStarts) -> None:
+        """Commit what the prompts compacted in the step that ended kept: their caps start from it."""
+        for req_id, per_layer in starts.positions.items():
+            record = self.records.get(req_id)
+            if record is None:
+                continue
+            for layer_idx, positions in enumerate(per_layer):
+                if positions is not None:
+                    record.positions[layer_idx] = positions
+        for req_id, first in starts.anchors.items():
+            record = self.records.get(req_id)
+            if record is not None:
+                record.anchor = first
 
     def drop(self, req_id: str) -> DecodeRecord | None:
         record = self.records.pop(req_id, None)

@@ -5,9 +5,10 @@ wrong into a :class:`PolicyFault`: an exception of any type (``raised``), NaN sc
 tokens that break the block accounting — not exactly ``H x budget`` in total, a head over the prompt, an index
 outside the prompt or repeated (``wrong_counts``). Each fault is counted in
 ``vllm_kvevict_policy_fallbacks_total{method, reason}`` and raised as a ``RuntimeError``, which
-``EvictionWorker.select`` logs and answers with the layer's most recent tokens: the scheduler frees the
-request's blocks whatever happens, so the request must still compact, and the other requests of the batch are
-not touched.
+``kept_selection.kept_or_newest`` logs and answers with the layer's most recent tokens: the scheduler frees
+the request's blocks whatever happens, so the request must still compact, and the other requests of the
+batch are not touched. Prefill policies (``guarded_select``) and decode-time ones (``guarded``, from
+``decode_rescore.DecodeChoice``) go through the same guard.
 
 Test hook: ``KVEVICT_FAULT_INJECTION='{"raise": 777, "wrong_counts": 778, "nan": 779}'`` injects each fault
 into every layer of the requests whose prompt has exactly that many tokens (read once per process; off unless
@@ -20,12 +21,13 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from vllm_kvevict import metrics
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
 
 FAULT_INJECTION_ENV = "KVEVICT_FAULT_INJECTION"
 INJECTABLE = ("raise", "wrong_counts", "nan")
@@ -47,25 +49,48 @@ def guarded_select(policy: EvictionPolicy, layer: LayerKV, budget: int, fixed: i
     """``policy.select(layer, budget)`` (``select_after`` tokens ``[0, fixed)`` of a shared prefix),
     validated; raises :class:`PolicyFault` (counted) on any failure."""
     injected = injected_faults().get(layer.num_tokens)
+
+    def select() -> KeptTokens:
+        if injected == "raise":
+            raise IndexError(f"injected ({FAULT_INJECTION_ENV}) for a {layer.num_tokens}-token prompt")
+        kept = policy.select_after(layer, budget, fixed) if fixed else policy.select(layer, budget)
+        if injected == "wrong_counts":
+            kept = KeptTokens(indices=kept.indices, counts=kept.counts + 1)
+        return kept
+
+    return guarded(
+        policy, select, lambda kept: accounting_problem(kept, layer, budget, fixed), poison=injected == "nan"
+    )
+
+
+def guarded(
+    policy: object,
+    select: Callable[[], KeptTokens],
+    problem_of: Callable[[KeptTokens], str | None],
+    poison: bool = False,
+) -> KeptTokens:
+    """The one guard of every mode: ``select()`` with ``policy``'s scorers NaN-checked, its answer checked
+    by ``problem_of`` (None: it fits the accounting); raises :class:`PolicyFault` (counted) on any failure."""
     try:
-        with nan_checked_scores(policy, poison=injected == "nan"):
-            if injected == "raise":
-                raise IndexError(f"injected ({FAULT_INJECTION_ENV}) for a {layer.num_tokens}-token prompt")
-            kept = policy.select_after(layer, budget, fixed) if fixed else policy.select(layer, budget)
+        with nan_checked_scores(policy, poison=poison):
+            kept = select()
     except NaNScores as exc:
         raise fault(policy, "nan_scores", str(exc)) from exc
     except Exception as exc:  # any bug in any policy: contained here, never in vLLM's engine loop
         raise fault(policy, "raised", f"{type(exc).__name__}: {exc}") from exc
-    if injected == "wrong_counts":
-        kept = KeptTokens(indices=kept.indices, counts=kept.counts + 1)
-    problem = accounting_problem(kept, layer, budget, fixed)
+    problem = problem_of(kept)
     if problem is not None:
         raise fault(policy, "wrong_counts", problem)
     return kept
 
 
-def fault(policy: EvictionPolicy, reason: str, message: str) -> PolicyFault:
-    metrics.record_policy_fallback(policy.name or type(policy).__name__, reason)
+def policy_label(policy: object) -> str:
+    """The method name a fault is counted under (the class name of an unnamed policy)."""
+    return getattr(policy, "name", "") or type(policy).__name__
+
+
+def fault(policy: object, reason: str, message: str) -> PolicyFault:
+    metrics.record_policy_fallback(policy_label(policy), reason)
     return PolicyFault(reason, message)
 
 
@@ -91,34 +116,38 @@ def accounting_problem(kept: KeptTokens, layer: LayerKV, budget: int, fixed: int
 
 
 @contextlib.contextmanager
-def nan_checked_scores(policy: EvictionPolicy, poison: bool = False) -> Iterator[None]:
-    """Within the block, every scorer of ``policy`` (itself and the ``inner`` policies it wraps) raises
-    :class:`NaNScores` on NaN scores; ``poison`` turns its scores into NaN first (fault injection)."""
-    scorers = []
+def nan_checked_scores(policy: object, poison: bool = False) -> Iterator[None]:
+    """Within the block, every scorer of ``policy`` (itself and the ``inner`` policies it wraps: a prefill
+    policy's ``score``, a decode policy's ``scores``) raises :class:`NaNScores` on NaN scores; ``poison``
+    turns its scores into NaN first (fault injection)."""
+    scorers: list[tuple[object, str]] = []
     current: object = policy
-    while isinstance(current, EvictionPolicy):
+    while isinstance(current, EvictionPolicy | DecodeEvictionPolicy):
         if isinstance(current, ScoredPolicy):
-            scorers.append(current)
+            scorers.append((current, "score"))
+        elif isinstance(current, DecodeEvictionPolicy):
+            scorers.append((current, "scores"))
         current = getattr(current, "inner", None)
-    for scorer in scorers:
+    for scorer, method in scorers:
         # Instance attribute over the class method, removed on exit; policies are frozen dataclasses.
-        object.__setattr__(scorer, "score", checked_score(scorer, poison))
+        object.__setattr__(scorer, method, checked_score(scorer, method, poison))
     try:
         yield
     finally:
-        for scorer in scorers:
-            object.__delattr__(scorer, "score")
+        for scorer, method in scorers:
+            object.__delattr__(scorer, method)
 
 
-def checked_score(scorer: ScoredPolicy, poison: bool):
-    score = type(scorer).score.__get__(scorer)
+def checked_score(scorer: object, method: str, poison: bool) -> Callable[..., torch.Tensor]:
+    score = getattr(type(scorer), method).__get__(scorer)
 
-    def score_checked(layer: LayerKV, budget: int) -> torch.Tensor:
-        scores = score(layer, budget)
+    def score_checked(*args: object) -> torch.Tensor:
+        scores = score(*args)
         if poison:
             scores = torch.full_like(scores, float("nan"))
         if bool(torch.isnan(scores).any()):
-            raise NaNScores(f"{scorer.name or type(scorer).__name__} scored NaN in layer {layer.layer_idx}")
+            layer = args[0].layer_idx if isinstance(args[0], LayerKV) else "?"
+            raise NaNScores(f"{policy_label(scorer)} scored NaN in layer {layer}")
         return scores
 
     return score_checked

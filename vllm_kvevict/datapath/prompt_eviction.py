@@ -10,19 +10,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
+from vllm_kvevict.datapath.kept_selection import PrefillChoice, select_kept
+from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTables, LayerTarget, evict_layer
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import place
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
-from vllm_kvevict.datapath.selection import select_kept
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
-from vllm_kvevict.layout.subblock_store import TableRows
 from vllm_kvevict.policies.base import KeptTokens, LayerKV
+from vllm_kvevict.policies.decode.decode_policy import gather_padded
 
 if TYPE_CHECKING:
-    from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+    from vllm_kvevict.datapath.decode_rescore import DecodeEviction
+    from vllm_kvevict.datapath.decode_schedule import CapStarts
 
 
 class PromptEviction:
@@ -41,7 +43,8 @@ class PromptEviction:
         decode: DecodeEviction | None,
         records: EvictionRecords,
         timer: StepTimer,
-        check: bool,
+        layer_tables: LayerTables,
+        cap_starts: CapStarts,
     ) -> None:
         self.requests = requests
         self.shape = shape
@@ -51,10 +54,10 @@ class PromptEviction:
         self.decode = decode
         self.records = records
         self.timer = timer
-        self.check = check
         self._block_table = block_table
         self._slot_mapping = slot_mapping
-        self._pending: dict[tuple[str, int], TableRows] = {}  # (req, group) -> table not yet committed
+        self._tables = layer_tables
+        self.cap_starts = cap_starts  # what a decode cap starts from (committed after the step)
         self._kept: dict[str, list[KeptTokens]] = {}  # req -> per layer, until its last layer
 
     def compact_layer(
@@ -72,34 +75,43 @@ class PromptEviction:
                 continue
             plan, policy = req.plan, req.policy
             assert plan is not None and policy is not None
-            budget = plan.layer_budgets[layer_idx]
-            kept = self._select(req, layer_idx, query, key, value, budget)
-            trailing = req.q_len - req.prompt_len
-            table = self._table_for(req, layer_idx, kept.counts, budget, trailing)
-            moves.append(self._moves(req, kept, table, budget, trailing))
-            if self.decode is not None and req.req_id in self.decode.records:  # the cap starts from here
-                self.decode.records[req.req_id].positions[layer_idx] = kept.indices.to(torch.int64)
-            if self.tables.last_layer_of_group(layer_idx):
-                first_block = first_kept_block(plan, 0, req.seq_len, req.spare)
-                self.tables.commit(layer_idx, req.index, table, first_block)
-                del self._pending[(req.req_id, self.tables.group_of(layer_idx))]
-            self._finish_layer(req, layer_idx, kept)
+            held = HeldEntries.of_step_rows(
+                self._slot_mapping, req.q_start, req.q_len, self.shape.num_kv_heads, self.shape.block_size
+            )
+            choice = PrefillChoice(
+                policy, self._layer(req, layer_idx, query, key, value), self._budget(req, layer_idx)
+            )
+            first_block = first_kept_block(plan, 0, req.seq_len, req.spare)
+            num_blocks = cdiv(req.seq_len, self.shape.block_size) + req.spare
+            target = LayerTarget(
+                req.index,
+                req.req_id,
+                self._block_table[req.index],
+                first_block,
+                num_blocks,
+                req.q_len - req.prompt_len,
+            )
+            result = evict_layer(layer_idx, held, choice, target, self._tables, self.timer)
+            moves.append(result.moves)
+            self.cap_starts.keep(
+                req.req_id, layer_idx, result.kept.indices.to(torch.int64)
+            )  # a cap starts here
+            self._finish_layer(req, layer_idx, result.kept)
         return Moves.join(moves)
 
-    def _select(
-        self,
-        req: StepRequest,
-        layer_idx: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        budget: int,
-    ) -> KeptTokens:
-        """The policy's kept prompt entries of ``req`` in ``layer_idx`` (its last ``window`` queries)."""
+    @staticmethod
+    def _budget(req: StepRequest, layer_idx: int) -> int:
+        assert req.plan is not None
+        return req.plan.layer_budgets[layer_idx]
+
+    def _layer(
+        self, req: StepRequest, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> LayerKV:
+        """The prompt of ``req`` in ``layer_idx`` as its policy reads it (its last ``window`` queries)."""
         assert req.policy is not None
         start, end = req.q_start, req.q_start + req.prompt_len
         window = req.policy.query_window(req.prompt_len)
-        layer = LayerKV(
+        return LayerKV(
             keys=key[start:end].transpose(0, 1),
             values=value[start:end].transpose(0, 1),
             queries=query[end - window : end].transpose(0, 1),
@@ -108,8 +120,6 @@ class PromptEviction:
             o_proj=self.o_proj.get(layer_idx),
             rope_inv_freq=self.rope_inv_freq,
         )
-        with self.timer.phase("selection"):
-            return select_kept(req.policy, layer, budget, req.req_id)
 
     def _finish_layer(self, req: StepRequest, layer_idx: int, kept: KeptTokens) -> None:
         """A compacted layer of ``req``; after its last layer the request is compacted and published."""
@@ -132,7 +142,9 @@ class PromptEviction:
         bs, heads = self.shape.block_size, self.shape.num_kv_heads
         prompt_len, generated, start = req.prompt_len, req.q_len - req.prompt_len, req.q_start
         if plan.compacts:
-            kept = self._select(req, layer_idx, query, key, value, plan.layer_budgets[layer_idx])
+            layer = self._layer(req, layer_idx, query, key, value)
+            with self.timer.phase("selection"):
+                kept = select_kept(req.policy, layer, self._budget(req, layer_idx), req.req_id)
         else:
             kept = KeptTokens.everything(heads, prompt_len, key.device)
         # Candidates: the kept prompt entries then the recomputed output, per head ([H, L], -1 padded).
@@ -141,70 +153,24 @@ class PromptEviction:
         candidates = place(kept, generated, prompt_len, int(counts.sum()) + heads * generated, key.device)
         padded = torch.full((heads, width), -1, dtype=torch.int64, device=key.device)
         padded[candidates.heads, candidates.index] = candidates.chosen
+        every = HeldEntries.of_step_rows(self._slot_mapping, start, req.q_len, heads, bs)
         head_ids = torch.arange(heads, device=key.device)[:, None]
+        slots = torch.where(padded >= 0, every.slots[head_ids, padded.clamp(min=0)], -1)
+        held = HeldEntries(slots, padded, start)
         keys = key[start + padded.clamp(min=0), head_ids]  # [H, L, D]
-        positions, lengths = decode.compact_recomputed(
-            layer_idx, record, padded, keys, query[start : start + req.q_len], generated
+        choice = decode.recomputed_choice(
+            layer_idx, record, keys, padded, query[start : start + req.q_len], generated
         )
-        first_block = plan.blocks_freed(generated)
-        total = int(lengths.sum())
-        assert self.tables.store is not None
-        table = self.tables.store.assign(
-            lengths,
+        target = LayerTarget(
+            req.index,
+            req.req_id,
             self._block_table[req.index],
-            first_block,
-            0,
-            total=total,
-            num_blocks=cdiv(req.seq_len, bs),
-            check=self.check,
+            plan.blocks_freed(generated),
+            cdiv(req.seq_len, bs),
         )
-        placed = place(KeptTokens(positions, lengths), 0, 0, total, key.device)
-        rows = placed.chosen + start
-        standard = self._slot_mapping[rows].to(torch.int64)
-        src = ((standard // bs) * heads + placed.heads) * bs + standard % bs
-        self.tables.commit(layer_idx, req.index, table, first_block)
+        result = evict_layer(layer_idx, held, choice, target, self._tables, self.timer)
+        self.cap_starts.keep(req.req_id, layer_idx, gather_padded(padded, result.kept.indices, -1))
+        if layer_idx == self.shape.num_layers - 1:
+            self.cap_starts.anchor(req.req_id, plan.prompt_len + generated)
         self._finish_layer(req, layer_idx, kept)
-        return Moves(src, placed.destinations(table, bs), rows, placed.heads)
-
-    def _table_for(
-        self, req: StepRequest, layer_idx: int, counts: torch.Tensor, budget: int, trailing: int
-    ) -> TableRows:
-        """The request's table for the group of ``layer_idx``: assigned at the group's first layer."""
-        key = (req.req_id, self.tables.group_of(layer_idx))
-        table = self._pending.get(key)
-        if table is None:
-            store = self.tables.store
-            assert req.plan is not None and store is not None
-            table = store.assign(
-                counts,
-                self._block_table[req.index],
-                first_kept_block(req.plan, 0, req.seq_len, req.spare),
-                trailing,
-                total=self.shape.num_kv_heads * budget,
-                num_blocks=cdiv(req.seq_len, self.shape.block_size) + req.spare,
-                check=self.check,
-            )
-            self._pending[key] = table
-        elif self.check and not torch.equal(table.lengths.to(counts.dtype), counts + trailing):
-            raise RuntimeError(
-                f"policy {req.policy.name if req.policy else '?'} kept different per-head counts in layers "
-                f"that share one sub-block table (layer {layer_idx}); it must not be treated as uniform"
-            )
-        return table
-
-    def _moves(
-        self, req: StepRequest, kept: KeptTokens, table: TableRows, budget: int, trailing: int
-    ) -> Moves:
-        """Kept entries of one request's layer: from the standard-layout slots the prompt was written to in
-        this step to its sub-block slots, head-major, the trailing tokens after each head's kept ones."""
-        bs, heads = self.shape.block_size, self.shape.num_kv_heads
-        device = self._slot_mapping.device
-        placed = place(kept, trailing, req.prompt_len, heads * (budget + trailing), device)
-        outside = placed.kept & ((placed.chosen < 0) | (placed.chosen >= req.prompt_len))
-        if self.check and bool(outside.any()):  # a device read: CPU only
-            raise ValueError(f"request {req.req_id}: kept indices must lie in [0, {req.prompt_len})")
-        rows = placed.chosen + req.q_start
-        standard = self._slot_mapping[rows].to(torch.int64)  # vLLM's slot of each kept token
-        src = ((standard // bs) * heads + placed.heads) * bs + standard % bs
-        return Moves(src, placed.destinations(table, bs), rows, placed.heads)
-
+        return result.moves

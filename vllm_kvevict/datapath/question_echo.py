@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
+from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.datapath.shared_reads import HeldReads
@@ -172,7 +173,7 @@ class EchoPass:
         block_table: torch.Tensor,
         o_proj: dict[int, torch.Tensor],
         timer: StepTimer,
-        check: bool,
+        tables: LayerTables,
     ) -> None:
         row = 0
         for r in requests:
@@ -183,7 +184,7 @@ class EchoPass:
         self._block_table = block_table
         self._o_proj = o_proj
         self._timer = timer
-        self._check = check
+        self._tables = tables
         self.kept: dict[str, list] = {}  # req -> per layer KeptTokens (records after the last layer)
 
     def input_ids(self, device: torch.device) -> torch.Tensor:
@@ -205,7 +206,7 @@ class EchoPass:
         for r in self.requests:
             rescore, rows_of = r.rescore, slice(r.row, r.row + r.width)
             block_row = self._block_table[rescore.slot]
-            held = self._chunks.read_held(layer_idx, rescore, block_row, reads, self._check)
+            held = self._chunks.read_held(layer_idx, rescore, block_row, reads, self._tables.check)
             assert held.values is not None  # read with values: the echo attends to them
             attended = echo_attention(
                 query[rows_of],
@@ -227,7 +228,7 @@ class EchoPass:
                     block_row,
                     self._o_proj.get(layer_idx),
                     self._timer,
-                    self._check,
+                    self._tables,
                 )
             moves.append(move)
             self.kept.setdefault(rescore.req_id, []).append(kept)

@@ -117,8 +117,18 @@ class EvictionRecords:
         if self.dump_dir is not None:
             self.dump_prompt(req, [KeptTokens(k.indices.cpu(), k.counts.cpu()) for k in kept])
 
-    def rescored(self, req_id: str, slot: int, plan: RequestPlan, generated: int) -> None:
-        """Every layer of a capped request was re-scored: its resident entries per head are now a(t)."""
+    def skipped(self, method: str) -> None:
+        """A request whose plan compacts nothing (its prompt fits, or too little would be freed)."""
+        metrics.record_request_skipped(method)
+
+    def rescored(self, req_id: str, slot: int, plan: RequestPlan, generated: int, method: str) -> None:
+        """Every layer of a capped request was re-scored by decode method ``method``: its resident entries
+        per head are now a(t); the rule evicted ``O(t) - O(t - 1)`` entries per head and freed blocks."""
+        metrics.record_decode_eviction(
+            method,
+            float(plan.offset(generated) - plan.offset(generated - 1)),
+            plan.blocks_freed(generated) - plan.blocks_freed(generated - 1),
+        )
         self.requests[req_id] = plan
         # resident = kept + generated (see publish_step): a(t) after the re-score.
         self._set_kept(req_id, slot, float(plan.kept_length(generated) - generated))

@@ -6,24 +6,25 @@ requests; requests whose prompt completes or arrives in chunks are handled one b
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from vllm_kvevict import metrics
+from vllm_kvevict.datapath.attention_metadata import HeadBatchBuilder, StepSizes
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
-from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.decode_rescore import DecodeEviction
+from vllm_kvevict.datapath.decode_schedule import CapStarts
+from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.question_echo import EchoPass, EchoRequest, QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
-from vllm_kvevict.datapath.step import EvictionStep, StepSizes
+from vllm_kvevict.datapath.request_plans import RequestPlans
+from vllm_kvevict.datapath.step import EvictionStep, StepTools, StepWork
 from vllm_kvevict.datapath.step_inputs import StepInputs, StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.layout.context_reuse import EntryBlocks
 from vllm_kvevict.layout.shared_prefix import spare_blocks, spare_blocks_seen
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.policies.between_chunks import WINDOW_KINDS
@@ -31,12 +32,10 @@ from vllm_kvevict.policies.between_chunks import WINDOW_KINDS
 if TYPE_CHECKING:
     from vllm_kvevict.settings.request_settings import ResolvedSetting
 
-#: (plan, per-request setting or None) of the request in a batch slot, given its prompt length.
-SettingOf = Callable[[StepInputs, int, int], "tuple[RequestPlan, ResolvedSetting | None]"]
-
 
 class StepPlanner:
-    """Builds each step's ``EvictionStep`` from the worker's collaborators (it owns no state of its own)."""
+    """Builds each step's ``EvictionStep`` from the worker's collaborators (it owns no state of its own).
+    The worker has set up the step's tables and restarted the requests computing from token 0 before."""
 
     def __init__(
         self,
@@ -46,9 +45,7 @@ class StepPlanner:
         chunks: ChunkEviction,
         decode: DecodeEviction | None,
         records: EvictionRecords,
-        setting_plan: SettingOf,
-        shared_tokens: dict[str, int] | None = None,
-        context_readers: dict[str, EntryBlocks] | None = None,
+        plans: RequestPlans,
         echo: QuestionEcho | None = None,
         spare_columns: int = 0,
     ) -> None:
@@ -58,10 +55,7 @@ class StepPlanner:
         self.chunks = chunks
         self.decode = decode
         self.records = records
-        self.setting_plan = setting_plan
-        self.shared_tokens = shared_tokens or {}  # request -> prompt tokens it found in the prefix cache
-        # request -> the kept context it starts from, until its tables are set up (taken out then)
-        self.context_readers = context_readers if context_readers is not None else {}
+        self.plans = plans  # each request's plan and setting (read only)
         self.echo = echo  # the question echo (None: off)
         self.spare_columns = spare_columns  # block-table columns for spare blocks (0: never given)
 
@@ -80,12 +74,6 @@ class StepPlanner:
         q_lens = np.asarray(inputs.scheduled, dtype=np.int64)
         prompt_lens = np.asarray(inputs.prompt_lens, dtype=np.int64)
         seq_lens = computed + q_lens
-        self.tables.begin(inputs.req_ids, computed, block_table)
-        self.records.align(inputs.req_ids)
-        for slot in np.flatnonzero(computed == 0):
-            self._restart(int(slot), inputs.req_ids[slot])
-        if self.context_readers:
-            self._start_readers(inputs.req_ids, block_table, check)
         compacted = self.tables.compacted(num_reqs).copy()
         ring_writes, rescores = None, []
         if self.decode is not None:
@@ -94,7 +82,7 @@ class StepPlanner:
                 computed,
                 q_lens,
                 compacted,
-                lambda slot: self.setting_plan(inputs, slot, int(prompt_lens[slot]))[0],
+                lambda slot: self.plans.plan_of(inputs, slot, int(prompt_lens[slot]))[0],
                 block_table.device,
             )
         q_start = np.cumsum(q_lens) - q_lens
@@ -133,6 +121,8 @@ class StepPlanner:
             compacted=compacted if layout is not None else None,
         )
         timer = StepTimer()
+        layer_tables = LayerTables(self.tables, check)
+        cap_starts = CapStarts(self.decode.records if self.decode is not None else {}, self.shape.num_layers)
         prompts = PromptEviction(
             [r for r in compacting if r is not None],
             self.shape,
@@ -144,28 +134,16 @@ class StepPlanner:
             self.decode,
             self.records,
             timer,
-            check,
+            layer_tables,
+            cap_starts,
         )
-        return EvictionStep(
-            sizes,
-            self.shape,
-            self.tables,
-            layout,
-            block_table,
-            prompts,
-            self.chunks,
-            [c for c in chunks if c is not None],
-            self.decode,
-            ring_writes,
-            rescores,
-            self.records,
-            o_proj,
-            timer,
-            check,
-            EchoPass(echo_requests, self.chunks, block_table, o_proj, timer, check)
-            if echo_requests
-            else None,
-        )
+        echo = None
+        if echo_requests:
+            echo = EchoPass(echo_requests, self.chunks, block_table, o_proj, timer, layer_tables)
+        work = StepWork(prompts, [c for c in chunks if c is not None], rescores, ring_writes, echo)
+        tools = StepTools(self.chunks, self.decode, self.records, o_proj, timer, layer_tables, cap_starts)
+        metadata = HeadBatchBuilder(sizes, self.shape, self.tables, layout, block_table)
+        return EvictionStep(metadata, work, tools)
 
     def _echoes(
         self, inputs: StepInputs, computed: np.ndarray, seq_lens: np.ndarray, prompt_lens: np.ndarray
@@ -202,7 +180,7 @@ class StepPlanner:
         bounded query window, or a prompt without a user header."""
         echo = self.echo
         assert echo is not None and inputs.prompt_token_ids is not None
-        _, setting = self.setting_plan(inputs, slot, prompt_len)
+        _, setting = self.plans.plan_of(inputs, slot, prompt_len)
         if setting is not None and setting.keeps_context:  # a kept context is question-agnostic
             return None
         method = setting.policy if setting else self.policy
@@ -214,39 +192,6 @@ class StepPlanner:
         policy = echo.policy_for(method, len(tokens)) if tokens else None  # as many queries as tokens
         return None if policy is None else (tokens, policy)
 
-    def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
-        """Requests starting from a kept context read it from their first step: each head holds the entry's
-        B' entries, in pool order from the entry's first block (``layout/context_reuse.py``); their own tokens
-        then grow into fresh sub-blocks from the block after it."""
-        store = self.tables.store
-        assert store is not None
-        heads = self.shape.num_kv_heads
-        for slot, req_id in enumerate(req_ids):
-            entry = self.context_readers.pop(req_id, None)
-            if entry is None:
-                continue
-            counts = torch.full((heads,), entry.per_head, dtype=torch.int64, device=store.device)
-            table = store.assign(
-                counts,
-                block_table[slot],
-                entry.reader_first,
-                0,
-                total=heads * entry.per_head,
-                num_blocks=entry.context_tokens // self.shape.block_size,
-                check=check,
-            )
-            for group in range(store.num_groups):
-                store.commit(group, slot, table, entry.reader_first)
-            self.tables.mark_compacted(slot)
-            self.records.restart(slot, req_id)
-
-    def _restart(self, slot: int, req_id: str) -> None:
-        """A request starting from scratch (new, or recomputed after preemption) has no old layout."""
-        self.records.restart(slot, req_id)
-        self.chunks.drop(req_id)
-        if self.decode is not None:
-            self.decode.restart(req_id)
-
     def _compacting(
         self, inputs: StepInputs, index: int, q_start: np.ndarray, q_lens: np.ndarray, seq_lens: np.ndarray
     ) -> StepRequest | None:
@@ -255,7 +200,7 @@ class StepPlanner:
         req = StepRequest(
             index, req_id, int(q_start[index]), int(q_lens[index]), int(seq_lens[index]), prompt_len
         )
-        plan, setting = self.setting_plan(inputs, index, prompt_len)
+        plan, setting = self.plans.plan_of(inputs, index, prompt_len)
         req.policy = setting.policy if setting else self.policy
         generated = int(seq_lens[index]) - prompt_len
         record = self.decode.admit(req_id, plan) if self.decode is not None else None
@@ -265,7 +210,7 @@ class StepPlanner:
             self.tables.split()
             return req
         if not plan.compacts:
-            metrics.record_request_skipped(setting.method if setting else self.policy.name)
+            self.records.skipped(setting.method if setting else self.policy.name)
             return None
         req.plan = plan
         req.spare = self._spare(inputs, index, plan, setting, int(seq_lens[index]))
@@ -287,13 +232,13 @@ class StepPlanner:
         does not start at token 0), when its plan compacts: after a chunk that moves the offset it evicts,
         after the others only its queries are kept."""
         prompt_len = int(inputs.prompt_lens[index])
-        plan, setting = self.setting_plan(inputs, index, prompt_len)
+        plan, setting = self.plans.plan_of(inputs, index, prompt_len)
         n0, n1 = int(computed[index]), int(seq_lens[index])
-        shared = self.shared_tokens.get(inputs.req_ids[index], 0)
+        shared = self.plans.shared_tokens.get(inputs.req_ids[index], 0)
         completes = n1 >= prompt_len
         if not plan.compacts:
             if completes:
-                metrics.record_request_skipped(setting.method if setting else self.policy.name)
+                self.records.skipped(setting.method if setting else self.policy.name)
             return None
         policy = setting.policy if setting else self.policy
         assert policy is not None

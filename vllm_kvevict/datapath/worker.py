@@ -12,20 +12,19 @@ import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
-from vllm_kvevict.datapath.decode_eviction import DecodeEviction
+from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.question_echo import QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords
+from vllm_kvevict.datapath.request_plans import RequestPlans
 from vllm_kvevict.datapath.step import EvictionStep
 from vllm_kvevict.datapath.step_inputs import StepInputs
 from vllm_kvevict.datapath.step_plan import StepPlanner, shares_tables
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.context_reuse import EntryBlocks, context_plan, entry_blocks, keeps_entry
-from vllm_kvevict.layout.shared_prefix import private_plan
-from vllm_kvevict.layout.subblock_table import SubBlockTable
 from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.settings.config import EvictionConfig
-from vllm_kvevict.settings.request_settings import RequestSettings, ResolvedSetting, decode_policy
+from vllm_kvevict.settings.request_settings import RequestSettings, decode_policy
 
 
 class EvictionWorker:
@@ -43,7 +42,6 @@ class EvictionWorker:
         spare_columns: int = 0,
     ) -> None:
         self.policy = policy
-        self.budget = budget
         self.shape = CacheShape(num_layers, num_kv_heads, block_size)
         #: block-table columns for spare blocks (``EvictingAttentionSpec.spare_columns``; 0: never given)
         self.spare_columns = spare_columns
@@ -69,8 +67,6 @@ class EvictionWorker:
             self.decode.dump = self.records.dump_dir is not None
         self.o_proj: dict[int, torch.Tensor] = {}
         self.o_proj_collected = False  # collected once, after the model is loaded (empty unless CriticalKV)
-        #: request -> prompt tokens it found in vLLM's prefix cache (its computed tokens when first seen)
-        self.shared_tokens: dict[str, int] = {}
         # Kept contexts (layout/context_reuse.py): creator -> its context length (its prompt as eviction
         # sees it); reader -> the entry it starts from, until its tables are set up.
         self.context_lens: dict[str, int] = {}
@@ -86,6 +82,9 @@ class EvictionWorker:
         # Per-request settings (vllm_xargs), resolved exactly like the scheduler's manager does.
         self.settings = RequestSettings(server, block_size, num_layers)
         self.plan_for = self.settings.plan_for
+        self.plans = RequestPlans(self.settings, block_size, num_layers)
+        #: request -> prompt tokens it found in vLLM's prefix cache (its computed tokens when first seen)
+        self.shared_tokens = self.plans.shared_tokens
 
     @property
     def requests(self) -> dict[str, RequestPlan]:
@@ -142,7 +141,10 @@ class EvictionWorker:
         return self._step
 
     def end_step(self) -> None:
+        """The step is over: commit what its compacted prompts kept for their decode caps; publish."""
         if self._step is not None:
+            if self.decode is not None:
+                self.decode.start_from(self._step.cap_starts)
             self._step.publish()
         self.pending = None
         self._step = None
@@ -176,6 +178,8 @@ class EvictionWorker:
         if inputs is None or len(inputs.req_ids) != num_reqs or int(inputs.scheduled.sum()) != num_tokens:
             return None
         if self._step is None:
+            check = block_table.device.type == "cpu"
+            self._start_step(inputs, block_table, check)
             planner = StepPlanner(
                 self.shape,
                 self.policy,
@@ -183,31 +187,55 @@ class EvictionWorker:
                 self.chunks,
                 self.decode,
                 self.records,
-                self._setting_plan,
-                self.shared_tokens,
-                self.context_readers,
+                self.plans,
                 self.echo,
                 self.spare_columns,
             )
             self._step = planner.plan(inputs, block_table, slot_mapping, self.o_proj)
         return self._step
 
-    def _setting_plan(
-        self, inputs: StepInputs, slot: int, prompt_len: int
-    ) -> tuple[RequestPlan, ResolvedSetting | None]:
-        """(plan, per-request setting or None) of the request in ``slot``: the plan of the prompt after the
-        tokens it found in the prefix cache (``layout/shared_prefix.py``)."""
-        setting = self.settings.resolve(inputs.extra_args[slot] if inputs.extra_args else None)
-        shared = self.shared_tokens.get(inputs.req_ids[slot], 0)
-        if setting is not None and setting.keeps_context:  # prompt_len: a creator's context already
-            plan = context_plan(setting.plan_for, prompt_len, shared, self.block_size, self.num_layers)
-            return plan, setting
-        plan_for = setting.plan_for if setting else self.plan_for
-        return private_plan(plan_for, prompt_len, shared, self.settings.server.min_freed_share), setting
+    def _start_step(self, inputs: StepInputs, block_table: torch.Tensor, check: bool) -> None:
+        """The worker's own state at the start of a step: the batch's tables and records in its order,
+        requests computing from token 0 restarted, readers of a kept context set up."""
+        computed = np.asarray(inputs.computed, dtype=np.int64)
+        self.tables.begin(inputs.req_ids, computed, block_table)
+        self.records.align(inputs.req_ids)
+        for slot in np.flatnonzero(computed == 0).tolist():
+            self._restart(slot, inputs.req_ids[slot])
+        if self.context_readers:
+            self._start_readers(inputs.req_ids, block_table, check)
 
-    def layer_table(self, req_id: str, layer_idx: int) -> SubBlockTable:
-        """A compacted request's table for ``layer_idx`` as the reference model (inspection and tests)."""
-        return self.tables.table_of(req_id, layer_idx)
+    def _restart(self, slot: int, req_id: str) -> None:
+        """A request starting from scratch (new, or recomputed after preemption) has no old layout."""
+        self.records.restart(slot, req_id)
+        self.chunks.drop(req_id)
+        if self.decode is not None:
+            self.decode.restart(req_id)
+
+    def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
+        """Requests starting from a kept context read it from their first step: each head holds the entry's
+        B' entries, in pool order from the entry's first block (``layout/context_reuse.py``); their own tokens
+        then grow into fresh sub-blocks from the block after it."""
+        store = self.tables.store
+        assert store is not None
+        for slot, req_id in enumerate(req_ids):
+            entry = self.context_readers.pop(req_id, None)
+            if entry is None:
+                continue
+            counts = torch.full((self.num_kv_heads,), entry.per_head, dtype=torch.int64, device=store.device)
+            table = store.assign(
+                counts,
+                block_table[slot],
+                entry.reader_first,
+                0,
+                total=self.num_kv_heads * entry.per_head,
+                num_blocks=entry.context_tokens // self.block_size,
+                check=check,
+            )
+            for group in range(store.num_groups):
+                store.commit(group, slot, table, entry.reader_first)
+            self.tables.mark_compacted(slot)
+            self.records.restart(slot, req_id)
 
 
 _WORKER: EvictionWorker | None = None

@@ -8,10 +8,10 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from vllm_kvevict.evaluation.answer_match import score
 from vllm_kvevict.evaluation.configs import EvalConfig
 from vllm_kvevict.evaluation.results import Result
 from vllm_kvevict.evaluation.sample import Sample
-from vllm_kvevict.evaluation.scoring import score
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kvpress_eval" / "run_kvpress.py"
 PRESSES = ("snapkv", "pyramidkv", "ada-snapkv", "critical-snapkv", "critical-ada-snapkv", "streamingllm")

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from openai import OpenAI
 from tqdm import tqdm
 
+from vllm_kvevict.evaluation.answer_match import score
 from vllm_kvevict.evaluation.results import Result
 from vllm_kvevict.evaluation.sample import Sample
-from vllm_kvevict.evaluation.scoring import score
 
 
 def make_client(base_url: str, api_key: str = "EMPTY", timeout_s: float = 600.0) -> OpenAI:

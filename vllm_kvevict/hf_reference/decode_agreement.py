@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from vllm_kvevict.hf_reference.decode_eviction import DecodeCap, capped_decode
 from vllm_kvevict.layout.accounting import RequestPlan
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
 
 
 @dataclass(frozen=True)

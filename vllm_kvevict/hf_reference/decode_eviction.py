@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from vllm_kvevict.hf_reference.model import attention_modules
-from vllm_kvevict.policies.decode.base import (
+from vllm_kvevict.policies.decode.decode_policy import (
     DecodeEvictionPolicy,
     DecodeState,
     ada_caps_from_scores,

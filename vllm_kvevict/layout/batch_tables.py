@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from vllm_kvevict.layout.subblock_store import SubBlockStore, TableRows
-from vllm_kvevict.layout.subblock_table import SubBlockTable
 
 
 def host_to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -194,18 +193,6 @@ class BatchSubBlocks:
         if slot is not None:
             self._compacted[slot] = self._fresh[slot] = False
             self._spare[slot] = 0
-
-    def table_of(self, req_id: str, layer_idx: int) -> SubBlockTable:
-        """The reference-model view of a request's table for ``layer_idx`` (inspection and tests)."""
-        assert self.store is not None
-        slot = self._slot_of[req_id]
-        group = self.group_of(layer_idx)
-        lengths = self.store.lengths[group, slot].tolist()
-        rows = self.store.tables[group, slot].tolist()
-        table = SubBlockTable(self.num_kv_heads, self.block_size, [])
-        table.lengths = lengths
-        table.subblocks = [row[: -(-n // self.block_size)] for row, n in zip(rows, lengths, strict=True)]
-        return table
 
     # ----- slots ----------------------------------------------------------------------------------------
     def _store_for(self, num_reqs: int, block_table: torch.Tensor) -> SubBlockStore:

@@ -1,6 +1,6 @@
 """Per-head sub-block tables of the running batch as persistent integer tensors on the cache's device.
 
-The same tables as ``subblock_table.py`` (which stays as the plain reference model they are tested against),
+The same tables as ``tests/unit/layout/subblock_reference.py`` (the plain model they are tested against),
 laid out for the attention kernels: row ``(slot, head)`` of group ``g`` is the sub-block table of KV head
 ``head`` of the request in batch slot ``slot`` (vLLM's persistent input-batch order) for the layers of
 group ``g``. A layer's head-as-sequence block table is then a view, ``tables[g, :R].view(R * H, W)``, and its
@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_kvevict.layout.subblock_table import SubBlockPoolExhausted
+
+class SubBlockPoolExhausted(RuntimeError):
+    """A head needed a new sub-block and the request had none free: the accounting rule was broken."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Eviction policies: pure torch, device-agnostic, no vLLM import."""
 
 from vllm_kvevict.policies.adakv import AdaKV
-from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, resolve_budget
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.expected_attention import ExpectedAttention
 from vllm_kvevict.policies.h2o import H2O
@@ -37,5 +37,4 @@ __all__ = [
     "available_methods",
     "build_policy",
     "method_names",
-    "resolve_budget",
 ]

@@ -11,23 +11,23 @@ from typing import ClassVar
 import torch
 
 from vllm_kvevict.policies.base import (
-    EvictionPolicy,
     KeptTokens,
     LayerKV,
     ScoredPolicy,
+    WrappingPolicy,
     after_prefix,
     check_choice,
     check_fraction,
     shifted,
 )
-from vllm_kvevict.policies.selection import ada_allocation, ada_blend_allocation, safeguard_size
+from vllm_kvevict.policies.kept_masks import ada_allocation, ada_blend_allocation, safeguard_size
 
 #: How ``alpha`` is read: kvpress's and the paper code's safeguard, or the blend of the paper's formula.
 ALLOCATIONS: tuple[str, ...] = ("safeguard", "blend")
 
 
 @dataclass
-class AdaKV(EvictionPolicy):
+class AdaKV(WrappingPolicy):
     """Wraps a ScoredPolicy (``AdaKV(SnapKV())``, ``AdaKV(PyramidKV())``): the layer's ``H * budget`` slots
     go to the best scores of all KV heads together, after each head keeps its top ``alpha * budget``
     (the safeguard). Heads end up with ragged budgets B_h, summing to ``H * budget`` exactly.
@@ -49,19 +49,6 @@ class AdaKV(EvictionPolicy):
             raise ValueError(f"AdaKV wraps a ScoredPolicy (SnapKV, PyramidKV, ...); got {self.inner!r}")
         check_fraction(type(self).__name__, "alpha", self.alpha, 0.0, 1.0)
         check_choice(type(self).__name__, "allocation", self.allocation, ALLOCATIONS)
-
-    def layer_budget(self, budget: int, num_tokens: int, layer_idx: int, num_layers: int) -> int:
-        return self.inner.layer_budget(budget, num_tokens, layer_idx, num_layers)
-
-    @property
-    def min_budget(self) -> int:
-        return self.inner.min_budget
-
-    def query_window(self, num_tokens: int) -> int:
-        return self.inner.query_window(num_tokens)
-
-    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
-        return self.inner.always_kept(num_tokens, budget)
 
     def keep_mask(self, layer: LayerKV, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [kv_heads, n], keep [kv_heads, n] bool) for ``budget`` < n."""

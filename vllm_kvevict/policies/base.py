@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from vllm_kvevict.policies.selection import top_k_mask
+from vllm_kvevict.policies.kept_masks import top_k_mask
 
 if TYPE_CHECKING:
     from vllm_kvevict.policies.query_statistics import QueryStatistics
@@ -148,31 +148,6 @@ class KeptTokens:
         return cls(indices=indices, counts=torch.full((kv_heads,), n, dtype=torch.int64, device=device))
 
 
-def resolve_budget(budget: int | float, n: int) -> int:
-    """Per-head token budget for an ``n``-token prompt.
-
-    An int is tokens per KV head (>= 1); a float in (0, 1) is the kept fraction of n, floored like
-    kvpress's ``int(n * (1 - compression_ratio))`` and at least 1. The result is at most n.
-    """
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise ValueError(
-            f"budget={budget!r} is not valid: give an int >= 1 (tokens per KV head) or a float in (0, 1) "
-            "(kept fraction of the prompt)"
-        )
-    if n < 0:
-        raise ValueError(f"n={n} must be >= 0")
-    if isinstance(budget, int):
-        if budget < 1:
-            raise ValueError(f"budget={budget} tokens per head must be >= 1 (or a float in (0, 1))")
-        return min(budget, n)
-    if not 0.0 < budget < 1.0:
-        raise ValueError(
-            f"budget={budget} is not valid: a float budget is a kept fraction in (0, 1); "
-            "use an int for tokens per head"
-        )
-    return min(n, max(1, int(n * budget)))
-
-
 class EvictionPolicy(ABC):
     """Chooses kept tokens per KV head for one layer.
 
@@ -269,6 +244,42 @@ class ScoredPolicy(EvictionPolicy):
             return shifted(everything, fixed)
         scores = self.score(layer, budget)[:, fixed:]
         return shifted(KeptTokens.from_mask(top_k_mask(scores, budget)), fixed)
+
+
+class WrappingPolicy(EvictionPolicy):
+    """A policy around another one, ``inner`` (Ada-KV, CriticalKV): its layer budgets, smallest budget,
+    query window and always-kept tokens are the inner policy's; only the selection is its own."""
+
+    inner: EvictionPolicy
+
+    def layer_budget(self, budget: int, num_tokens: int, layer_idx: int, num_layers: int) -> int:
+        return self.inner.layer_budget(budget, num_tokens, layer_idx, num_layers)
+
+    @property
+    def min_budget(self) -> int:
+        return self.inner.min_budget
+
+    def query_window(self, num_tokens: int) -> int:
+        return self.inner.query_window(num_tokens)
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        return self.inner.always_kept(num_tokens, budget)
+
+
+class RecentWindowPolicy(EvictionPolicy):
+    """A method judged by every prompt query that always keeps the newest ``window`` tokens (H2O, RoCo)."""
+
+    window: int
+
+    @property
+    def min_budget(self) -> int:
+        return self.window
+
+    def query_window(self, num_tokens: int) -> int:
+        return num_tokens
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        return torch.arange(max(0, num_tokens - self.window), num_tokens)
 
 
 def keeps_equal_counts(policy: EvictionPolicy | None) -> bool:

@@ -20,10 +20,10 @@ from vllm_kvevict.policies.base import (
 )
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.expected_attention import ExpectedAttention
+from vllm_kvevict.policies.kept_masks import top_k_mask
 from vllm_kvevict.policies.key_scored import KeyScoredPolicy
 from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.knorm import KNorm
-from vllm_kvevict.policies.selection import top_k_mask
 
 #: The scores that judge a key with no queries: distinctiveness (KeyDiff) or a small L2 norm (K-norm).
 KEY_SCORERS: dict[str, type[KeyScoredPolicy]] = {"keydiff": KeyDiff, "knorm": KNorm}

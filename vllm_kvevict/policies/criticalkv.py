@@ -11,13 +11,13 @@ from typing import ClassVar
 import torch
 
 from vllm_kvevict.policies.adakv import AdaKV
-from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy, check_fraction
-from vllm_kvevict.policies.scoring import value_norms
-from vllm_kvevict.policies.selection import critical_selection
+from vllm_kvevict.policies.attention_scores import value_norms
+from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy, WrappingPolicy, check_fraction
+from vllm_kvevict.policies.kept_masks import critical_selection
 
 
 @dataclass
-class CriticalKV(EvictionPolicy):
+class CriticalKV(WrappingPolicy):
     """Wraps a scorer (``CriticalKV(SnapKV())``) or Ada-KV (``CriticalKV(AdaKV(SnapKV()))``).
 
     Per head with budget B_h (uniform, or Ada-KV's allocation): the first ``first_stage_ratio * B_h``
@@ -40,19 +40,6 @@ class CriticalKV(EvictionPolicy):
             raise ValueError(f"{owner} wraps a ScoredPolicy or an AdaKV; got {self.inner!r}")
         check_fraction(owner, "first_stage_ratio", self.first_stage_ratio, 0.0, 1.0)
         check_fraction(owner, "epsilon", self.epsilon, 0.0, float("inf"))
-
-    def layer_budget(self, budget: int, num_tokens: int, layer_idx: int, num_layers: int) -> int:
-        return self.inner.layer_budget(budget, num_tokens, layer_idx, num_layers)
-
-    @property
-    def min_budget(self) -> int:
-        return self.inner.min_budget
-
-    def query_window(self, num_tokens: int) -> int:
-        return self.inner.query_window(num_tokens)
-
-    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
-        return self.inner.always_kept(num_tokens, budget)
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         if (everything := self.keep_all_or_check(layer, budget)) is not None:

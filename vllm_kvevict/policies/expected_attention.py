@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_kvevict.policies.attention_scores import extend_forward
 from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_fraction, check_int, composed_parts
 from vllm_kvevict.policies.query_statistics import QueryStatistics
-from vllm_kvevict.policies.scoring import extend_forward
 
 #: kvpress's leaderboard entry (``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``); its press default is 0.
 LEADERBOARD_EPSILON = 0.01

@@ -10,12 +10,12 @@ from typing import ClassVar
 
 import torch
 
-from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
-from vllm_kvevict.policies.scoring import accumulated_attention, group_mean
+from vllm_kvevict.policies.attention_scores import accumulated_attention, group_mean
+from vllm_kvevict.policies.base import LayerKV, RecentWindowPolicy, ScoredPolicy, check_int
 
 
 @dataclass
-class H2O(ScoredPolicy):
+class H2O(RecentWindowPolicy, ScoredPolicy):
     """Score = column sum of the causal attention matrix over every prompt query (the "heavy hitters"),
     averaged over the GQA group; the last ``window`` tokens are always kept (H2O's recent part).
 
@@ -29,16 +29,6 @@ class H2O(ScoredPolicy):
 
     def __post_init__(self) -> None:
         check_int(type(self).__name__, "window", self.window, 0)
-
-    @property
-    def min_budget(self) -> int:
-        return self.window
-
-    def query_window(self, num_tokens: int) -> int:
-        return num_tokens
-
-    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
-        return torch.arange(max(0, num_tokens - self.window), num_tokens)
 
     def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
         if layer.queries.shape[1] == 0:

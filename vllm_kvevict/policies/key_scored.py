@@ -9,8 +9,8 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvevict.policies.attention_scores import extend_forward
 from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
-from vllm_kvevict.policies.scoring import extend_forward
 
 
 @dataclass

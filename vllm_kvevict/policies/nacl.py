@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvevict.policies.attention_scores import group_mean, window_attention
 from vllm_kvevict.policies.base import (
     EvictionPolicy,
     KeptTokens,
@@ -17,8 +18,7 @@ from vllm_kvevict.policies.base import (
     check_fraction,
     check_int,
 )
-from vllm_kvevict.policies.scoring import group_mean, window_attention
-from vllm_kvevict.policies.selection import sample_per_head, top_k_mask
+from vllm_kvevict.policies.kept_masks import sample_per_head, top_k_mask
 from vllm_kvevict.policies.snapkv import window_queries
 
 

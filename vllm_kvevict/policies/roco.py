@@ -10,19 +10,19 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvevict.policies.attention_scores import attention_statistics
 from vllm_kvevict.policies.base import (
-    EvictionPolicy,
     KeptTokens,
     LayerKV,
+    RecentWindowPolicy,
     check_fraction,
     check_int,
 )
-from vllm_kvevict.policies.scoring import attention_statistics
-from vllm_kvevict.policies.selection import robust_selection
+from vllm_kvevict.policies.kept_masks import robust_selection
 
 
 @dataclass
-class RoCo(EvictionPolicy):
+class RoCo(RecentWindowPolicy):
     """Prefill form of RoCo, as we read the paper.
 
     Importance is the *mean* attention a token receives over the queries that can see it (H2O's sum
@@ -43,16 +43,6 @@ class RoCo(EvictionPolicy):
         owner = type(self).__name__
         check_int(owner, "window", self.window, 0)
         check_fraction(owner, "std_ratio", self.std_ratio, 0.0, 1.0)
-
-    @property
-    def min_budget(self) -> int:
-        return self.window
-
-    def query_window(self, num_tokens: int) -> int:
-        return num_tokens
-
-    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
-        return torch.arange(max(0, num_tokens - self.window), num_tokens)
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         n, kv_heads = layer.num_tokens, layer.num_kv_heads

@@ -11,14 +11,14 @@ from typing import ClassVar
 
 import torch
 
-from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
-from vllm_kvevict.policies.scoring import (
+from vllm_kvevict.policies.attention_scores import (
     check_window_pooling,
     extend_forward,
     group_mean,
     pool_scores,
     window_attention,
 )
+from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
 
 
 @dataclass

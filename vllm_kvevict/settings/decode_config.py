@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
-from vllm_kvevict.policies.decode.registry import (
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.decode_registry import (
     build_decode_policy,
     decode_method_names,
     decode_method_params,

@@ -27,7 +27,7 @@ from typing import Any
 from vllm_kvevict.layout.accounting import RequestPlan, request_planner
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
 from vllm_kvevict.policies.registry import (
     method_names,
     method_needs_o_proj,

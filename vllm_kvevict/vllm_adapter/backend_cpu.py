@@ -31,8 +31,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+from vllm_kvevict.datapath.attention_metadata import HeadSequenceBatch, StandardPart
 from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch, StandardPart
+from vllm_kvevict.datapath.step import EvictionStep
 from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter.cpu_packing import PackedRows, one_head_caches, packed_offsets, packed_parts
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl

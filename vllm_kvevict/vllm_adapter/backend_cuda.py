@@ -30,8 +30,9 @@ from vllm.v1.attention.backends.triton_attn import (
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
+from vllm_kvevict.datapath.attention_metadata import HeadSequenceBatch
 from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
+from vllm_kvevict.datapath.step import EvictionStep
 from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
 from vllm_kvevict.vllm_adapter.vllm_private import kv_scales

@@ -22,9 +22,10 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_kvevict import metrics
+from vllm_kvevict.datapath.attention_metadata import HeadSequenceBatch, StandardPart
 from vllm_kvevict.datapath.moves import CacheRows
 from vllm_kvevict.datapath.question_echo import EchoLayer
-from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch, StandardPart
+from vllm_kvevict.datapath.step import EvictionStep
 from vllm_kvevict.datapath.worker import EvictionWorker, current_worker, set_worker
 from vllm_kvevict.settings.additional_config import get_eviction_config
 from vllm_kvevict.vllm_adapter import model_support

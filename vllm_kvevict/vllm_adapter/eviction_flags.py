@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, BETWEEN_SCORERS
-from vllm_kvevict.policies.decode.registry import decode_method_names
+from vllm_kvevict.policies.decode.decode_registry import decode_method_names
 from vllm_kvevict.policies.presets import Preset
 from vllm_kvevict.policies.registry import available_methods, method_names
 from vllm_kvevict.settings.additional_config import ADDITIONAL_CONFIG_KEY, eviction_config_from_additional

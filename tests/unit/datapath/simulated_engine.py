@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests.unit.layout.subblock_reference import layer_table
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.layout.accounting import cdiv
@@ -157,7 +158,7 @@ class SimulatedEngine:
 
     def held(self, req_id: str, layer: int) -> list[list[int]]:
         """Positions each head of ``layer`` reads through its sub-block table, checked to be its own rows."""
-        table = self.worker.layer_table(req_id, layer)
+        table = layer_table(self.worker, req_id, layer)
         keys = part_view(self.caches[layer], 0)
         values = part_view(self.caches[layer], 1)
         held = []
@@ -170,5 +171,5 @@ class SimulatedEngine:
         return held
 
     def blocks_read(self, req_id: str, layer: int) -> set[int]:
-        table = self.worker.layer_table(req_id, layer)
+        table = layer_table(self.worker, req_id, layer)
         return {sub // HEADS for head in table.subblocks for sub in head}

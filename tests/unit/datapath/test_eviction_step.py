@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.layout.subblock_reference import layer_table
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.policies.registry import available_methods, build_policy
@@ -61,7 +62,7 @@ def test_prefill_compacts_only_the_long_prompt_into_the_blocks_it_keeps() -> Non
         assert int(write.tokens.max()) < PROMPT
         # Every written row is written from its own head.
         subblock_heads = (write.slots // BS) % HEADS
-        table = worker.layer_table("long", layer)
+        table = layer_table(worker, "long", layer)
         for head in range(HEADS):
             assert table.lengths[head] == int((write.heads == head).sum())
         assert subblock_heads.numel() == write.heads.numel()
@@ -79,7 +80,7 @@ def test_decode_reads_each_heads_own_sub_blocks_and_writes_after_its_kept_entrie
             torch.randn(PROMPT, HEADS, DIM),
         )
     worker.end_step()
-    lengths_before = [list(worker.layer_table("long", layer).lengths) for layer in range(LAYERS)]
+    lengths_before = [list(layer_table(worker, "long", layer).lengths) for layer in range(LAYERS)]
 
     # Next step: the long request decodes (its freed blocks are now vLLM's null block 0); a new short
     # request prefills in the same batch.
@@ -88,7 +89,7 @@ def test_decode_reads_each_heads_own_sub_blocks_and_writes_after_its_kept_entrie
     assert step.has_compacted and not step.compacting
     for layer in range(LAYERS):
         batch = step.head_batch(layer)
-        table = worker.layer_table("long", layer)
+        table = layer_table(worker, "long", layer)
         # Head-major sequences: head h of request r (0: "long", 1: "new") is sequence h * 2 + r.
         for head in range(HEADS):
             long_seq, new_seq = head * 2, head * 2 + 1

@@ -74,7 +74,7 @@ def test_a_failing_policy_becomes_a_counted_policy_fault(policy, reason):
     before = fallbacks(policy.name, reason)
     with pytest.raises(PolicyFault, match=reason) as caught:
         guarded_select(policy, layer(), BUDGET)
-    assert isinstance(caught.value, RuntimeError)  # what EvictionWorker.select answers with recent tokens
+    assert isinstance(caught.value, RuntimeError)  # kept_selection.kept_or_newest answers with recent tokens
     assert fallbacks(policy.name, reason) == before + 1
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.policies.decode.registry import decode_method_names
+from vllm_kvevict.policies.decode.decode_registry import decode_method_names
 from vllm_kvevict.policies.registry import method_names
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.layout.subblock_table import SubBlockTable
+from tests.unit.layout.subblock_reference import SubBlockTable
 
 
 @dataclass(frozen=True)

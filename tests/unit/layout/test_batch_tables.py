@@ -18,9 +18,9 @@ import pytest
 import torch
 from layout_cases import ragged_counts
 
+from tests.unit.layout.subblock_reference import RequestSubBlocks, SubBlockPoolExhausted
 from vllm_kvevict.layout.accounting import cdiv, plan_request
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockPoolExhausted
 from vllm_kvevict.policies.registry import build_policy
 
 LAYERS = 4

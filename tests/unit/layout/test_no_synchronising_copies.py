@@ -21,7 +21,6 @@ PACKAGE = Path(__file__).resolve().parents[3] / "vllm_kvevict"
 DATAPATH = [
     "layout/batch_tables.py",
     "layout/subblock_store.py",
-    "layout/subblock_table.py",
     *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "datapath").glob("*.py")),
     "vllm_adapter/backend_cuda.py",
 ]

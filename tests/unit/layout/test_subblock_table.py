@@ -15,8 +15,8 @@ import torch
 from compaction_reference import plan_compaction
 from layout_cases import ragged_counts
 
+from tests.unit.layout.subblock_reference import RequestSubBlocks, SubBlockPoolExhausted, SubBlockTable
 from vllm_kvevict.layout.accounting import cdiv, plan_request
-from vllm_kvevict.layout.subblock_table import RequestSubBlocks, SubBlockPoolExhausted, SubBlockTable
 from vllm_kvevict.policies.registry import build_policy
 
 NUM_LAYERS = 6

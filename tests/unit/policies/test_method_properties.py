@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from policy_layers import random_layer
 
-from vllm_kvevict.policies.decode.registry import decode_method_names
+from vllm_kvevict.policies.decode.decode_registry import decode_method_names
 from vllm_kvevict.policies.registry import (
     available_methods,
     build_policy,

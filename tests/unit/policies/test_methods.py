@@ -182,7 +182,7 @@ def test_roco_statistics_update_by_hand() -> None:
 
 
 def test_roco_statistics_incremental_equals_prefill(make_layer) -> None:
-    from vllm_kvevict.policies.scoring import group_mean, window_attention
+    from vllm_kvevict.policies.attention_scores import group_mean, window_attention
 
     layer = make_layer(kv_heads=2, group=3, n=30)
     head_start = LayerKV(layer.keys[:, :20], layer.values[:, :20], layer.queries[:, :20])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from vllm_kvevict.policies.scoring import (
+from vllm_kvevict.policies.attention_scores import (
     _column_sums,
     accumulated_attention,
     attention_statistics,

@@ -22,7 +22,6 @@ from vllm_kvevict.policies import (
     available_methods,
     build_policy,
     method_names,
-    resolve_budget,
 )
 
 REGISTERED_METHODS = [
@@ -116,20 +115,6 @@ def test_unknown_parameter_names_it_and_the_valid_ones() -> None:
 def test_bad_parameter_values_name_the_field_and_what_is_valid(name: str, params: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"{field.replace('.', '[.]')}.*(must|choose)"):
         build_policy(name, **params)
-
-
-def test_resolve_budget_tokens_and_fractions() -> None:
-    assert resolve_budget(512, 4000) == 512
-    assert resolve_budget(512, 100) == 100
-    assert resolve_budget(0.25, 4000) == 1000
-    assert resolve_budget(0.25, 3) == 1  # never empty
-    assert resolve_budget(0.1, 4001) == 400  # floored like kvpress's int(n * (1 - ratio))
-
-
-@pytest.mark.parametrize("bad", [0, -5, 1.0, 0.0, 1.5, -0.2, True, "512", None])
-def test_resolve_budget_rejects_other_values_naming_them(bad: object) -> None:
-    with pytest.raises(ValueError, match=rf"budget={bad!r}".replace("(", r"\(").replace(")", r"\)")):
-        resolve_budget(bad, 100)  # type: ignore[arg-type]
 
 
 def test_methods_subcommand_prints_one_line_per_method(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,8 +10,8 @@ from policy_layers import random_layer
 
 from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import KeptTokens, ScoredPolicy
+from vllm_kvevict.policies.kept_masks import ada_allocation, top_k_mask
 from vllm_kvevict.policies.registry import build_policy
-from vllm_kvevict.policies.selection import ada_allocation, top_k_mask
 
 N, FIXED, BUDGET = 160, 48, 40
 

@@ -187,7 +187,7 @@ def paged_window_scores(
     reference.check_window(
         queries, seq_lens, k_cache.shape[2], query_positions, num_pooled, pool_kernel, pool_kind
     )
-    from vllm_kvevict.triton_kernels.scoring import paged_window_scores as triton_scores
+    from vllm_kvevict.triton_kernels.window_scores import paged_window_scores as triton_scores
 
     return triton_scores(
         queries, k_cache, subblock_tables, seq_lens, query_positions, num_pooled, pool_kernel, pool_kind

@@ -151,7 +151,7 @@ def paged_window_scores(
     queries, pooled along the keys, averaged over the group; 0 past seq_len. This is exactly the policy
     library's ``group_mean(pool_scores(window_attention(...)))`` applied to the gathered keys.
     """
-    from vllm_kvevict.policies.scoring import group_mean, pool_scores, window_attention
+    from vllm_kvevict.policies.attention_scores import group_mean, pool_scores, window_attention
 
     check_sequences(k_cache, subblock_tables, seq_lens)
     num_seqs = subblock_tables.shape[0]

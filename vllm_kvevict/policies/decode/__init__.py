@@ -1,23 +1,23 @@
 """Decode-time eviction: per-head caps while generating, re-scored every ``interval`` tokens."""
 
-from vllm_kvevict.policies.decode.base import (
+from vllm_kvevict.policies.decode.decode_h2o import DecodeH2O
+from vllm_kvevict.policies.decode.decode_policy import (
     DecodeEvictionPolicy,
     DecodeState,
     ada_caps,
     ada_caps_from_scores,
     held_attention,
 )
-from vllm_kvevict.policies.decode.h2o import DecodeH2O
-from vllm_kvevict.policies.decode.registry import (
+from vllm_kvevict.policies.decode.decode_registry import (
     build_decode_policy,
     decode_method_description,
     decode_method_names,
     decode_method_params,
 )
-from vllm_kvevict.policies.decode.roco import DecodeRoCo
-from vllm_kvevict.policies.decode.snapkv import DecodeSnapKV
-from vllm_kvevict.policies.decode.statistics import AccumulatingPolicy, AttentionStatistics, WindowScores
-from vllm_kvevict.policies.decode.streamingllm import DecodeStreamingLLM
+from vllm_kvevict.policies.decode.decode_roco import DecodeRoCo
+from vllm_kvevict.policies.decode.decode_snapkv import DecodeSnapKV
+from vllm_kvevict.policies.decode.decode_states import AccumulatingPolicy, AttentionStatistics, WindowScores
+from vllm_kvevict.policies.decode.decode_streamingllm import DecodeStreamingLLM
 
 __all__ = [
     "AccumulatingPolicy",

@@ -1,4 +1,5 @@
-"""Per-(request, KV head) sub-block tables inside the blocks vLLM gives a request. No vLLM import.
+"""The plain reference model of the per-(request, KV head) sub-block tables that ``SubBlockStore`` keeps
+(``vllm_kvevict/layout/subblock_store.py``), tested against it; not on the package path.
 
 A layer cache ``[num_blocks, H, block_size, ...]`` is read as ``num_blocks * H`` sub-blocks of one head each
 (sub-block id ``b * H + h``, see ``layout/kernels/views.py``). After eviction the heads of a layer keep
@@ -21,9 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-
-class SubBlockPoolExhausted(RuntimeError):
-    """A head needed a new sub-block and the request had none free: the accounting rule was broken."""
+from vllm_kvevict.layout.subblock_store import SubBlockPoolExhausted, SubBlockStore
 
 
 class SubBlockTable:
@@ -167,3 +166,23 @@ class RequestSubBlocks:
     def append(self, num_tokens: int) -> dict[int, torch.Tensor]:
         """Grow every table by ``num_tokens``; {id(table): [num_tokens, H] int64 slots}."""
         return {id(table): table.append(num_tokens) for table in self._by_counts.values()}
+
+
+def table_of(
+    store: SubBlockStore, group: int, slot: int, num_kv_heads: int, block_size: int
+) -> SubBlockTable:
+    """The reference-model view of the table of batch ``slot`` for layer group ``group`` (inspection)."""
+    lengths = store.lengths[group, slot].tolist()
+    rows = store.tables[group, slot].tolist()
+    table = SubBlockTable(num_kv_heads, block_size, [])
+    table.lengths = lengths
+    table.subblocks = [row[: -(-n // block_size)] for row, n in zip(rows, lengths, strict=True)]
+    return table
+
+
+def layer_table(worker, req_id: str, layer_idx: int) -> SubBlockTable:  # noqa: ANN001
+    """A compacted request's table for ``layer_idx`` of an ``EvictionWorker`` as the reference model."""
+    tables = worker.tables
+    assert tables.store is not None
+    slot = tables._slot_of[req_id]
+    return table_of(tables.store, tables.group_of(layer_idx), slot, tables.num_kv_heads, tables.block_size)

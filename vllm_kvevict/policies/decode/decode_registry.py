@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy
-from vllm_kvevict.policies.decode.h2o import DecodeH2O
-from vllm_kvevict.policies.decode.roco import DecodeRoCo
-from vllm_kvevict.policies.decode.snapkv import DecodeSnapKV
-from vllm_kvevict.policies.decode.streamingllm import DecodeStreamingLLM
+from vllm_kvevict.policies.decode.decode_h2o import DecodeH2O
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.decode_roco import DecodeRoCo
+from vllm_kvevict.policies.decode.decode_snapkv import DecodeSnapKV
+from vllm_kvevict.policies.decode.decode_streamingllm import DecodeStreamingLLM
 
 _METHODS: dict[str, tuple[type[DecodeEvictionPolicy], str]] = {
     "roco": (DecodeRoCo, "mean attention of the queries that saw an entry, volatile ones kept, plus recent"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvevict.evaluation.scoring import score, string_match_all, string_match_part
+from vllm_kvevict.evaluation.answer_match import score, string_match_all, string_match_part
 
 
 def test_match_all_is_the_fraction_of_answers_found():

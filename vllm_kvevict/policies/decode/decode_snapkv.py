@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.policies.decode.base import (
+from vllm_kvevict.policies.attention_scores import check_window_pooling, pool_scores
+from vllm_kvevict.policies.decode.decode_policy import (
     DecodeEvictionPolicy,
     DecodeState,
     held_attention,
     recent_entries,
 )
-from vllm_kvevict.policies.decode.statistics import WindowScores
-from vllm_kvevict.policies.scoring import check_window_pooling, pool_scores
+from vllm_kvevict.policies.decode.decode_states import WindowScores
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.policies.base import check_int
-from vllm_kvevict.policies.decode.base import DecodeEvictionPolicy, DecodeState
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, DecodeState
 
 
 @dataclass

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.policies.base import check_fraction, check_int
-from vllm_kvevict.policies.decode.base import DecodeState, recent_entries
-from vllm_kvevict.policies.decode.statistics import AccumulatingPolicy
-from vllm_kvevict.policies.selection import top_k_mask
+from vllm_kvevict.policies.decode.decode_policy import DecodeState, recent_entries
+from vllm_kvevict.policies.decode.decode_states import AccumulatingPolicy
+from vllm_kvevict.policies.kept_masks import top_k_mask
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.policies.selection import (
+from vllm_kvevict.policies.kept_masks import (
     ada_allocation,
     ada_blend_allocation,
     blend_budgets,

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from vllm_kvevict.policies.selection import ada_allocation, top_k_mask
+from vllm_kvevict.policies.kept_masks import ada_allocation, top_k_mask
 
 #: Elements of one attention block [q_heads, T, L] computed at once (bounds observe's memory).
 _ATTENTION_BLOCK = 1 << 24

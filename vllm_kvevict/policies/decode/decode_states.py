@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.policies.base import check_int
-from vllm_kvevict.policies.decode.base import (
+from vllm_kvevict.policies.decode.decode_policy import (
     DecodeEvictionPolicy,
     DecodeState,
     fit_width,

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.policies.decode.base import DecodeState, recent_entries
-from vllm_kvevict.policies.decode.statistics import AccumulatingPolicy
+from vllm_kvevict.policies.decode.decode_policy import DecodeState, recent_entries
+from vllm_kvevict.policies.decode.decode_states import AccumulatingPolicy
 
 
 @dataclass

@@ -1,0 +1,201 @@
+"""The decode-time cap's re-score, one layer after its attention: read the keys each head holds from the
+cache (the backend's cache rows), fold the ring's queries into the method's state (``observe``), ask
+``select`` for at most ``a(t)`` entries per head (``RequestPlan.kept_length``, the same for every layer;
+ragged with Ada-style allocation as long as the layer total fits), place the kept entries in sub-blocks of
+the blocks the request keeps, and return the moves. When a request re-scores is ``decode_schedule.py``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_kvevict.datapath.decode_schedule import DecodeRecord, DecodeSchedule, Rescore
+from vllm_kvevict.datapath.layer_eviction import (
+    HeldEntries,
+    LayerTables,
+    LayerTarget,
+    evict_layer,
+    held_in_store,
+)
+from vllm_kvevict.datapath.moves import CacheRows, Moves
+from vllm_kvevict.datapath.placement import standard_entries
+from vllm_kvevict.datapath.policy_guard import guarded
+from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.policies.base import KeptTokens
+from vllm_kvevict.policies.decode.decode_policy import (
+    DecodeEvictionPolicy,
+    DecodeState,
+    ada_caps,
+    gather_padded,
+)
+
+
+@dataclass
+class DecodeChoice:
+    """A decode-time method's choice over one layer's held entries (``LayerChoice``): at most ``budget``
+    (the cap ``a(t)``) per head on average. keys [H, L, D] (None for a method that reads none), positions
+    [H, L] (-1 padded); queries ([Hq, R, D], [R] positions) for ``observe``. The method's running state
+    for the layer is kept when the choice holds, forgotten when the fallback keeps the layer."""
+
+    policy: DecodeEvictionPolicy
+    allocation: str
+    record: DecodeRecord
+    layer_idx: int
+    keys: torch.Tensor | None
+    positions: torch.Tensor
+    queries: tuple[torch.Tensor, torch.Tensor] | None
+    budget: int
+    exact: bool = False
+    shared: int = 0
+    _state: DecodeState | None = field(default=None, repr=False)
+
+    def choose(self) -> KeptTokens:
+        kept = guarded(self.policy, self._select, self._problem)
+        if self._state is not None:
+            self._state.keep(kept.indices)
+        self.record.states[self.layer_idx] = self._state
+        return kept
+
+    def rejected(self) -> None:
+        self.record.states[self.layer_idx] = None
+
+    def _select(self) -> KeptTokens:
+        policy, positions = self.policy, self.positions
+        heads = positions.shape[0]
+        state = self.record.states[self.layer_idx]
+        if state is None:
+            state = policy.init_state(heads, positions.device)
+        keys = self.keys if self.keys is not None else torch.zeros(heads, positions.shape[1], 1)
+        if self.queries is not None:
+            state = policy.observe(state, keys, positions, self.queries[0], self.queries[1])
+        caps: int | torch.Tensor = self.budget
+        if self.allocation == "ada":
+            caps = ada_caps(policy, state, positions, self.budget)
+        self._state = state
+        kept, lengths = policy.select(state, keys, positions, caps)
+        return KeptTokens(kept, lengths.to(torch.int64))
+
+    def _problem(self, kept: KeptTokens) -> str | None:
+        heads, width = self.positions.shape
+        if int(kept.counts.sum()) <= heads * self.budget and bool((kept.indices < width).all()):
+            return None
+        return f"kept {kept.counts.tolist()} entries, the layer may keep {heads * self.budget}"
+
+
+class DecodeEviction(DecodeSchedule):
+    """Decode-time caps of the requests on one worker: the schedule (``DecodeSchedule``) and the re-score."""
+
+    # ----- re-score -------------------------------------------------------------------------------------
+    def rescore_layer(
+        self,
+        layer_idx: int,
+        rescores: list[Rescore],
+        block_table: torch.Tensor,
+        rows: CacheRows,
+        timer: StepTimer,
+        tables: LayerTables,
+    ) -> Moves | None:
+        """Re-score ``layer_idx`` of every request in ``rescores`` and commit their new tables; returns the
+        moves to make in the layer's cache (sources and destinations may overlap: gather, then scatter)."""
+        if not rescores:
+            return None
+        moves = [self._rescore(layer_idx, r, block_table[r.slot], rows, timer, tables) for r in rescores]
+        if layer_idx == self.num_layers - 1:
+            for r in rescores:
+                self._finish(r)
+        return Moves.join(moves)
+
+    def held(self, layer_idx: int, r: Rescore, block_row: torch.Tensor, check: bool = True) -> HeldEntries:
+        """What each head of ``layer_idx`` holds now (this step's token included)."""
+        record = r.record
+        newest = record.plan.prompt_len + r.generated - 1
+        if not r.compacted:
+            return HeldEntries(*standard_entries(block_row, newest + 1, self.num_kv_heads, self.block_size))
+        held = record.positions[layer_idx]
+        if held is None:
+            raise RuntimeError(f"request {r.req_id} layer {layer_idx}: compacted without recorded positions")
+        return held_in_store(self.tables, layer_idx, r.slot, held, record.anchor, newest + 1, r.req_id, check)
+
+    def choice(
+        self,
+        layer_idx: int,
+        record: DecodeRecord,
+        keys: torch.Tensor | None,
+        positions: torch.Tensor,
+        queries: tuple[torch.Tensor, torch.Tensor] | None,
+        cap: int,
+    ) -> DecodeChoice:
+        """The method's choice of at most ``cap`` entries per head on average over ``positions`` [H, L]."""
+        return DecodeChoice(self.policy, self.allocation, record, layer_idx, keys, positions, queries, cap)
+
+    def _rescore(
+        self,
+        layer_idx: int,
+        r: Rescore,
+        block_row: torch.Tensor,
+        rows: CacheRows,
+        timer: StepTimer,
+        tables: LayerTables,
+    ) -> Moves:
+        record, plan = r.record, r.record.plan
+        held = self.held(layer_idx, r, block_row, tables.check)
+        if self.dump:
+            lengths = (held.positions >= 0).sum(dim=1).tolist()
+            if layer_idx == 0:
+                record.peaks.append((r.generated, []))
+            record.peaks[-1][1].append(lengths)
+        keys = None
+        if self.policy.query_window:
+            heads, width = held.slots.shape
+            keys = rows.read_keys(held.slots.clamp(min=0)).reshape(heads, width, -1)
+        queries = self._queries(layer_idx, r) if self.policy.query_window else None
+        choice = self.choice(layer_idx, record, keys, held.positions, queries, plan.kept_length(r.generated))
+        first_block = plan.blocks_freed(r.generated)
+        num_blocks = cdiv(plan.prompt_len + r.generated, self.block_size)
+        target = LayerTarget(r.slot, r.req_id, block_row, first_block, num_blocks)
+        result = evict_layer(layer_idx, held, choice, target, tables, timer)
+        record.positions[layer_idx] = gather_padded(held.positions, result.kept.indices, -1)
+        return result.moves
+
+    def _queries(self, layer_idx: int, r: Rescore) -> tuple[torch.Tensor, torch.Tensor]:
+        """The newest ``policy.queries_needed(k)`` queries of the ring (prompt queries included while fewer
+        tokens were generated): H2O/RoCo fold each query once and need only those since the last re-score,
+        SnapKV its window. The HF reference passes the same ones."""
+        record = r.record
+        newest = record.plan.prompt_len + r.generated - 1
+        count = min(self.ring.window, self.policy.queries_needed(record.plan.decode_interval))
+        if not count:
+            return self.ring.read(layer_idx, record.row)
+        return self.ring.read_recent(layer_idx, record.row, newest, count)
+
+    def _finish(self, r: Rescore) -> None:
+        """Every layer of ``r`` was re-scored: its tail starts after this step's token."""
+        r.record.anchor = r.record.plan.prompt_len + r.generated
+        self.tables.mark_compacted(r.slot)
+
+    # ----- a prompt whose decode cap applies in its own step (recomputed after preemption) ------------
+    def recomputed_choice(
+        self,
+        layer_idx: int,
+        record: DecodeRecord,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        queries: torch.Tensor,
+        generated: int,
+    ) -> DecodeChoice:
+        """The cap's choice over ``positions`` [H, L] (the kept prompt entries then the recomputed output,
+        -1 padded; keys [H, L, D] theirs), down to ``a(t)``. queries: [P + t, Hq, D] of the step (prompt and
+        recomputed output; the last ``queries_needed(k)`` are observed, as at a decode-time re-score)."""
+        plan = record.plan
+        window = min(self.policy.query_window, self.policy.queries_needed(plan.decode_interval))
+        observed = None
+        if window:
+            recent = queries[-window:]
+            first = plan.prompt_len + generated - recent.shape[0]
+            query_positions = torch.arange(first, first + recent.shape[0], device=recent.device)
+            observed = (recent.transpose(0, 1), query_positions)
+        record.states[layer_idx] = None
+        return self.choice(layer_idx, record, keys, positions, observed, plan.kept_length(generated))

@@ -1,0 +1,198 @@
+"""One layer of one request evicted, the same for the three modes (whole prompt, per chunk, decode cap):
+held entries -> rows read -> guarded selection -> sub-block assignment -> placement -> ``Moves``. The modes
+differ only in where the policy, its budget and the held entries come from (``LayerChoice`` and
+``HeldEntries``); this module does the rest once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.datapath.kept_selection import LayerChoice, kept_or_newest
+from vllm_kvevict.datapath.moves import Moves
+from vllm_kvevict.datapath.placement import Placement, place, subblock_slots
+from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.shared_prefix import shared_blocks
+from vllm_kvevict.layout.subblock_store import TableRows
+from vllm_kvevict.policies.base import KeptTokens
+
+
+@dataclass(frozen=True)
+class HeldEntries:
+    """What each head of one request's layer holds: slots [H, L] int64 one-head-view cache slots and
+    positions [H, L] int64, -1 padded. ``step_row``: the held entries are rows of this step's tensors
+    (position p is row ``step_row + p``, a prompt computed in this step), None: they are read from the
+    cache. The last ``trailing`` held entries of each head are kept whole after the chosen ones."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    step_row: int | None = None
+
+    @staticmethod
+    def of_step_rows(
+        slot_mapping: torch.Tensor, start: int, length: int, heads: int, block_size: int
+    ) -> HeldEntries:
+        """The ``length`` rows from ``start`` of this step's tensors, written to vLLM's standard layout at
+        ``slot_mapping`` [T] (head h of a token in sub-block ``block * H + h``)."""
+        standard = slot_mapping[start : start + length].to(torch.int64)
+        head = torch.arange(heads, device=standard.device)[:, None]
+        slots = ((standard // block_size)[None, :] * heads + head) * block_size + standard % block_size
+        positions = torch.arange(length, device=standard.device).expand(heads, length)
+        return HeldEntries(slots, positions, start)
+
+    @property
+    def width(self) -> int:
+        return self.slots.shape[1]
+
+
+def held_in_store(
+    tables: BatchSubBlocks,
+    layer_idx: int,
+    slot: int,
+    held: torch.Tensor,
+    tail_from: int,
+    tail_to: int,
+    req_id: str,
+    check: bool,
+) -> HeldEntries:
+    """What each head of a compacted request holds in its sub-blocks: the positions ``held`` [H, a] (-1
+    padded) kept at its last compaction, then every position in ``[tail_from, tail_to)`` appended since."""
+    store = tables.store
+    assert store is not None
+    heads = held.shape[0]
+    group = tables.group_of(layer_idx)
+    device = held.device
+    counts = (held >= 0).sum(dim=1)
+    lengths = counts + (tail_to - tail_from)
+    width = int(lengths.max()) if heads else 0
+    j = torch.arange(width, device=device)
+    slots = subblock_slots(store.tables[group, slot], width, store.block_size)
+    if held.shape[1]:
+        from_held = held.gather(1, j.clamp(max=held.shape[1] - 1).expand(heads, width))
+    else:
+        from_held = torch.zeros(heads, width, dtype=torch.int64, device=device)
+    positions = torch.where(j[None, :] < counts[:, None], from_held, tail_from + j[None, :] - counts[:, None])
+    stored = store.lengths[group, slot].to(torch.int64)
+    if check and not torch.equal(stored, lengths):  # a device read: CPU only
+        raise RuntimeError(
+            f"request {req_id} layer {layer_idx}: heads hold {stored.tolist()} entries, the record "
+            f"{lengths.tolist()}"
+        )
+    valid = j[None, :] < lengths[:, None]
+    return HeldEntries(torch.where(valid, slots, -1), torch.where(valid, positions, -1))
+
+
+@dataclass(frozen=True)
+class LayerTarget:
+    """Where one request's kept entries go: its block-table row [W], the first block whose sub-blocks take
+    them, the blocks it keeps, ``trailing`` entries per head kept whole after the chosen ones and ``shared``
+    leading entries per head of a prefix other requests share (kept where they are)."""
+
+    slot: int
+    req_id: str
+    block_row: torch.Tensor
+    first_block: int
+    num_blocks: int
+    trailing: int = 0
+    shared: int = 0
+
+
+@dataclass(frozen=True)
+class LayerEviction:
+    """One request's evicted layer: the moves, the choice's kept (indices into the held entries, counts
+    [H]) and their placement (kept then trailing entries, head-major)."""
+
+    moves: Moves
+    kept: KeptTokens
+    placed: Placement
+
+    def held_positions(self, held: HeldEntries) -> KeptTokens:
+        """Positions [H, M] (-1 padded) and counts [H] of what each head holds now, trailing included."""
+        width = int(self.placed.per_head.max()) if self.placed.per_head.numel() else 0
+        positions = torch.full((held.slots.shape[0], width), -1, dtype=torch.int64, device=held.slots.device)
+        positions[self.placed.heads, self.placed.index] = held.positions[
+            self.placed.heads, self.placed.chosen
+        ]
+        return KeptTokens(positions, self.placed.per_head)
+
+
+class LayerTables:
+    """Tables assigned in one step: a group of layers sharing sub-block tables takes the table its first
+    layer assigned (checked at the others), and commits it after its last layer."""
+
+    def __init__(self, tables: BatchSubBlocks, check: bool) -> None:
+        self.tables = tables
+        self.check = check
+        self._pending: dict[tuple[str, int], tuple[TableRows, torch.Tensor]] = {}
+
+    def table_for(
+        self, layer_idx: int, target: LayerTarget, counts: torch.Tensor, total: int, method: str
+    ) -> TableRows:
+        """The table of ``target`` for the group of ``layer_idx``, whose heads keep ``counts`` [H] (sum
+        ``total``, host-known) then the trailing entries."""
+        key = (target.req_id, self.tables.group_of(layer_idx))
+        pending = self._pending.get(key)
+        if pending is not None:
+            table, assigned = pending
+            if self.check and not torch.equal(assigned.to(counts.dtype), counts):
+                raise RuntimeError(
+                    f"policy {method} kept different per-head counts in layers that share one sub-block "
+                    f"table (layer {layer_idx}); it must not be treated as uniform"
+                )
+            return table
+        store = self.tables.store
+        assert store is not None
+        table = store.assign(
+            counts,
+            target.block_row,
+            target.first_block,
+            target.trailing,
+            total,
+            num_blocks=target.num_blocks,
+            check=self.check,
+            shared_blocks=shared_blocks(target.shared, store.block_size),
+        )
+        self._pending[key] = (table, counts)
+        return table
+
+    def commit(self, layer_idx: int, target: LayerTarget) -> None:
+        """After the last layer of a group, the group's table becomes the request's rows."""
+        if self.tables.last_layer_of_group(layer_idx):
+            table, _ = self._pending.pop((target.req_id, self.tables.group_of(layer_idx)))
+            self.tables.commit(layer_idx, target.slot, table, target.first_block)
+
+
+def evict_layer(
+    layer_idx: int,
+    held: HeldEntries,
+    choice: LayerChoice,
+    target: LayerTarget,
+    tables: LayerTables,
+    timer: StepTimer | None = None,
+) -> LayerEviction:
+    """Evict one request's layer: ``choice`` (guarded, or the newest entries when it fails) over ``held``,
+    its table (``tables``), the kept entries placed in it and the moves to them; the table is committed
+    after the group's last layer. Sources and destinations of the moves may overlap (gather, then scatter).
+    """
+    heads = held.slots.shape[0]
+    scored = held.width - target.trailing  # entries the choice judges; trailing ones follow
+    valid = held.positions[:, :scored] >= 0
+    valid[:, : target.shared] = False
+    with timer.phase("selection") if timer is not None else contextlib.nullcontext():
+        kept = kept_or_newest(choice, valid, target.req_id, layer_idx)
+    total = heads * choice.budget if choice.exact else int(kept.counts.sum())  # host-known when exact
+    counts = kept.counts.to(device=held.slots.device, dtype=torch.int64)
+    table = tables.table_for(layer_idx, target, counts, total, getattr(choice.policy, "name", "?"))
+    placed = place(kept, target.trailing, scored, total + heads * target.trailing, held.slots.device)
+    block_size = tables.tables.block_size
+    src = held.slots[placed.heads, placed.chosen]
+    destinations = placed.destinations(table, block_size, target.shared)
+    tables.commit(layer_idx, target)
+    if held.step_row is None:
+        return LayerEviction(Moves(src, destinations), kept, placed)
+    rows = held.positions[placed.heads, placed.chosen] + held.step_row
+    return LayerEviction(Moves(src, destinations, rows, placed.heads), kept, placed)
