@@ -11,8 +11,9 @@ they are found wherever a message moves. A message is the first argument of:
 - a call of ``_refusal(...)`` (a model or setting eviction cannot serve), and the f-string returned by a
   function whose name ends in ``_refusal`` (the refusal line itself, the vLLM version line);
 - ``raise ValueError/RuntimeError/LookupError(...)`` in ``vllm_adapter/`` (the engine's own refusals), in
-  the registries and presets of ``policies/`` (``registry.py``, ``presets.py``: the method and preset names
-  every start-up checks) and in the ``check_*`` functions of ``policies/`` (the parameter checks).
+  the registries and presets of ``policies/`` (``registry.py``, ``decode/decode_registry.py``, ``presets.py``:
+  the method and preset names every start-up checks) and in the ``check_*`` functions of ``policies/`` (the
+  parameter checks).
 
 Only string literals, f-strings and their concatenations count; each ``{...}`` becomes "some text". The
 page's quotes are the lines of its fenced code blocks, each written as the user sees it, with example values
@@ -102,7 +103,7 @@ def engine_raise(path: Path, function: str) -> bool:
     if parts[0] == "vllm_adapter":
         return True
     return parts[0] == "policies" and (
-        path.name in ("registry.py", "presets.py") or function.startswith("check_")
+        path.name in ("registry.py", "decode_registry.py", "presets.py") or function.startswith("check_")
     )
 
 
