@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
@@ -30,10 +31,11 @@ from vllm.v1.attention.backends.triton_attn import (
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-from vllm_kvevict.datapath.moves import Moves
+from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.step import EvictionStep, HeadSequenceBatch
 from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
+from vllm_kvevict.vllm_adapter.quantised_rows import CacheScales, dequantising
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cuda.EvictingTritonAttentionBackend"
 
@@ -98,11 +100,15 @@ class EvictingTritonAttentionImpl(EvictingImpl, TritonAttentionImpl):
             key, value, key_cache, value_cache, slots, self.kv_cache_dtype, layer._k_scale, layer._v_scale
         )
 
-    def cache_rows(self, layer, kv_cache, key, value) -> GPUCacheRows:
-        return GPUCacheRows(kv_cache)
+    def cache_rows(self, layer, kv_cache, key, value) -> CacheRows:
+        fp8 = is_quantized_kv_cache(self.kv_cache_dtype)  # p51-fp8: reads of an fp8 cache dequantise
+        scales = CacheScales(self.fp8_dtype, layer._k_scale, layer._v_scale) if fp8 else None
+        return dequantising(GPUCacheRows(kv_cache), scales, key.dtype)
 
     def head_attention(self, layer, step: EvictionStep, batch: HeadSequenceBatch, query, kv_cache, out):
         key_cache, value_cache = one_head_caches(kv_cache)
+        if is_quantized_kv_cache(self.kv_cache_dtype):  # p51-fp8: the kernel loads fp8-typed caches
+            key_cache, value_cache = key_cache.view(self.fp8_dtype), value_cache.view(self.fp8_dtype)
         sequences = batch.seq_lens.shape[0]
         unified_attention(
             q=query,

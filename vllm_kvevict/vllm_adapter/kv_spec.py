@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
@@ -115,9 +114,6 @@ class EvictingAttentionManager(FullAttentionManager):
         self.contexts = KeptContexts(self.block_pool, block_size, self.kv_cache_group_id)
         self.num_layers = num_layers
         metrics.start_kept_contexts()
-        # A quantised cache cannot be read back (model_support.cache_refusal): a request that evicts must be
-        # computed in one step, so it must not start from cached blocks.
-        self.cache_readable = torch.empty(0, dtype=kv_cache_spec.dtype).element_size() > 1
         vllm_config = get_current_vllm_config_or_none()
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         logger.info("%s", capacity_summary(config, self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
@@ -197,10 +193,9 @@ class EvictingAttentionManager(FullAttentionManager):
     def skips_prefix_cache(self, request: Any) -> bool:
         """True when ``request``'s plan rewrites its blocks over time (it evicts between chunks or while
         generating): it must neither read cached prefix blocks (other requests share them) nor publish its
-        own; or when it compacts and the cache is quantised (it must be computed in one step). Resolved from
-        its sampling parameters, so it holds before the request is admitted."""
-        plan = self.whole_prompt_plan(request)
-        return not reads_prefix_cache(plan) or (plan.compacts and not self.cache_readable)
+        own (an fp8 cache too: its rows are read back through its scales). Resolved from its sampling
+        parameters, so it holds before the request is admitted."""
+        return not reads_prefix_cache(self.whole_prompt_plan(request))
 
     def chunk_stride_of(self, request: Any) -> int:
         """S of a request whose prompt is evicted chunk by chunk (its plan's ``chunk_stride``), else 0: the
