@@ -34,6 +34,7 @@ from vllm_kvevict.layout.shared_prefix import (
 )
 from vllm_kvevict.settings.config import EvictionConfig, eviction_config_from_json, get_eviction_config
 from vllm_kvevict.settings.request_settings import RequestSettings, ResolvedSetting
+from vllm_kvevict.vllm_adapter.cache_bytes import block_bytes, cache_bytes_clause
 from vllm_kvevict.vllm_adapter.kept_contexts import KeptContexts
 
 logger = init_logger("vllm.kvevict")
@@ -116,7 +117,12 @@ class EvictingAttentionManager(FullAttentionManager):
         metrics.start_kept_contexts()
         vllm_config = get_current_vllm_config_or_none()
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
-        logger.info("%s", capacity_summary(config, self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
+        plan = self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)
+        self.block_bytes = block_bytes(kv_cache_spec.page_size_bytes, num_layers)  # p51-fp8: bytes counted
+        cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+        model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+        in_bytes = cache_bytes_clause(plan, cache_dtype, self.block_bytes, kv_cache_spec.dtype, model_dtype)
+        logger.info("%s%s", capacity_summary(config, plan), in_bytes)
 
     def admit_request(
         self, request_id: str, sampling_params: Any, cached_tokens: int = 0, request: Any = None
@@ -359,7 +365,8 @@ class EvictingAttentionManager(FullAttentionManager):
     def _publish_saved_blocks(self) -> None:
         """Blocks running requests would hold in addition without eviction, for the dashboard."""
         # The pool's usable size, as vLLM's own kv_cache_usage_perc counts it (one null block).
-        metrics.set_kv_cache_saved(sum(self.saved_blocks.values()), self.block_pool.num_gpu_blocks - 1)
+        saved = sum(self.saved_blocks.values())
+        metrics.set_kv_cache_saved(saved, self.block_pool.num_gpu_blocks - 1, self.block_bytes)
 
 
 def capacity_summary(config: EvictionConfig, plan: RequestPlan) -> str:
