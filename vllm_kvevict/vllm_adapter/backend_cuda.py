@@ -127,6 +127,7 @@ class EvictingTritonAttentionImpl(EvictingImpl, TritonAttentionImpl):
             q_descale=None,
             k_descale=layer._k_scale.expand(sequences, 1),
             v_descale=layer._v_scale.expand(sequences, 1),
+            kv_quant_mode=self._kv_quant_mode,  # p51-fp8: the kernel scales fp8 loads by k/v_descale
         )
 
 
