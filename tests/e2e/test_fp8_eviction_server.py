@@ -16,6 +16,8 @@ the layer's scales (``vllm_adapter/quantised_rows.py``):
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from request_bodies import client_of, ignore_eos_body
 
@@ -94,6 +96,13 @@ def evicting(model_dir, vanilla_tokens):
 def test_a_budget_covering_the_prompt_answers_as_the_fp8_vanilla_server(evicting, vanilla_tokens):
     tokens, _ = greedy(evicting, COVERING)
     assert tokens == vanilla_tokens
+
+
+def test_the_start_up_line_counts_fp8_blocks_in_bytes(evicting):
+    """30 layers x 3 KV heads x 32 tokens x 64 dims x (K, V), 1 byte each: 360 KiB, half a bf16 block."""
+    found = re.search(r"kv-eviction active: .* holds \d+ of \d+ blocks .*", evicting.log_path.read_text())
+    assert found, "no 'kv-eviction active' line in the server log"
+    assert "a 32-token block is 360 KiB over all layers (1-byte fp8 elements: the pool holds 2x" in found[0]
 
 
 def test_a_real_budget_compacts_the_prompt_read_back_from_the_fp8_cache(evicting):

@@ -15,29 +15,22 @@ def block_bytes(page_size_bytes: int, num_layers: int) -> int:
     return page_size_bytes * num_layers
 
 
-def cache_bytes_clause(
-    plan: RequestPlan,
-    kv_cache_dtype: str,
-    bytes_per_block: int,
-    cache_dtype: torch.dtype,
-    model_dtype: torch.dtype | None,
-) -> str:
-    """``"; ..."`` appended to the start-up summary: a block's bytes and, for a quantised cache (element
-    ``cache_dtype`` narrower than the model's), how many of ``plan``'s requests the pool holds against an
-    unevicted cache in the model dtype of the same bytes (eviction's gain x the element-size ratio)."""
-    kib = bytes_per_block / 1024
-    clause = f"; a {plan.block_size}-token block is {kib:g} KiB over all layers ({kv_cache_dtype} cache)"
-    element, model_element = _itemsize(cache_dtype), _itemsize(model_dtype) if model_dtype else None
-    if model_element is None or element >= model_element:
+#: element bytes of the unquantised caches an fp8 one is compared with (bf16/fp16: what models serve in)
+REFERENCE_ELEMENT_BYTES = 2
+
+
+def cache_bytes_clause(plan: RequestPlan, bytes_per_block: int, cache_dtype: torch.dtype) -> str:
+    """``"; ..."`` appended to the start-up summary: a block's bytes and, for a cache of 1-byte elements
+    (vLLM stores every fp8 cache as uint8), how many of ``plan``'s requests the pool holds against an
+    unevicted 16-bit cache of the same bytes (eviction's gain x 2). Only the KV-cache spec is read: the
+    scheduler's manager is built where vLLM's config is not current (no model dtype, no cache-dtype name)."""
+    element = torch.empty(0, dtype=cache_dtype).element_size()
+    clause = f"; a {plan.block_size}-token block is {bytes_per_block / 1024:g} KiB over all layers"
+    if element >= REFERENCE_ELEMENT_BYTES:
         return clause
-    ratio = model_element / element
+    ratio = REFERENCE_ELEMENT_BYTES / element
     gain = cdiv(plan.prompt_len, plan.block_size) / plan.blocks_held(0)
-    model_name = str(model_dtype).removeprefix("torch.")
     return (
-        f"{clause}, {element / model_element:g}x a {model_name} block: the pool holds {ratio:g}x the blocks, "
-        f"about {gain * ratio:.1f}x such requests of an unevicted {model_name} cache of the same bytes"
+        f"{clause} ({element}-byte fp8 elements: the pool holds {ratio:g}x the blocks of a 16-bit cache, "
+        f"about {gain * ratio:.1f}x such requests of an unevicted bf16/fp16 cache of the same bytes)"
     )
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()

@@ -119,9 +119,7 @@ class EvictingAttentionManager(FullAttentionManager):
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         plan = self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)
         self.block_bytes = block_bytes(kv_cache_spec.page_size_bytes, num_layers)  # p51-fp8: bytes counted
-        cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
-        model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
-        in_bytes = cache_bytes_clause(plan, cache_dtype, self.block_bytes, kv_cache_spec.dtype, model_dtype)
+        in_bytes = cache_bytes_clause(plan, self.block_bytes, kv_cache_spec.dtype)
         logger.info("%s%s", capacity_summary(config, plan), in_bytes)
 
     def admit_request(

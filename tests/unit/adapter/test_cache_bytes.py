@@ -32,14 +32,14 @@ def test_the_start_up_clause_multiplies_evictions_gain_by_the_element_ratio():
     gain = 128 / plan.blocks_held(0)
     bf16_bytes = block_bytes(spec(torch.bfloat16).page_size_bytes, LAYERS)
     fp8_bytes = block_bytes(spec(torch.uint8).page_size_bytes, LAYERS)
-    plain = cache_bytes_clause(plan, "auto", bf16_bytes, torch.bfloat16, torch.bfloat16)
-    assert plain == f"; a {BS}-token block is 720 KiB over all layers (auto cache)"
-    quantised = cache_bytes_clause(plan, "fp8", fp8_bytes, torch.uint8, torch.bfloat16)
-    assert quantised.startswith(
-        f"; a {BS}-token block is 360 KiB over all layers (fp8 cache), 0.5x a bfloat16"
+    assert (
+        cache_bytes_clause(plan, bf16_bytes, torch.bfloat16)
+        == f"; a {BS}-token block is 720 KiB over all layers"
     )
-    assert f"about {2 * gain:.1f}x such requests of an unevicted bfloat16 cache" in quantised
-    assert "x such requests" not in cache_bytes_clause(plan, "fp8", fp8_bytes, torch.uint8, None)
+    quantised = cache_bytes_clause(plan, fp8_bytes, torch.uint8)
+    assert quantised.startswith(f"; a {BS}-token block is 360 KiB over all layers (1-byte fp8 elements")
+    assert f"holds 2x the blocks of a 16-bit cache, about {2 * gain:.1f}x such requests" in quantised
+    assert "x such requests" not in cache_bytes_clause(plan, 2 * bf16_bytes, torch.float32)
 
 
 @pytest.mark.parametrize(("dtype", "per_block"), [(torch.uint8, 368_640), (torch.bfloat16, 737_280)])
