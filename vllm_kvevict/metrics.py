@@ -96,6 +96,11 @@ class EvictionMetrics:
             "kv_blocks_saved",
             "Blocks running requests would hold in addition without eviction.",
         )
+        self.kv_bytes_saved = latest(
+            "kv_bytes_saved",
+            "Bytes of KV cache (all layers of this worker, in the cache's own dtype: 1 byte per element for "
+            "--kv-cache-dtype fp8) running requests would hold in addition without eviction.",
+        )
         self.kv_cache_saved_perc = latest(
             "kv_cache_saved_perc",
             "Fraction of the KV pool running requests would hold in addition without eviction (1 = 100%).",
@@ -207,10 +212,11 @@ class EvictionMetrics:
     def set_worker_requests(self, count: int) -> None:
         self.worker_requests.set(count)
 
-    def set_kv_cache_saved(self, saved_blocks: int, total_blocks: int) -> None:
+    def set_kv_cache_saved(self, saved_blocks: int, total_blocks: int, block_bytes: int = 0) -> None:
         if total_blocks <= 0:
             raise ValueError(f"total_blocks={total_blocks} must be > 0")
         self.kv_blocks_saved.set(saved_blocks)
+        self.kv_bytes_saved.set(saved_blocks * block_bytes)
         self.kv_cache_saved_perc.set(saved_blocks / total_blocks)
 
 
@@ -340,6 +346,7 @@ def set_worker_requests(count: int) -> None:
     process_metrics().set_worker_requests(count)
 
 
-def set_kv_cache_saved(saved_blocks: int, total_blocks: int) -> None:
-    """Blocks running requests would hold in addition without eviction, and the pool size (scheduler side)."""
-    process_metrics().set_kv_cache_saved(saved_blocks, total_blocks)
+def set_kv_cache_saved(saved_blocks: int, total_blocks: int, block_bytes: int = 0) -> None:
+    """Blocks running requests would hold in addition without eviction, the pool size and one block's bytes
+    over all layers (scheduler side)."""
+    process_metrics().set_kv_cache_saved(saved_blocks, total_blocks, block_bytes)

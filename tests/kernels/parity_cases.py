@@ -58,6 +58,29 @@ def test_compaction_matches_reference(backend, dtype, planes, head_size, block_s
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("planes", [None, 2])
+def test_compaction_moves_the_bytes_of_an_fp8_cache_as_they_are(backend, planes):
+    """An fp8 KV cache (vLLM's uint8 storage, or viewed as its fp8 format) is compacted byte for byte: kept
+    entries are never re-quantised (issue 51)."""
+    shape = (12, 32, 64) if planes is None else (planes, 12, 32, 64)
+    generator = torch.Generator().manual_seed(7)
+    caches = [
+        torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator).to(DEVICE) for _ in range(3)
+    ]
+    expected = [c.clone() for c in caches]
+    src, dst, layer = (t.to(DEVICE) for t in compaction_plan(3, 12, 32, kept_fraction=0.3, seed=11))
+    reference.compact_subblocks(expected, src, dst, layer)
+    assert dispatch.compact_subblocks(caches, src, dst, layer, backend=backend) == backend
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got, want)
+    as_fp8 = [c.view(torch.float8_e4m3fn) for c in caches]  # the Triton backend's typed view
+    dispatch.compact_subblocks(as_fp8, src, dst, layer, backend=backend)
+    reference.compact_subblocks(expected, src, dst, layer)
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_compaction_of_a_strided_key_view_leaves_values_alone(backend):
     # one [num_blocks, H, bs, 2D] layer whose K half is moved through a strided [S, bs, D] view
     layer = torch.randn(3, 2, BLOCK_SIZE, 64, device=DEVICE)

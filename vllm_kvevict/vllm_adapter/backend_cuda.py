@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
@@ -31,10 +32,11 @@ from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_
 from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
 from vllm_kvevict.datapath.attention_metadata import HeadSequenceBatch
-from vllm_kvevict.datapath.moves import Moves
+from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.step import EvictionStep
 from vllm_kvevict.layout.kernels import dispatch
 from vllm_kvevict.vllm_adapter.evicting_backend import EvictingBackend, EvictingBuilder, EvictingImpl
+from vllm_kvevict.vllm_adapter.quantised_rows import CacheScales, dequantising
 from vllm_kvevict.vllm_adapter.vllm_private import kv_scales
 
 BACKEND_PATH = "vllm_kvevict.vllm_adapter.backend_cuda.EvictingTritonAttentionBackend"
@@ -100,11 +102,15 @@ class EvictingTritonAttentionImpl(EvictingImpl, TritonAttentionImpl):
             key, value, key_cache, value_cache, slots, self.kv_cache_dtype, *kv_scales(layer)
         )
 
-    def cache_rows(self, layer, kv_cache, key, value) -> GPUCacheRows:
-        return GPUCacheRows(kv_cache)
+    def cache_rows(self, layer, kv_cache, key, value) -> CacheRows:
+        fp8 = is_quantized_kv_cache(self.kv_cache_dtype)  # reads of an fp8 cache dequantise
+        scales = CacheScales(self.fp8_dtype, *kv_scales(layer)) if fp8 else None
+        return dequantising(GPUCacheRows(kv_cache), scales, key.dtype)
 
     def head_attention(self, layer, step: EvictionStep, batch: HeadSequenceBatch, query, kv_cache, out):
         key_cache, value_cache = one_head_caches(kv_cache)
+        if is_quantized_kv_cache(self.kv_cache_dtype):  # the kernel loads fp8-typed caches
+            key_cache, value_cache = key_cache.view(self.fp8_dtype), value_cache.view(self.fp8_dtype)
         sequences = batch.seq_lens.shape[0]
         k_scale, v_scale = kv_scales(layer)
         unified_attention(
@@ -124,6 +130,7 @@ class EvictingTritonAttentionImpl(EvictingImpl, TritonAttentionImpl):
             q_descale=None,
             k_descale=k_scale.expand(sequences, 1),
             v_descale=v_scale.expand(sequences, 1),
+            kv_quant_mode=self._kv_quant_mode,  # the kernel scales fp8 loads by k/v_descale
         )
 
 

@@ -19,9 +19,12 @@ import torch
 from vllm import _custom_ops as ops
 
 from vllm_kvevict.vllm_adapter.cpu_tiles import SubblockTiles, separable_offsets
+from vllm_kvevict.vllm_adapter.quantised_rows import cpu_fp8_format
 
-#: values written per probe digit (1..DIGIT: integers every float dtype of a cache holds exactly)
+#: values written per probe digit (1..DIGIT: integers every float dtype of a cache holds exactly); in an fp8
+#: cache 1..FP8_DIGIT (e5m2 holds the integers up to 8 exactly, e4m3 up to 16)
 DIGIT = 64
+FP8_DIGIT = 8
 
 
 def one_head_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,17 +38,23 @@ def one_head_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @functools.cache
-def packed_offsets(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> torch.Tensor | None:
+def packed_offsets(
+    isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto"
+) -> torch.Tensor | None:
     """[2, bs, D] int64: where element (token t, dim d) of the keys (0) and values (1) lies inside a (block,
     head) region of 2*bs*D elements as vLLM's writer packs ``isa``; None unless every element was found at
-    exactly one place of its own part.
+    exactly one place of its own part. ``dtype``: the cache's (uint8 for an fp8 ``kv_cache_dtype``, whose
+    probe rows are written as bf16 and its bytes read back as ``quantised_rows.cpu_fp8_format``).
 
     Each probe writes one part's rows as one base-``DIGIT`` digit of the element's row-major index (plus 1,
     so that zeros mark the other part); the digits read back at each place spell which element lies there."""
+    fp8 = cpu_fp8_format(kv_cache_dtype)
+    base = DIGIT if fp8 is None else FP8_DIGIT
+    rows_dtype = dtype if fp8 is None else torch.bfloat16
     elements = block_size * head_size
     index = torch.arange(elements).view(block_size, 1, head_size)
     digits = 1
-    while DIGIT**digits < elements:
+    while base**digits < elements:
         digits += 1
     offsets = torch.empty(2, elements, dtype=torch.int64)
     places = []
@@ -53,20 +62,23 @@ def packed_offsets(isa: str, dtype: torch.dtype, block_size: int, head_size: int
         spelled = torch.zeros(2 * elements, dtype=torch.int64)
         written = None
         for digit in range(digits):
-            rows = ((index // DIGIT**digit) % DIGIT + 1).to(dtype)
+            rows = ((index // base**digit) % base + 1).to(rows_dtype)
             zeros = torch.zeros_like(rows)
             cache = torch.zeros(2, 1, block_size, 2 * head_size, dtype=dtype)
             key_cache, value_cache = one_head_caches(cache)
             slots = torch.arange(block_size, 2 * block_size)  # every row of region 1
             key, value = (rows, zeros) if part == 0 else (zeros, rows)
-            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
-            region = cache[1].reshape(-1).to(torch.int64)
+            ops.cpu_attn_reshape_and_cache(
+                key, value, key_cache, value_cache, slots, isa, kv_cache_dtype=kv_cache_dtype
+            )
+            region = cache[1].reshape(-1)
+            region = (region if fp8 is None else region.view(fp8)).to(torch.int64)
             here = region != 0
             if written is None:
                 written = here
-            if not torch.equal(here, written) or bool((region[here] > DIGIT).any()):
+            if not torch.equal(here, written) or bool((region[here] > base).any()):
                 return None
-            spelled[here] += (region[here] - 1) * DIGIT**digit
+            spelled[here] += (region[here] - 1) * base**digit
         assert written is not None
         place = written.nonzero().view(-1)
         which = spelled[place]
@@ -99,10 +111,10 @@ class PackedPart:
 
 @functools.cache
 def packed_parts(
-    isa: str, dtype: torch.dtype, block_size: int, head_size: int
+    isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto"
 ) -> tuple[PackedPart, PackedPart] | None:
     """The key and value ``PackedPart`` of ``packed_offsets`` (found once per packing), or None."""
-    offsets = packed_offsets(isa, dtype, block_size, head_size)
+    offsets = packed_offsets(isa, dtype, block_size, head_size, kv_cache_dtype)
     if offsets is None:
         return None
     return PackedPart.of(offsets[0], dtype), PackedPart.of(offsets[1], dtype)

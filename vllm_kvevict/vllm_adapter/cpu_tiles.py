@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 #: integer dtypes of the width of a merged innermost axis (bytes -> dtype)
-WORDS = {4: torch.int32, 8: torch.int64}
+WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def separable_offsets(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -153,15 +153,13 @@ class EvictingImpl:
         config = get_eviction_config(vllm_config)
         if config is None:
             return
-        scheduler_config = getattr(vllm_config, "scheduler_config", None)
-        chunked_prefill = bool(getattr(scheduler_config, "enable_chunked_prefill", False))
         refusal = model_support.attention_layer_refusal(
             "(impl)",
             is_decoder=self.attn_type == AttentionType.DECODER,
             alibi_slopes=getattr(self, "alibi_slopes", None),
             sinks=getattr(self, "sinks", None),
             sliding_window=getattr(self, "sliding_window", None),
-        ) or model_support.cache_refusal(self.kv_cache_dtype, config.decode is not None, chunked_prefill)
+        ) or model_support.cache_refusal(self.kv_cache_dtype)
         if refusal is not None:
             raise model_support.ModelRefusedError(refusal)
 

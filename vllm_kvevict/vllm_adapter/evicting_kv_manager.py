@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
@@ -32,6 +31,7 @@ from vllm_kvevict.layout.shared_prefix import (
 )
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.request_settings import RequestSettings, ResolvedSetting
+from vllm_kvevict.vllm_adapter.cache_bytes import block_bytes, cache_bytes_clause
 from vllm_kvevict.vllm_adapter.kept_contexts import KeptContexts
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec
 from vllm_kvevict.vllm_adapter.vllm_private import fill_spec_registry, remove_blocks_in_range
@@ -78,12 +78,12 @@ class EvictingAttentionManager(FullAttentionManager):
         self.contexts = KeptContexts(self.block_pool, block_size, self.kv_cache_group_id)
         self.num_layers = num_layers
         metrics.start_kept_contexts()
-        # A quantised cache cannot be read back (model_support.cache_refusal): a request that evicts must be
-        # computed in one step, so it must not start from cached blocks.
-        self.cache_readable = torch.empty(0, dtype=kv_cache_spec.dtype).element_size() > 1
         vllm_config = get_current_vllm_config_or_none()
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
-        logger.info("%s", capacity_summary(config, self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)))
+        plan = self.plan_for(max_model_len or _REFERENCE_PROMPT_LEN)
+        self.block_bytes = block_bytes(kv_cache_spec.page_size_bytes, num_layers)  # saved blocks in bytes
+        in_bytes = cache_bytes_clause(plan, self.block_bytes, kv_cache_spec.dtype)
+        logger.info("%s%s", capacity_summary(config, plan), in_bytes)
 
     def admit_request(
         self, request_id: str, sampling_params: Any, cached_tokens: int = 0, request: Any = None
@@ -160,10 +160,9 @@ class EvictingAttentionManager(FullAttentionManager):
     def skips_prefix_cache(self, request: Any) -> bool:
         """True when ``request``'s plan rewrites its blocks over time (it evicts between chunks or while
         generating): it must neither read cached prefix blocks (other requests share them) nor publish its
-        own; or when it compacts and the cache is quantised (it must be computed in one step). Resolved from
-        its sampling parameters, so it holds before the request is admitted."""
-        plan = self.whole_prompt_plan(request)
-        return not reads_prefix_cache(plan) or (plan.compacts and not self.cache_readable)
+        own (an fp8 cache too: its rows are read back through its scales). Resolved from its sampling
+        parameters, so it holds before the request is admitted."""
+        return not reads_prefix_cache(self.whole_prompt_plan(request))
 
     def chunk_stride_of(self, request: Any) -> int:
         """S of a request whose prompt is evicted chunk by chunk (its plan's ``chunk_stride``), else 0: the
@@ -328,7 +327,8 @@ class EvictingAttentionManager(FullAttentionManager):
     def _publish_saved_blocks(self) -> None:
         """Blocks running requests would hold in addition without eviction, for the dashboard."""
         # The pool's usable size, as vLLM's own kv_cache_usage_perc counts it (one null block).
-        metrics.set_kv_cache_saved(sum(self.saved_blocks.values()), self.block_pool.num_gpu_blocks - 1)
+        saved = sum(self.saved_blocks.values())
+        metrics.set_kv_cache_saved(saved, self.block_pool.num_gpu_blocks - 1, self.block_bytes)
 
 
 def capacity_summary(config: EvictionConfig, plan: RequestPlan) -> str:

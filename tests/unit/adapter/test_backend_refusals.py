@@ -57,20 +57,19 @@ def test_an_attention_feature_the_head_as_sequence_call_cannot_pass_is_refused(c
 
 
 @pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
-def test_a_quantised_cache_with_a_decode_cap_is_refused(cls, eviction_on):
-    eviction_on({"method": "h2o", "budget": 256})
-    with pytest.raises(EvictionConfigError, match="fp8"):
-        make_impl(cls, kv_cache_dtype="fp8")
-
-
-@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
-def test_a_quantised_cache_with_chunked_prefill_is_refused(cls, eviction_on, monkeypatch):
+def test_an_fp8_cache_is_served_with_a_decode_cap_and_chunked_prefill(cls, eviction_on, monkeypatch):
+    """Its rows are read back dequantised (``quantised_rows``), so neither mode refuses it any more."""
+    eviction_on({"method": "snapkv", "budget": 256, "decode": {"method": "roco", "budget": 128}})
     scheduler = SimpleNamespace(scheduler_config=SimpleNamespace(enable_chunked_prefill=True))
     monkeypatch.setattr(evicting_backend, "get_current_vllm_config_or_none", lambda: scheduler)
-    with pytest.raises(EvictionConfigError, match="fp8 with vLLM's chunked prefill"):
-        make_impl(cls, kv_cache_dtype="fp8")
-    scheduler.scheduler_config.enable_chunked_prefill = False
-    assert make_impl(cls, kv_cache_dtype="fp8") is not None
+    for dtype in ("fp8", "fp8_e5m2"):
+        assert make_impl(cls, kv_cache_dtype=dtype).kv_cache_dtype == dtype
+
+
+def test_a_cache_with_per_token_head_scales_is_refused(eviction_on):
+    """vLLM's Triton backend keeps such scales in caches of their own, which eviction does not move."""
+    with pytest.raises(EvictionConfigError, match="fp8_per_token_head"):
+        make_impl(EvictingTritonAttentionImpl, kv_cache_dtype="fp8_per_token_head")
 
 
 @pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)

@@ -230,11 +230,10 @@ def test_a_sharer_whose_part_would_free_too_little_keeps_it_and_frees_nothing():
     manager.free(owner.request_id)
 
 
-def test_with_a_quantised_cache_compacting_requests_skip_the_prefix_cache():
-    """A quantised cache cannot be read back, so a request that compacts must be computed in one step: it
-    does not start from cached blocks; one kept whole still does."""
+def test_with_an_fp8_cache_compacting_requests_read_the_prefix_cache_as_with_bf16():
+    """An fp8 cache's rows are read back through its scales (``quantised_rows``): a request that compacts
+    its whole prompt after the last chunk starts from cached blocks as on a bf16 cache."""
     config = EvictionConfig(method="snapkv", budget=256, prefill="whole")
     quantised, _ = evicting_manager(config, BLOCK_SIZE, NUM_BLOCKS, dtype=torch.uint8)
-    assert quantised.skips_prefix_cache(_request(4000))
-    assert not quantised.skips_prefix_cache(_request(200))
-    assert not quantised.skips_prefix_cache(_request(4000, {"kv_eviction": "none"}))
+    for request in (_request(4000), _request(200), _request(4000, {"kv_eviction": "none"})):
+        assert not quantised.skips_prefix_cache(request)

@@ -100,18 +100,16 @@ def test_a_multimodal_model_is_refused():
     assert_one_line_naming(refusal, "multimodal")
 
 
-def test_a_quantised_cache_with_a_decode_cap_is_refused_naming_the_dtype():
-    assert_one_line_naming(cache_refusal("fp8", has_decode_cap=True), "fp8", "--kv-cache-dtype auto")
-    assert cache_refusal("fp8", has_decode_cap=False) is None
-    assert cache_refusal("auto", has_decode_cap=True) is None
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_cache_with_per_layer_scales_is_served_in_every_mode(dtype):
+    """Its rows are read back through the layer's scales (``quantised_rows``): chunked prefill, decode caps
+    and prefix caching no longer matter to the cache dtype."""
+    assert cache_refusal(dtype) is None
 
 
-def test_a_quantised_cache_with_chunked_prefill_is_refused_naming_both_ways_out():
-    """A prompt evicted after several steps is read back from the cache: a quantised one cannot be (the
-    engine went down on the first prompt longer than a chunk before this refusal)."""
-    refusal = cache_refusal("fp8", has_decode_cap=False, chunked_prefill=True)
-    assert_one_line_naming(refusal, "fp8", "--no-enable-chunked-prefill", "--kv-cache-dtype auto")
-    assert cache_refusal("auto", has_decode_cap=False, chunked_prefill=True) is None
+def test_a_cache_whose_scales_eviction_does_not_move_is_refused_naming_the_dtype():
+    refusal = cache_refusal("fp8_per_token_head")
+    assert_one_line_naming(refusal, "fp8_per_token_head", "per token and head", "fp8_e5m2")
 
 
 def spec(cls=FullAttentionSpec, **extra):
@@ -190,14 +188,11 @@ def test_eviction_refusal_checks_only_when_eviction_is_on():
     assert_one_line_naming(refusal, "multi-head latent attention")
 
 
-def test_eviction_refusal_names_a_quantised_cache_under_a_decode_cap():
-    refusal = eviction_refusal(
-        vllm_config(model_config(), {"method": "roco", "budget": 256}, cache_dtype="fp8")
-    )
-    assert_one_line_naming(refusal, "fp8")
-    assert eviction_refusal(vllm_config(model_config(), {"method": "snapkv", "budget": 256}, "fp8")) is None
-    chunked = vllm_config(model_config(), {"method": "snapkv", "budget": 256}, "fp8", chunked_prefill=True)
-    assert_one_line_naming(eviction_refusal(chunked), "fp8", "chunked prefill")
+def test_eviction_refusal_serves_an_fp8_cache_with_a_decode_cap_and_chunked_prefill():
+    capped = {"method": "snapkv", "budget": 256, "decode": {"method": "roco", "budget": 128}}
+    assert eviction_refusal(vllm_config(model_config(), capped, "fp8", chunked_prefill=True)) is None
+    refusal = eviction_refusal(vllm_config(model_config(), capped, "int8_per_token_head"))
+    assert_one_line_naming(refusal, "int8_per_token_head")
 
 
 def test_the_supported_line_names_what_is_served():
