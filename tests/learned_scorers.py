@@ -31,7 +31,9 @@ def random_scorer(
         "vocab_size": 0,
     }
     hidden = 8 if kind == "mlp" else None
-    spec = ScorerSpec(model_name, fingerprint, num_layers, kv_heads, head_dim, head_dim, kind, hidden_dim=hidden)
+    spec = ScorerSpec(
+        model_name, fingerprint, num_layers, kv_heads, head_dim, head_dim, kind, hidden_dim=hidden
+    )
     g = torch.Generator().manual_seed(seed)
     out = hidden or kv_heads
     layers = []

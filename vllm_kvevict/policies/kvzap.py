@@ -17,7 +17,14 @@ from typing import ClassVar
 import torch
 
 from vllm_kvevict.policies import served_scorer
-from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy, check_int, shifted
+from vllm_kvevict.policies.base import (
+    KeptTokens,
+    LayerKV,
+    ScoredPolicy,
+    check_int,
+    composed_parts,
+    shifted,
+)
 from vllm_kvevict.policies.surrogate_scorer import SurrogateScorer
 
 
@@ -118,3 +125,10 @@ class KVzap(ScoredPolicy):
                 "allocates from a budget; use kvzap for the threshold mode"
             )
         return self
+
+
+def learned_part(policy: object) -> KVzap | None:
+    """The KVzap inside ``policy`` (itself, or what an Ada-KV/CriticalKV wrapper holds), or None."""
+    if isinstance(policy, KVzap):
+        return policy
+    return next((found for part in composed_parts(policy) if (found := learned_part(part))), None)

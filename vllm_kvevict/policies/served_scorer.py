@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 #: How a server is told which scorer to use, as every refusal says it.
 CALIBRATE_HINT = (
     "fit one with `vllm-kvevict calibrate MODEL --out DIR` and start the server with "
-    "--kv-eviction-config '{\"scorer\": \"DIR\"}'"
+    '--kv-eviction-config \'{"scorer": "DIR"}\''
 )
 
 _served: dict[str, object] = {"model": None, "directory": None}

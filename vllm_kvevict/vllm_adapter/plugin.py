@@ -92,11 +92,12 @@ def install_eviction_if_configured(vllm_config: Any) -> bool:
     is installed (now or before). A model or setting eviction cannot serve raises ValueError with one line
     (``model_support.eviction_refusal``) before any weight is loaded."""
     from vllm_kvevict.settings.config import get_eviction_config
+    from vllm_kvevict.vllm_adapter.learned_scorer import learned_scorer_refusal
     from vllm_kvevict.vllm_adapter.model_support import eviction_refusal
 
     if get_eviction_config(vllm_config) is None:
         return _state["eviction_installed"]
-    refusal = eviction_refusal(vllm_config)
+    refusal = eviction_refusal(vllm_config) or learned_scorer_refusal(vllm_config)
     if refusal is not None:
         logger.error("%s", refusal)
         raise ValueError(refusal)
