@@ -20,8 +20,11 @@ def random_scorer(
     seed: int = 0,
     fingerprint: dict[str, object] | None = None,
     model_name: str = "random",
+    per_head: bool = True,
 ) -> SurrogateScorer:
-    """A scorer of ``kind`` with seeded random weights for layers of ``kv_heads`` heads of ``head_dim``."""
+    """A scorer of ``kind`` with seeded random weights for layers of ``kv_heads`` heads of ``head_dim``.
+    per_head: block-diagonal weights, each head scored from its own features alone (what per-chunk eviction
+    needs, ``kvzap.scores_each_head_alone``); False: every head's score reads every head's features."""
     fingerprint = fingerprint or {
         "architecture": "random",
         "num_hidden_layers": num_layers,
@@ -30,22 +33,30 @@ def random_scorer(
         "hidden_size": kv_heads * head_dim,
         "vocab_size": 0,
     }
-    hidden = 8 if kind == "mlp" else None
+    units = 4  # hidden units per head of an MLP
+    hidden = units * kv_heads if kind == "mlp" else None
     spec = ScorerSpec(
         model_name, fingerprint, num_layers, kv_heads, head_dim, head_dim, kind, hidden_dim=hidden
     )
     g = torch.Generator().manual_seed(seed)
     out = hidden or kv_heads
+    per_head_features = spec.input_dim // kv_heads
+    reads = torch.ones(spec.input_dim, out)
+    feeds = torch.ones(out, kv_heads)
+    if per_head:
+        owner = torch.arange(out) // (units if kind == "mlp" else 1)  # the head each unit belongs to
+        reads = (torch.arange(spec.input_dim)[:, None] // per_head_features == owner[None]).float()
+        feeds = (owner[:, None] == torch.arange(kv_heads)[None]).float()
     layers = []
     for _ in range(num_layers):
         layer = {
             "mean": torch.zeros(spec.input_dim),
             "scale": torch.ones(spec.input_dim),
-            "w1": torch.randn(spec.input_dim, out, generator=g) / spec.input_dim**0.5,
+            "w1": torch.randn(spec.input_dim, out, generator=g) / per_head_features**0.5 * reads,
             "b1": torch.zeros(out),
         }
         if kind == "mlp":
-            layer["w2"] = torch.randn(out, kv_heads, generator=g)
+            layer["w2"] = torch.randn(out, kv_heads, generator=g) * feeds
             layer["b2"] = torch.zeros(kv_heads)
         layers.append(layer)
     return SurrogateScorer(spec, layers)

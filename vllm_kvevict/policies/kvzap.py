@@ -7,6 +7,12 @@ rotation-invariant part of its key, its value), so an entry's score does not dep
 in, on its neighbours or on anything after it: per-chunk eviction keeps what whole-prompt eviction keeps
 when the intermediate budget is at least the final one, and any held entry can be scored again from the
 cache (between chunks, for a kept context, while generating).
+
+That holds for a scorer whose heads score alone (``scores_each_head_alone``: head h's output reads only head
+h's features). A scorer that reads every head's row of a token to score each head is right only where all
+heads hold the same tokens (a whole prompt, before any eviction); after per-head eviction one cache row
+holds different tokens in different heads, so such a scorer is refused wherever held entries are scored
+again (per-chunk eviction, ``vllm_adapter/learned_scorer.py``).
 """
 
 from __future__ import annotations
@@ -132,3 +138,23 @@ def learned_part(policy: object) -> KVzap | None:
     if isinstance(policy, KVzap):
         return policy
     return next((found for part in composed_parts(policy) if (found := learned_part(part))), None)
+
+
+def scores_each_head_alone(scorer: SurrogateScorer) -> bool:
+    """True when every head's score reads only that head's features (block-diagonal weights: a linear
+    scorer's ``w1``; an MLP's hidden units each reading one head's features and feeding that head alone),
+    so an entry's score does not depend on what the other heads hold in the same cache row."""
+    heads = scorer.spec.num_kv_heads
+    for layer in scorer.layers:
+        w1 = layer["w1"]  # [H * F, M]
+        reads = (w1.reshape(heads, -1, w1.shape[1]) != 0).any(dim=1)  # [H, M]: unit m reads head h
+        if scorer.spec.kind == "linear":
+            if not torch.equal(
+                reads | torch.eye(heads, dtype=torch.bool), torch.eye(heads, dtype=torch.bool)
+            ):
+                return False
+            continue
+        feeds = (layer["w2"] != 0).T  # [H, M]: unit m feeds head h
+        if bool(((reads | feeds).sum(dim=0) > 1).any()):
+            return False
+    return True

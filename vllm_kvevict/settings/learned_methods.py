@@ -11,6 +11,9 @@
   window, which for a kept context is the document's end, not the questions it will be asked; its kept
   contexts answered 0-1 of 8 needle questions against vanilla's 3 (docs/benchmarks.md, "Kept contexts"), and
   a silent switch would serve that under the default's name. Their 400 names the methods that keep one.
+- Per-chunk eviction scores held entries again after every head kept its own: it needs a scorer whose heads
+  score alone (``kvzap.scores_each_head_alone``); with any other the request is refused (400), the server at
+  start-up.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from vllm_kvevict.policies import served_scorer
 from vllm_kvevict.policies.base import EvictionPolicy
-from vllm_kvevict.policies.kvzap import learned_part
+from vllm_kvevict.policies.kvzap import learned_part, scores_each_head_alone
 from vllm_kvevict.policies.registry import available_methods
 
 #: An Ada method -> the uniform method it keeps a context as (the same scores, every head the same count).
@@ -39,6 +42,22 @@ def learned_method_problem(method: str, policy: EvictionPolicy) -> str | None:
         return None
     problem = served_scorer.served_scorer_problem()
     return None if problem is None else f"{method} needs a learned scorer: {problem}"
+
+
+def chunked_problem(method: str, policy: EvictionPolicy) -> str | None:
+    """Why ``method`` cannot evict a prompt chunk by chunk here (its scorer reads every head's row of a
+    token, which per-head eviction leaves holding different tokens), else None."""
+    learned = learned_part(policy)
+    if learned is None:
+        return None
+    directory = learned.scorer or served_scorer.served_scorer_dir()
+    if directory is None or scores_each_head_alone(served_scorer.load_scorer(str(directory))):
+        return None
+    return (
+        f"{method} with prefill=chunked: scorer {directory} scores each head from every head's row of a "
+        "token, and between chunks each head holds its own tokens; evict whole prompts (prefill: whole) or "
+        "fit a scorer whose heads score alone"
+    )
 
 
 def kept_context_method(method: str) -> str:

@@ -39,6 +39,7 @@ from vllm_kvevict.settings.config import (
 from vllm_kvevict.settings.learned_methods import (
     KEPT_CONTEXT_AS,
     NO_FALLBACK,
+    chunked_problem,
     inherited_params,
     kept_context_method,
     learned_method_problem,
@@ -124,6 +125,9 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
     policy = build_request_policy(method, server)
     if (learned := learned_method_problem(method, policy)) is not None:
         raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r}: {learned}")
+    chunked = prefill == "chunked" or (prefill is None and server.chunked)
+    if chunked and (problem := chunked_problem(method, policy)) is not None:
+        raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r}: {problem}")
     if extra_args.get(CONTEXT_KEY) == "keep" and kept_context_method(method) != method:
         # the same scores with a uniform budget (settings/learned_methods.py)
         method = kept_context_method(method)

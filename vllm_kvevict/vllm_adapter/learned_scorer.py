@@ -3,8 +3,8 @@
 Every vLLM process (API server, EngineCore, workers) runs it with its config through the plugin
 (``plugin.install_eviction_if_configured``): it records the served model and its scorer
 (``policies/served_scorer.py``) so all of them resolve a policy without a scorer directory alike, and it
-refuses, in one line before any weight loads, a server whose method needs a scorer the model has none of, or
-that asks for the threshold mode.
+refuses, in one line before any weight loads, a server whose method needs a scorer the model has none of,
+that asks for the threshold mode, or that evicts chunk by chunk with a scorer whose heads do not score alone.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm_kvevict.policies import served_scorer
 from vllm_kvevict.policies.kvzap import learned_part
+from vllm_kvevict.settings.learned_methods import chunked_problem
 
 #: Why the server refuses the threshold mode (the HF runner evicts with it).
 THRESHOLD_REFUSAL = (
@@ -42,4 +43,6 @@ def learned_scorer_refusal(vllm_config: Any) -> str | None:
         return f"kv eviction refused: {config.method} with threshold={learned.threshold}: {THRESHOLD_REFUSAL}"
     if problem is not None:
         return f"kv eviction refused: --kv-eviction {config.method}: {problem}"
+    if config.chunked and (chunked := chunked_problem(config.method, learned)) is not None:
+        return f"kv eviction refused: {chunked}"
     return None
