@@ -67,7 +67,9 @@ def scorer_shaped_like(layer: LayerKV) -> SurrogateScorer:
     return random_scorer(layer.num_layers, layer.num_kv_heads, layer.keys.shape[2]).to(layer.keys.device)
 
 
-def write_scorer_for(hf_config: Any, directory: Path, kind: str = "linear", model_name: str = "") -> Path:
+def write_scorer_for(
+    hf_config: Any, directory: Path, kind: str = "linear", model_name: str = "", per_head: bool = True
+) -> Path:
     """A random scorer matching ``hf_config``'s fingerprint (so a server of that model accepts it), saved."""
     fingerprint = model_fingerprint(hf_config)
     scorer = random_scorer(
@@ -77,6 +79,7 @@ def write_scorer_for(hf_config: Any, directory: Path, kind: str = "linear", mode
         kind,
         fingerprint=fingerprint,
         model_name=model_name or str(fingerprint["architecture"]),
+        per_head=per_head,
     )
     scorer.save(directory)
     return directory
