@@ -72,3 +72,26 @@ def test_chunk_by_chunk_keeps_what_the_whole_prompt_keeps(tiny_model, scorer_dir
         )
         judged_whole = policy.select(cache, plan.layer_budgets[layer_idx])
         assert kept_positions(chunked.kept[layer_idx]) == kept_positions(judged_whole)
+
+
+def test_the_threshold_mode_keeps_an_adaptive_count_through_the_hf_runner(tiny_model, scorer_dir):
+    """kvzap with ``threshold``: each head of each layer keeps its entries scoring above it (sinks and the
+    window too), so the counts differ per head and layer, and the HF runner generates over those sets."""
+    from vllm_kvevict.hf_reference.capture import capture_layers
+    from vllm_kvevict.hf_reference.eviction import kept_per_layer
+    from vllm_kvevict.hf_reference.generation import generate_with_kept
+
+    ids = torch.randint(0, 256, (N,), generator=torch.Generator().manual_seed(2))
+    layers = capture_layers(tiny_model, ids, query_window=1)
+    plain = build_policy("kvzap", scorer=scorer_dir, window=8, sinks=2)
+    scores = torch.cat([plain.entry_scores(layer).flatten() for layer in layers])
+    tau = float(scores.quantile(0.7))  # about 30 % kept, set by the scores, not by a budget
+    policy = build_policy("kvzap", scorer=scorer_dir, window=8, sinks=2, threshold=tau)
+    kept = kept_per_layer(policy, layers, BUDGET)
+    counts = [c for k in kept for c in k.counts.tolist()]
+    assert len(set(counts)) > 1 and all(10 <= c < N for c in counts)
+    for layer, chosen in zip(layers, kept, strict=True):
+        expected = plain.score(layer, BUDGET) > tau
+        assert torch.equal(chosen.to_mask(N), expected)
+    tokens, logits = generate_with_kept(tiny_model, ids, kept, 4)
+    assert tokens.shape == (4,) and torch.isfinite(logits).all()
