@@ -31,6 +31,7 @@ from vllm_kvevict.policies.base import (
     composed_parts,
     shifted,
 )
+from vllm_kvevict.policies.key_scored import sinks_and_recent
 from vllm_kvevict.policies.surrogate_scorer import SurrogateScorer
 
 
@@ -77,9 +78,7 @@ class KVzap(ScoredPolicy):
         return self.window + self.sinks
 
     def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
-        sinks = torch.arange(min(self.sinks, num_tokens))
-        recent = torch.arange(max(self.sinks, num_tokens - self.window), num_tokens)
-        return torch.cat([sinks, recent])
+        return sinks_and_recent(num_tokens, self.sinks, self.window)
 
     def learned_scorer(self, layer: LayerKV) -> SurrogateScorer:
         """The scorer of ``layer`` (on its device); ValueError when it was fitted on other shapes."""
