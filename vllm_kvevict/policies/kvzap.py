@@ -5,8 +5,9 @@ near-lossless, but a second prefill. KVzap fits a small per-layer model that pre
 serving pays one matmul per entry. Ours (``surrogate_scorer.py``) reads each entry's own cache row (the
 rotation-invariant part of its key, its value), so an entry's score does not depend on which chunk it came
 in, on its neighbours or on anything after it: per-chunk eviction keeps what whole-prompt eviction keeps
-when the intermediate budget is at least the final one, and any held entry can be scored again from the
-cache (between chunks, for a kept context, while generating).
+when the intermediate budget is at least the final one, and a held entry can be scored again from the cache
+(between chunks here; at decode time once the decode methods take values and the layer index, which they do
+not yet).
 
 That holds for a scorer whose heads score alone (``scores_each_head_alone``: head h's output reads only head
 h's features). A scorer that reads every head's row of a token to score each head is right only where all
