@@ -9,11 +9,15 @@ that asks for the threshold mode, or that evicts chunk by chunk with a scorer wh
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm_kvevict.policies import served_scorer
 from vllm_kvevict.policies.kvzap import learned_part
 from vllm_kvevict.settings.learned_methods import chunked_problem
+
+logger = logging.getLogger("vllm.kvevict")
+_announced: set[str] = set()
 
 #: Why the server refuses the threshold mode (the HF runner evicts with it).
 THRESHOLD_REFUSAL = (
@@ -45,4 +49,15 @@ def learned_scorer_refusal(vllm_config: Any) -> str | None:
         return f"kv eviction refused: --kv-eviction {config.method}: {problem}"
     if config.chunked and (chunked := chunked_problem(config.method, learned)) is not None:
         return f"kv eviction refused: {chunked}"
+    directory = str(learned.scorer or served_scorer.served_scorer_dir())
+    if directory not in _announced:  # once per process: the check runs whenever a config is built
+        _announced.add(directory)
+        spec = served_scorer.load_scorer(directory).spec
+        logger.info(
+            "kv-eviction: %s scores with %s (%s, fitted on %s)",
+            config.method,
+            directory,
+            spec.kind,
+            spec.model_name,
+        )
     return None
