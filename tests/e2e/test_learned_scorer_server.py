@@ -48,6 +48,7 @@ class Served:
     dumps: dict[str, dict]  # per request: what the worker saved of it (kept indices and counts, chunks)
     usage: float
     context_len: int
+    log: str  # the server's log
 
 
 def sum_by_method(server: VLLMServer) -> dict[str, float]:
@@ -111,6 +112,7 @@ def served(model_dir, tmp_path_factory) -> Served:
         ask("whole", story, 4, {"kv_eviction": "kvzap"}, salt="whole")
         ask("chunked", story, 4, {"kv_eviction": "kvzap", "kv_prefill": "chunked"}, salt="chunked")
         usage = server.wait_for_metric(USAGE, 0.0)
+        log = server.log_path.read_text()
     return Served(
         answers=record["answers"],
         completion_tokens=record["tokens"],
@@ -122,6 +124,7 @@ def served(model_dir, tmp_path_factory) -> Served:
         dumps=record["dumps"],
         usage=usage,
         context_len=BLOCK_SIZE * (len(document) // BLOCK_SIZE),
+        log=log,
     )
 
 
@@ -136,6 +139,7 @@ def test_ada_kvzap_answers_compacts_to_its_plan_and_frees_blocks(served: Served)
     assert any(len(set(heads)) > 1 for heads in kept)  # Ada-KV's per-head allocation of the scores
     assert served.freed["story"] > 0
     assert served.usage == 0.0  # every block came back
+    assert "kv-eviction: ada-kvzap scores with " in served.log  # the scorer the server named
 
 
 def test_a_context_kept_as_kvzap_is_read_by_the_next_request(served: Served):
