@@ -10,21 +10,25 @@ contexts the fit did not see.
 
 The evaluation tasks are kept out: the files are parsed (``ast``), never imported, and a docstring holding any
 string literal of ``vllm_kvevict/evaluation`` (needle sentences, RULER templates, haystack sentences, question
-wordings) of ``MIN_LITERAL`` characters or more is dropped, as is one naming a needle or a haystack.
+wordings; the constant parts of f-strings and templates) of ``MIN_LITERAL`` characters and
+``MIN_LITERAL_WORDS`` words or more is dropped, as is one naming a needle or a haystack.
 A context is a seeded draw of whole docstrings, joined by blank lines, cut to a seeded length.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
 EVALUATION_PACKAGE = Path(__file__).resolve().parent.parent / "evaluation"
-#: evaluation literals this long or longer may not occur in the corpus (shorter ones are common words)
-MIN_LITERAL = 20
+#: evaluation literals of this many characters and words or more may not occur in the corpus (shorter ones
+#: are common words; "Here we go.", a haystack sentence, is just long enough)
+MIN_LITERAL = 10
+MIN_LITERAL_WORDS = 3
 #: words that mark needle-in-a-haystack text
 BANNED_WORDS = ("needle", "haystack", "magic number", "special magic")
 #: docstrings shorter than this are mostly one-line summaries; they are skipped
@@ -34,15 +38,16 @@ SKIPPED_PARTS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-
 
 
 def evaluation_literals(package: Path = EVALUATION_PACKAGE) -> set[str]:
-    """String constants of at least ``MIN_LITERAL`` characters in the evaluation package's source, and the
-    constant parts of its f-strings (``ast``, no import)."""
+    """String constants (and the constant parts of f-strings and ``{}`` templates) of at least ``MIN_LITERAL``
+    characters and ``MIN_LITERAL_WORDS`` words in the evaluation package's source (``ast``, no import)."""
     found: set[str] = set()
     for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 for part in node.value.split("{"):
-                    if len(part.strip()) >= MIN_LITERAL:
-                        found.add(part.strip())
+                    text = part.split("}")[-1].strip()
+                    if len(text) >= MIN_LITERAL and len(text.split()) >= MIN_LITERAL_WORDS:
+                        found.add(text)
     return found
 
 
@@ -84,13 +89,19 @@ def corpus_documents(root: Path | None = None, literals: set[str] | None = None)
     ]
 
 
+@functools.cache
+def default_documents() -> tuple[str, ...]:
+    """``corpus_documents()`` of this interpreter's standard library, parsed once per process."""
+    return tuple(corpus_documents())
+
+
 def calibration_contexts(
     encode: Callable[[str], list[int]],
     num_contexts: int,
     min_tokens: int,
     max_tokens: int,
     seed: int = 0,
-    documents: list[str] | None = None,
+    documents: list[str] | tuple[str, ...] | None = None,
 ) -> list[list[int]]:
     """``num_contexts`` token id lists of seeded lengths in [min_tokens, max_tokens]: each a seeded run of
     whole docstrings (``encode``: text -> ids, no special tokens) cut to its length."""
@@ -98,7 +109,7 @@ def calibration_contexts(
         raise ValueError(
             f"context lengths must satisfy 0 < min_tokens <= max_tokens; got {min_tokens}, {max_tokens}"
         )
-    docs = corpus_documents() if documents is None else documents
+    docs = default_documents() if documents is None else documents
     if not docs:
         raise ValueError("the calibration corpus is empty: no standard-library docstrings were found")
     rng = random.Random(seed)
