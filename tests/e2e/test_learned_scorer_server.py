@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from learned_scorers import write_scorer_for
+from request_bodies import client_of, ignore_eos_body
 from test_prefix_caching_server import shared_prefix
 
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
@@ -70,17 +71,14 @@ class Session:
     served: Served = field(default_factory=Served)
 
     def ask(self, label: str, prompt: list[int], max_tokens: int, xargs: dict | None = None, salt: str = ""):
-        from openai import BadRequestError, OpenAI
+        from openai import BadRequestError
 
         server, served = self.server, self.served
-        client = OpenAI(base_url=server.base_url, api_key="unused", timeout=900, max_retries=0)
         freed, hits = server.metric_value(FREED), server.metric_value(HITS)
         dumped = set(self.dump_dir.glob("*.pt"))
-        body: dict = {"ignore_eos": True, **({"vllm_xargs": xargs} if xargs else {})}
-        if salt:
-            body["cache_salt"] = salt
+        body = ignore_eos_body(xargs, **({"cache_salt": salt} if salt else {}))
         try:
-            result = client.completions.create(
+            result = client_of(server, timeout_s=900).completions.create(
                 model=server.served_model_name,
                 prompt=prompt,
                 max_tokens=max_tokens,
