@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "vllm_kvevict.cli.eval",
     "vllm_kvevict.cli.bench",
     "vllm_kvevict.cli.soak",
+    "vllm_kvevict.cli.calibrate",
 )
 
 

@@ -38,9 +38,7 @@ class KeyScoredPolicy(ScoredPolicy):
         return self.window + self.sinks
 
     def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
-        sinks = torch.arange(min(self.sinks, num_tokens))
-        recent = torch.arange(max(self.sinks, num_tokens - self.window), num_tokens)
-        return torch.cat([sinks, recent])
+        return sinks_and_recent(num_tokens, self.sinks, self.window)
 
     @abstractmethod
     def key_scores(self, keys: torch.Tensor) -> torch.Tensor:
@@ -51,3 +49,10 @@ class KeyScoredPolicy(ScoredPolicy):
         forced = self.always_kept(layer.num_tokens, budget).to(scores.device)
         scores[:, forced] = float("inf")
         return scores
+
+
+def sinks_and_recent(num_tokens: int, sinks: int, window: int) -> torch.Tensor:
+    """[k] int64 positions of the first ``sinks`` and the last ``window`` of ``num_tokens`` tokens."""
+    first = torch.arange(min(sinks, num_tokens))
+    recent = torch.arange(max(sinks, num_tokens - window), num_tokens)
+    return torch.cat([first, recent])

@@ -14,6 +14,7 @@ from vllm_kvevict.policies.expected_attention import ExpectedAttention
 from vllm_kvevict.policies.h2o import H2O
 from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.knorm import KNorm
+from vllm_kvevict.policies.kvzap import KVzap
 from vllm_kvevict.policies.nacl import NaCl
 from vllm_kvevict.policies.pyramidkv import PyramidKV
 from vllm_kvevict.policies.roco import RoCo
@@ -161,6 +162,14 @@ _register(
     RoCo,
     RoCo,
     implies_decode_cap=True,
+)
+_register("kvzap", "a learned scorer's predicted KVzip scores (no queries), sinks and recent", KVzap, KVzap)
+_register(
+    "ada-kvzap",
+    "learned KVzip scores (kvzap), per-head budgets allocated across heads (Ada-KV)",
+    lambda z, a: AdaKV(KVzap(**z).with_fixed_budget("ada-kvzap"), **a),
+    KVzap,
+    AdaKV,
 )
 
 

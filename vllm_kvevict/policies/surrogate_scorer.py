@@ -27,6 +27,8 @@ SPEC_FILE = "scorer.json"
 WEIGHTS_FILE = "weights.safetensors"
 FORMAT_VERSION = 1
 KINDS = ("linear", "mlp")
+#: the tensors of a layer that ``save`` may store in a narrower dtype (``mean``/``scale`` stay float32)
+WEIGHT_NAMES = ("w1", "b1", "w2", "b2")
 #: Scorers that ship with the package, one directory each (``scorer.json`` + ``weights.safetensors``).
 PACKAGED_SCORERS = Path(__file__).resolve().parent.parent / "scorers"
 #: The HF config fields a scorer must agree with: the same shapes are not enough (a random-weight model of
@@ -70,8 +72,35 @@ def kv_pair_norm_features(keys: torch.Tensor, values: torch.Tensor, rotary_dim: 
     return per_head.transpose(0, 1).reshape(n, -1)
 
 
+def kv_log_norm_features(keys: torch.Tensor, values: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """[n, H * (D - rotary_dim / 2 + D + 2)] float32: ``kv_pair_norm_features`` with the pair lengths as
+    logs, plus the logs of the key's and the value's lengths. The target is a log-score and KVzip+
+    multiplies attention by ``||v W_O||``, so log lengths make the main terms additive for a linear fit."""
+    heads, n, dim = keys.shape
+    half = rotary_dim // 2
+    k, v = keys.float(), values.float()
+    pair_norms = torch.sqrt(k[..., :half] ** 2 + k[..., half:rotary_dim] ** 2)
+    logs = [
+        torch.log(pair_norms + LOG_FLOOR),
+        k[..., rotary_dim:],
+        v,
+        torch.log(k.norm(dim=-1, keepdim=True) + LOG_FLOOR),
+        torch.log(v.norm(dim=-1, keepdim=True) + LOG_FLOOR),
+    ]
+    return torch.cat(logs, dim=-1).transpose(0, 1).reshape(n, -1)
+
+
+#: added to a length before its log, so a zero pair stays finite
+LOG_FLOOR = 1e-4
+
 FEATURE_SETS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
     "kv-pair-norms": kv_pair_norm_features,
+    "kv-log-norms": kv_log_norm_features,
+}
+#: per-head feature count of each set for head_dim D and rotary_dim r
+FEATURES_PER_HEAD: dict[str, Callable[[int, int], int]] = {
+    "kv-pair-norms": lambda dim, rotary: rotary // 2 + (dim - rotary) + dim,
+    "kv-log-norms": lambda dim, rotary: rotary // 2 + (dim - rotary) + dim + 2,
 }
 
 
@@ -115,7 +144,7 @@ class ScorerSpec:
 
     @property
     def input_dim(self) -> int:
-        return self.num_kv_heads * (self.rotary_dim // 2 + (self.head_dim - self.rotary_dim) + self.head_dim)
+        return self.num_kv_heads * FEATURES_PER_HEAD[self.features](self.head_dim, self.rotary_dim)
 
 
 class SurrogateScorer:
@@ -163,14 +192,18 @@ class SurrogateScorer:
             self.spec, [{k: v.to(device) for k, v in layer.items()} for layer in self.layers]
         )
 
-    def save(self, directory: Path | str) -> None:
-        """Write ``scorer.json`` and ``weights.safetensors`` into ``directory`` (created if missing)."""
+    def save(self, directory: Path | str, dtype: torch.dtype = torch.float32) -> None:
+        """Write ``scorer.json`` and ``weights.safetensors`` (the layers' weights in ``dtype``, the feature
+        standardisation in float32; ``load`` reads all back as float32) into ``directory`` (created if
+        missing)."""
         from safetensors.torch import save_file
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {
-            f"layers.{i}.{k}": v.contiguous() for i, layer in enumerate(self.layers) for k, v in layer.items()
+            f"layers.{i}.{k}": (v.to(dtype) if k in WEIGHT_NAMES else v).contiguous()
+            for i, layer in enumerate(self.layers)
+            for k, v in layer.items()
         }
         save_file(tensors, str(out / WEIGHTS_FILE))
         (out / SPEC_FILE).write_text(json.dumps(asdict(self.spec), indent=2) + "\n")

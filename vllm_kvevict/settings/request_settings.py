@@ -36,6 +36,14 @@ from vllm_kvevict.policies.registry import (
 )
 from vllm_kvevict.settings.config import PREFILL_MODES, EvictionConfig
 from vllm_kvevict.settings.decode_config import DecodeConfig
+from vllm_kvevict.settings.learned_methods import (
+    KEPT_CONTEXT_AS,
+    NO_FALLBACK,
+    chunked_problem,
+    inherited_params,
+    kept_context_method,
+    learned_method_problem,
+)
 from vllm_kvevict.settings.parsers import EvictionConfigError, parse_budget
 
 logger = logging.getLogger("vllm.kvevict")
@@ -81,8 +89,11 @@ def per_request_methods(server: EvictionConfig) -> list[str]:
 
 
 def method_params(method: str, server: EvictionConfig) -> dict[str, Any]:
-    """The server's method keeps the server's parameters; any other method runs with its defaults."""
-    return dict(server.params) if method == server.method else {}
+    """The server's method keeps the server's parameters; a kept context's uniform form of it (kvzap under
+    ada-kvzap) the ones it shares; any other method runs with its defaults."""
+    if method == server.method:
+        return dict(server.params)
+    return inherited_params(method, server.method, server.params)
 
 
 def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig) -> RequestOverride | None:
@@ -113,6 +124,15 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
                 )
         return RequestOverride(NO_EVICTION, None)
     policy = build_request_policy(method, server)
+    if (learned := learned_method_problem(method, policy)) is not None:
+        raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r}: {learned}")
+    chunked = prefill == "chunked" or (prefill is None and server.chunked)
+    if chunked and (problem := chunked_problem(method, policy)) is not None:
+        raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r}: {problem}")
+    if extra_args.get(CONTEXT_KEY) == "keep" and kept_context_method(method) != method:
+        # the same scores with a uniform budget (settings/learned_methods.py)
+        method = kept_context_method(method)
+        policy = build_request_policy(method, server)
     budget = parse_budget(
         extra_args.get(BUDGET_KEY, server.budget),
         f"vllm_xargs.{BUDGET_KEY}",
@@ -171,7 +191,8 @@ def parse_context(
         uniform = [m for m in method_names() if keeps_equal_counts(build_request_policy(m, server))]
         raise EvictionConfigError(
             f"vllm_xargs.{CONTEXT_KEY}={raw!r} with {METHOD_KEY}={method!r}: a kept context needs a method "
-            f"that keeps the same count in every head and layer; valid: {', '.join(uniform)}"
+            f"that keeps the same count in every head and layer; valid: "
+            f"{', '.join([*uniform, *KEPT_CONTEXT_AS])} ({NO_FALLBACK})"
         )
     if server.decode is not None or decode_budget is not None:
         raise EvictionConfigError(

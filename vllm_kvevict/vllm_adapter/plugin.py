@@ -69,13 +69,15 @@ def vllm_version_refusal(version: str | None) -> str | None:
 def install_eviction_if_configured(vllm_config: Any) -> bool:
     """Install the eviction machinery in this process when ``vllm_config`` asks for eviction; True if it
     is installed (now or before). A model or setting eviction cannot serve raises ModelRefusedError with one
-    line (``model_support.eviction_refusal``) before any weight is loaded."""
+    line (``model_support.eviction_refusal``, ``learned_scorer.learned_scorer_refusal``) before any weight is
+    loaded."""
     from vllm_kvevict.settings.additional_config import get_eviction_config
+    from vllm_kvevict.vllm_adapter.learned_scorer import learned_scorer_refusal
     from vllm_kvevict.vllm_adapter.model_support import ModelRefusedError, eviction_refusal
 
     if get_eviction_config(vllm_config) is None:
         return _state["eviction_installed"]
-    refusal = eviction_refusal(vllm_config)
+    refusal = eviction_refusal(vllm_config) or learned_scorer_refusal(vllm_config)
     if refusal is not None:
         logger.error("%s", refusal)
         raise ModelRefusedError(refusal)

@@ -16,8 +16,16 @@ from vllm_kvevict.policies.between_chunks import KeepTail, between_chunks
 from vllm_kvevict.policies.registry import build_policy, method_names
 
 N, FIXED, BUDGET = 160, 48, 40
-#: the methods whose own scores read values: CriticalKV (||V W_O||) and Expected Attention (value norms)
-VALUE_READERS = {"critical-snapkv", "critical-ada-snapkv", "expected-attention", "ada-expected-attention"}
+#: the methods whose own scores read values: CriticalKV (||V W_O||), Expected Attention (value norms) and
+#: the learned scorer (its features include the value)
+VALUE_READERS = {
+    "critical-snapkv",
+    "critical-ada-snapkv",
+    "expected-attention",
+    "ada-expected-attention",
+    "kvzap",
+    "ada-kvzap",
+}
 
 
 def judged_without_values(

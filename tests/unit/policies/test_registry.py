@@ -39,10 +39,12 @@ REGISTERED_METHODS = [
     "expected-attention",
     "ada-expected-attention",
     "roco",
+    "kvzap",
+    "ada-kvzap",
 ]
 
 
-def test_registry_holds_the_fourteen_methods() -> None:
+def test_registry_holds_the_sixteen_methods() -> None:
     assert method_names() == REGISTERED_METHODS
     assert [m.name for m in available_methods()] == REGISTERED_METHODS
 

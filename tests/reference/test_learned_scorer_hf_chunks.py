@@ -1,0 +1,97 @@
+"""The HF reference of per-chunk eviction (``hf_reference.chunked_prefill``) with the learned scorer, on a
+tiny random-weight Llama and a random-weight scorer of its shapes (mechanics, not quality): chunk by chunk
+keeps what one eviction of the whole prompt keeps.
+
+Per chunk, a later chunk's keys and values above layer 0 are computed attending only to what the heads held,
+so they differ from the whole prompt's; the invariance is then the selection's: the per-chunk kept set is
+what the method keeps of the cache the chunks computed, judged once whole. At layer 0 the entries are the
+same in both runs, and so is the kept set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from learned_scorers import random_scorer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from vllm_kvevict.hf_reference.attention import register_attention
+from vllm_kvevict.hf_reference.chunked import chunked_prefill
+from vllm_kvevict.layout.accounting import request_planner
+from vllm_kvevict.policies.base import LayerKV
+from vllm_kvevict.policies.registry import build_policy
+
+N, CHUNK, BUDGET, BLOCK = 320, 64, 48, 16
+HEADS, DIM, LAYERS = 2, 16, 2
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=HEADS,
+        head_dim=DIM,
+        max_position_embeddings=1024,
+    )
+    config._attn_implementation = register_attention()
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def scorer_dir(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("scorer")
+    random_scorer(LAYERS, HEADS, DIM, kind="mlp", seed=3).save(directory)
+    return str(directory)
+
+
+def kept_positions(kept) -> list[list[int]]:
+    return [kept.head(h).tolist() for h in range(kept.counts.shape[0])]
+
+
+@pytest.mark.parametrize(("method", "chunk_budget"), [("kvzap", BUDGET), ("ada-kvzap", HEADS * BUDGET)])
+def test_chunk_by_chunk_keeps_what_the_whole_prompt_keeps(tiny_model, scorer_dir, method, chunk_budget):
+    policy = build_policy(method, scorer=scorer_dir, window=8, sinks=2)
+    ids = torch.randint(0, 256, (N,), generator=torch.Generator().manual_seed(1))
+    plan_for = request_planner(BUDGET, BLOCK, policy, LAYERS, chunk_budget=chunk_budget)
+    plan = plan_for(N)
+    chunked = chunked_prefill(tiny_model, ids, policy, plan, CHUNK)
+    assert len(chunked.chunks) >= 2  # it evicted between chunks
+    whole = chunked_prefill(tiny_model, ids, policy, request_planner(BUDGET, BLOCK, policy, LAYERS)(N), N)
+    assert kept_positions(chunked.kept[0]) == kept_positions(whole.kept[0])
+    for layer_idx in range(LAYERS):
+        cache = LayerKV(
+            keys=chunked.prompt.keys[layer_idx][0],
+            values=chunked.prompt.values[layer_idx][0],
+            queries=torch.empty(4, 0, DIM),
+            layer_idx=layer_idx,
+            num_layers=LAYERS,
+        )
+        judged_whole = policy.select(cache, plan.layer_budgets[layer_idx])
+        assert kept_positions(chunked.kept[layer_idx]) == kept_positions(judged_whole)
+
+
+def test_the_threshold_mode_keeps_an_adaptive_count_through_the_hf_runner(tiny_model, scorer_dir):
+    """kvzap with ``threshold``: each head of each layer keeps its entries scoring above it (sinks and the
+    window too), so the counts differ per head and layer, and the HF runner generates over those sets."""
+    from vllm_kvevict.hf_reference.capture import capture_layers
+    from vllm_kvevict.hf_reference.eviction import kept_per_layer
+    from vllm_kvevict.hf_reference.generation import generate_with_kept
+
+    ids = torch.randint(0, 256, (N,), generator=torch.Generator().manual_seed(2))
+    layers = capture_layers(tiny_model, ids, query_window=1)
+    plain = build_policy("kvzap", scorer=scorer_dir, window=8, sinks=2)
+    scores = torch.cat([plain.entry_scores(layer).flatten() for layer in layers])
+    tau = float(scores.quantile(0.7))  # about 30 % kept, set by the scores, not by a budget
+    policy = build_policy("kvzap", scorer=scorer_dir, window=8, sinks=2, threshold=tau)
+    kept = kept_per_layer(policy, layers, BUDGET)
+    counts = [c for k in kept for c in k.counts.tolist()]
+    assert len(set(counts)) > 1 and all(10 <= c < N for c in counts)
+    for layer, chosen in zip(layers, kept, strict=True):
+        expected = plain.score(layer, BUDGET) > tau
+        assert torch.equal(chosen.to_mask(N), expected)
+    tokens, logits = generate_with_kept(tiny_model, ids, kept, 4)
+    assert tokens.shape == (4,) and torch.isfinite(logits).all()

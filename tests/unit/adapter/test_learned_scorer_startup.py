@@ -1,0 +1,80 @@
+"""A server with a learned method is refused when vLLM builds its engine config (before any weight loads), in
+one line naming ``vllm-kvevict calibrate``, unless the bundled model has a scorer that fits it; the threshold
+mode and a chunked prefill with a scorer that reads every head are refused there too. Each engine config is
+built by real vLLM in a fresh interpreter (``test_plugin.run_scenario``)."""
+
+from __future__ import annotations
+
+import pytest
+from learned_scorers import random_scorer, write_scorer_for
+from test_plugin import EVICTING_CPU_ATTN, VLLM_CPU_ATTN, run_scenario
+from transformers import AutoConfig
+
+
+@pytest.fixture(scope="module")
+def startups(model_dir, tmp_path_factory) -> dict:
+    """Engine configs of the bundled model with kvzap: each scenario's error line (or none) and backend."""
+    root = tmp_path_factory.mktemp("scorers")
+    config = AutoConfig.from_pretrained(model_dir)
+    fitting = write_scorer_for(config, root / "fitting")
+    mixed = write_scorer_for(config, root / "mixed", per_head=False)
+    other = root / "other"
+    random_scorer(2, 2, 8).save(other)
+    scenarios = {
+        "none_ships": {"method": "ada-kvzap", "budget": 64},
+        "other_model": {"method": "kvzap", "budget": 64, "params": {"scorer": str(other)}},
+        "threshold": {"method": "kvzap", "budget": 64, "params": {"scorer": str(fitting), "threshold": 0.0}},
+        "mixed_chunked": {
+            "method": "kvzap",
+            "budget": 64,
+            "prefill": "chunked",
+            "params": {"scorer": str(mixed)},
+        },
+        "fitting": {"method": "ada-kvzap", "budget": 64, "params": {"scorer": str(fitting)}},
+    }
+    return run_scenario(
+        f"""
+        import os
+        from vllm_kvevict.policies import served_scorer
+        served_scorer.find_packaged_scorer = lambda fingerprint, kind=None: None  # nothing ships
+        plugin.register()
+        for name, eviction in {scenarios!r}.items():
+            try:
+                engine_config(os.environ["KVEVICT_TEST_MODEL"], eviction)
+                print(json.dumps({{name: {{"error": None, "state": state()}}}}))
+            except ValueError as exc:
+                print(json.dumps({{name: {{"error": str(exc), "state": state()}}}}))
+        """,
+        model_dir,
+    )
+
+
+def test_a_model_no_scorer_ships_for_is_refused_in_one_line_naming_calibrate(startups):
+    error = startups["none_ships"]["error"]
+    assert error.startswith("kv eviction refused: --kv-eviction ada-kvzap: no learned scorer ships for ")
+    assert "`vllm-kvevict calibrate MODEL --out DIR`" in error and "\n" not in error
+    assert startups["none_ships"]["state"]["cpu_attn"] == VLLM_CPU_ATTN  # nothing installed
+
+
+def test_a_scorer_fitted_on_another_model_is_refused_naming_the_differing_fields(startups):
+    error = startups["other_model"]["error"]
+    assert error.startswith("kv eviction refused: --kv-eviction kvzap: scorer ")
+    assert "cannot score" in error and "num_hidden_layers=2" in error and "calibrate" in error
+    assert "\n" not in error
+
+
+def test_the_threshold_mode_is_refused_saying_why(startups):
+    error = startups["threshold"]["error"]
+    assert error.startswith("kv eviction refused: kvzap with threshold=0.0: the scheduler sizes each request")
+    assert "layout/accounting.py" in error and "\n" not in error
+
+
+def test_a_chunked_prefill_with_a_scorer_reading_every_head_is_refused(startups):
+    error = startups["mixed_chunked"]["error"]
+    assert error.startswith("kv eviction refused: kvzap with prefill=chunked: scorer ")
+    assert "prefill: whole" in error and "\n" not in error
+
+
+def test_a_scorer_that_fits_the_model_serves(startups):
+    assert startups["fitting"]["error"] is None
+    assert startups["fitting"]["state"]["cpu_attn"] == EVICTING_CPU_ATTN

@@ -1,0 +1,34 @@
+"""What ``vllm-kvevict calibrate`` fits on and how (no torch import: the CLI reads the defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """ridge: the L2 penalty per sample (on standardised features); hidden_dim, epochs, batch_size, lr: the
+    MLP's width and training; seed: the MLP's initialisation and batch order."""
+
+    ridge: float = 1e-3
+    hidden_dim: int = 32
+    epochs: int = 30
+    batch_size: int = 512
+    lr: float = 3e-3
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What to calibrate on and how to fit (see ``vllm-kvevict calibrate --help``)."""
+
+    num_contexts: int = 14
+    held_out: int = 3
+    min_tokens: int = 512
+    max_tokens: int = 1024
+    chunk_size: int = 2048
+    seed: int = 0
+    features: str = "kv-pair-norms"
+    compare: bool = True
+    dtype: str = "float16"
+    fit: FitConfig = field(default_factory=FitConfig)

@@ -1,0 +1,160 @@
+"""KVzap: keep the KV entries a learned scorer predicts KVzip would keep, with no queries (arXiv 2601.07891).
+
+KVzip scores each entry by the attention it gets while the model repeats its context: question-agnostic and
+near-lossless, but a second prefill. KVzap fits a small per-layer model that predicts those scores, so
+serving pays one matmul per entry. Ours (``surrogate_scorer.py``) reads each entry's own cache row (the
+rotation-invariant part of its key, its value), so an entry's score does not depend on which chunk it came
+in, on its neighbours or on anything after it: per-chunk eviction keeps what whole-prompt eviction keeps
+when the intermediate budget is at least the final one, and a held entry can be scored again from the cache
+(between chunks here; at decode time once the decode methods take values and the layer index, which they do
+not yet).
+
+That holds for a scorer whose heads score alone (``scores_each_head_alone``: head h's output reads only head
+h's features). A scorer that reads every head's row of a token to score each head is right only where all
+heads hold the same tokens (a whole prompt, before any eviction); after per-head eviction one cache row
+holds different tokens in different heads, so such a scorer is refused wherever held entries are scored
+again (per-chunk eviction, ``vllm_adapter/learned_scorer.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_kvevict.policies import served_scorer
+from vllm_kvevict.policies.base import (
+    KeptTokens,
+    LayerKV,
+    ScoredPolicy,
+    check_int,
+    composed_parts,
+    shifted,
+)
+from vllm_kvevict.policies.key_scored import sinks_and_recent
+from vllm_kvevict.policies.surrogate_scorer import SurrogateScorer
+
+
+@dataclass
+class KVzap(ScoredPolicy):
+    """Score = the learned scorer's predicted log KVzip score of each entry; the first ``sinks`` and the last
+    ``window`` tokens are always kept (kvpress's KVzap runs inside DMSPress, which protects a recent window).
+
+    scorer: a scorer directory (``vllm-kvevict calibrate MODEL --out DIR``); None: the scorer this process
+        serves (``served_scorer``: the server's, or the packaged one fitted on the served model).
+    threshold: None keeps the budget (top-``budget`` per head); a number keeps every entry whose score is
+        above it (kvpress's ``DMSPress``/``ThresholdPress``), so the kept count adapts per head, layer and
+        prompt and the budget is not used. Only the HF runner evicts so: the server's block accounting
+        needs a count known before the scores (``vllm_adapter/learned_scorer.py`` refuses it there).
+    There is no ``span_after``: a token that took its neighbours' scores would score differently after a
+    neighbour was evicted between chunks, and per-chunk eviction would no longer keep what whole-prompt
+    eviction keeps.
+    """
+
+    reads_own_values: ClassVar[bool] = True
+
+    scorer: str | None = None
+    window: int = 32
+    sinks: int = 4
+    threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        check_int(owner, "window", self.window, 0)
+        check_int(owner, "sinks", self.sinks, 0)
+        if self.scorer is not None:
+            if not isinstance(self.scorer, str):
+                raise ValueError(f"{owner}: scorer={self.scorer!r} is not valid; give a scorer directory")
+            served_scorer.load_scorer(self.scorer)  # a directory that is no scorer is refused here
+        threshold = self.threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)):
+            raise ValueError(
+                f"{owner}: threshold={threshold!r} is not valid; give a number (keep entries scoring above "
+                "it) or leave it unset (keep the budget)"
+            )
+
+    @property
+    def min_budget(self) -> int:
+        return self.window + self.sinks
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        return sinks_and_recent(num_tokens, self.sinks, self.window)
+
+    def learned_scorer(self, layer: LayerKV) -> SurrogateScorer:
+        """The scorer of ``layer`` (on its device); ValueError when it was fitted on other shapes."""
+        device = str(layer.keys.device)
+        if self.scorer is None:
+            scorer = served_scorer.scorer_without_directory(layer)
+        else:
+            scorer = served_scorer.load_scorer(self.scorer, device)
+        spec = scorer.spec
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+            layer.num_layers,
+            layer.num_kv_heads,
+            layer.keys.shape[2],
+        ):
+            raise ValueError(
+                f"{self._label()}: the scorer of {spec.model_name} has {spec.num_layers} layers, "
+                f"{spec.num_kv_heads} KV heads of {spec.head_dim}; this layer is one of {layer.num_layers}, "
+                f"{layer.num_kv_heads} KV heads of {layer.keys.shape[2]}; {served_scorer.CALIBRATE_HINT}"
+            )
+        return scorer
+
+    def entry_scores(self, layer: LayerKV) -> torch.Tensor:
+        """[H, n] float32 predicted log-scores of the layer's entries, on the layer's device."""
+        values = layer.value_rows(self._label())
+        scores = self.learned_scorer(layer).layer_scores(layer.layer_idx, layer.keys, values)
+        return scores.to(layer.keys.device)
+
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
+        scores = self.entry_scores(layer)
+        forced = self.always_kept(layer.num_tokens, budget).to(scores.device)
+        scores[:, forced] = float("inf")
+        return scores
+
+    def select(self, layer: LayerKV, budget: int) -> KeptTokens:
+        if self.threshold is None:
+            return super().select(layer, budget)
+        return KeptTokens.from_mask(self.score(layer, budget) > self.threshold)
+
+    def select_after(self, layer: LayerKV, budget: int, fixed: int) -> KeptTokens:
+        if self.threshold is None or fixed <= 0:
+            return super().select_after(layer, budget, fixed)
+        return shifted(KeptTokens.from_mask(self.score(layer, budget)[:, fixed:] > self.threshold), fixed)
+
+    def with_fixed_budget(self, method: str) -> KVzap:
+        """Itself, for a method that allocates a budget (Ada-KV); ValueError when a threshold is set."""
+        if self.threshold is not None:
+            raise ValueError(
+                f"{method}: threshold={self.threshold} keeps a count set by the scores, which {method} "
+                "allocates from a budget; use kvzap for the threshold mode"
+            )
+        return self
+
+
+def learned_part(policy: object) -> KVzap | None:
+    """The KVzap inside ``policy`` (itself, or what an Ada-KV/CriticalKV wrapper holds), or None."""
+    if isinstance(policy, KVzap):
+        return policy
+    return next((found for part in composed_parts(policy) if (found := learned_part(part))), None)
+
+
+def scores_each_head_alone(scorer: SurrogateScorer) -> bool:
+    """True when every head's score reads only that head's features (block-diagonal weights: a linear
+    scorer's ``w1``; an MLP's hidden units each reading one head's features and feeding that head alone),
+    so an entry's score does not depend on what the other heads hold in the same cache row."""
+    heads = scorer.spec.num_kv_heads
+    for layer in scorer.layers:
+        w1 = layer["w1"]  # [H * F, M]
+        reads = (w1.reshape(heads, -1, w1.shape[1]) != 0).any(dim=1)  # [H, M]: unit m reads head h
+        if scorer.spec.kind == "linear":
+            if not torch.equal(
+                reads | torch.eye(heads, dtype=torch.bool), torch.eye(heads, dtype=torch.bool)
+            ):
+                return False
+            continue
+        feeds = (layer["w2"] != 0).T  # [H, M]: unit m feeds head h
+        if bool(((reads | feeds).sum(dim=0) > 1).any()):
+            return False
+    return True
