@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-gpu-blocks", type=int, default=2400,
                         help="KV pool of both servers in 16-token blocks (2400: ~8 vanilla requests of 4.3k)")
     parser.add_argument("--budgets", default="0.25,0.1",
-                        help="ada-snapkv budgets (the first is the server's)")
+                        help="the method's budgets (the first is the server's)")
+    parser.add_argument("--method", default="ada-snapkv", help="the eviction server's --kv-eviction")
+    parser.add_argument("--kv-cache-dtype", default=None, help="both servers' --kv-cache-dtype (e.g. fp8)")
+    parser.add_argument("--tag", default=None,
+                        help="suffix of this run's files (default: -prefix, -graphs or none by the workload)")
     parser.add_argument("--prefix-len", type=int, default=0,
                         help="issue 30's workload: prefix_repetition with one prefix of this many tokens")
     parser.add_argument("--suffix-len", type=int, default=400, help="each request's own tokens after it")
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix_len and args.graphs:
         parser.error("--prefix-len runs eager servers; it does not combine with --graphs")
     suffix = "-prefix" if args.prefix_len else "-graphs" if args.graphs else ""
+    suffix = suffix if args.tag is None else args.tag
+    method, dtype = args.method, args.kv_cache_dtype
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     max_len = int(args.input_len * (1 + args.range_ratio) + args.output_len * (1 + args.range_ratio)) + 16
@@ -154,16 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     budgets = args.budgets.split(",")
     if args.prefix_len:
         budgets = budgets[:1]
-    vanilla = BundleServer(args.model_dir, [*serve_flags.vanilla_args(max_len, args.graphs), *pool],
-                           logs / f"bench{suffix}-vanilla.log")
-    eviction = BundleServer(
-        args.model_dir, [*serve_flags.eviction_args(max_len, budget=budgets[0], graphs=args.graphs), *pool],
-        logs / f"bench{suffix}-eviction.log")
+    vanilla_flags = serve_flags.vanilla_args(max_len, args.graphs, kv_cache_dtype=dtype)
+    eviction_flags = serve_flags.eviction_args(max_len, method=method, budget=budgets[0], graphs=args.graphs,
+                                               kv_cache_dtype=dtype)
+    vanilla = BundleServer(args.model_dir, [*vanilla_flags, *pool], logs / f"bench{suffix}-vanilla.log")
+    eviction = BundleServer(args.model_dir, [*eviction_flags, *pool], logs / f"bench{suffix}-eviction.log")
     workload = (f"vllm bench serve {' '.join(dataset_args(args))} "
                 f"--num-prompts {args.num_prompts} --request-rate inf; pool {args.num_gpu_blocks} blocks x "
-                f"{serve_flags.BLOCK_SIZE}; {'piecewise CUDA graphs' if args.graphs else 'eager'}")
+                f"{serve_flags.BLOCK_SIZE}; {'piecewise CUDA graphs' if args.graphs else 'eager'}"
+                f"{f'; --kv-cache-dtype {dtype}' if dtype else ''}")
     if args.dry_run:
-        clients = {f"ada-snapkv-{b}": bench_command(eviction, args.model_dir, args, args.out / "x.json",
+        clients = {f"{method}-{b}": bench_command(eviction, args.model_dir, args, args.out / "x.json",
                                                     None if i == 0 else b) for i, b in enumerate(budgets)}
         clients["vanilla"] = bench_command(vanilla, args.model_dir, args, args.out / "x.json", None)
         commands = {"servers": {"vanilla": vanilla.command, "eviction": eviction.command}, "clients": clients}
@@ -177,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             result["startup_s"] = round(time.monotonic() - started, 1)
             result["rows"].append(run_one(f"vanilla{suffix}", vanilla, args.model_dir, args, args.out, None))
             for i, budget in enumerate(budgets):
-                result["rows"].append(run_one(f"ada-snapkv-{budget}{suffix}", eviction, args.model_dir, args,
+                result["rows"].append(run_one(f"{method}-{budget}{suffix}", eviction, args.model_dir, args,
                                               args.out, None if i == 0 else budget))
     except Exception as error:  # noqa: BLE001 - recorded with what ran
         result["error"] = f"{type(error).__name__}: {error}"

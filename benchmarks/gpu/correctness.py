@@ -1,10 +1,13 @@
 """Checks (a)-(c) of the GPU job against one vanilla and one eviction server started together.
 
     python3 -m benchmarks.gpu.correctness MODEL_DIR OUT_DIR [--checks greedy,reference,kv_usage]
+        [--method kvzap] [--kv-cache-dtype fp8] [--tag=-kvzap]
 
 ``MODEL_DIR`` holds real weights (``random_weights``: the reference check needs HF to load what vLLM
 serves). Both servers share the GPU, with the same KV pool. Each check runs under its own time limit;
-results go to ``OUT_DIR/correctness.json`` and ``correctness.md``, server logs to ``OUT_DIR/logs``.
+results go to ``OUT_DIR/correctness{TAG}.json`` and ``correctness{TAG}.md``, server logs to ``OUT_DIR/logs``.
+``--method`` names the eviction server's method (the learned scorer's stage: ``kvzap``, whose packaged scorer
+matches the random checkpoint's config); ``--kv-cache-dtype`` quantises both servers' caches (the fp8 stage).
 Exit status 0 when every check that ran passed.
 """
 
@@ -37,22 +40,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--checks", default=",".join(CHECK_TIMEOUT_S))
+    parser.add_argument("--method", default="ada-snapkv", help="the eviction server's --kv-eviction")
+    parser.add_argument("--kv-cache-dtype", default=None, help="both servers' --kv-cache-dtype (e.g. fp8)")
+    parser.add_argument("--tag", default="", help="suffix of this run's files (e.g. -kvzap, -fp8)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="write the command lines to OUT/commands-correctness.json; start nothing")
+                        help="write the command lines to OUT/commands-correctness{TAG}.json; start nothing")
     args = parser.parse_args(argv)
+    tag = args.tag
     checks = [c for c in args.checks.split(",") if c]
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    dump_dir = args.out / "kept-sets"
+    dump_dir = args.out / f"kept-sets{args.tag}"
     pool = serve_flags.pool_args(NUM_GPU_BLOCKS)
-    vanilla = BundleServer(args.model_dir, [*serve_flags.vanilla_args(MAX_MODEL_LEN, dummy_weights=False),
-                                            *pool], logs / "correctness-vanilla.log")
-    eviction = BundleServer(args.model_dir, [*serve_flags.eviction_args(MAX_MODEL_LEN, dummy_weights=False),
-                                             *pool], logs / "correctness-eviction.log",
+    dtype = args.kv_cache_dtype
+    vanilla_flags = serve_flags.vanilla_args(MAX_MODEL_LEN, dummy_weights=False, kv_cache_dtype=dtype)
+    eviction_flags = serve_flags.eviction_args(MAX_MODEL_LEN, method=args.method, dummy_weights=False,
+                                               kv_cache_dtype=dtype)
+    vanilla = BundleServer(args.model_dir, [*vanilla_flags, *pool], logs / f"correctness{tag}-vanilla.log")
+    eviction = BundleServer(args.model_dir, [*eviction_flags, *pool], logs / f"correctness{tag}-eviction.log",
                             env={check_reference.DUMP_ENV: str(dump_dir)})
     if args.dry_run:
         commands = {"servers": {"vanilla": vanilla.command, "eviction": eviction.command}}
-        (args.out / "commands-correctness.json").write_text(json.dumps(commands, indent=1) + "\n")
+        (args.out / f"commands-correctness{tag}.json").write_text(json.dumps(commands, indent=1) + "\n")
         return 0
     vocab = vocab_size(args.model_dir)
     jobs = {
@@ -88,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     results["missing_c_ops"] = sorted(set(vanilla.missing_c_ops()) | set(eviction.missing_c_ops()))
     ran = [results[name] for name in checks if name in results]
     results["ok"] = "error" not in results and len(ran) == len(checks) and all(r["ok"] for r in ran)
-    (args.out / "correctness.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (args.out / "correctness.md").write_text(markdown(results, checks))
+    (args.out / f"correctness{tag}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (args.out / f"correctness{tag}.md").write_text(markdown(results, checks))
     print(markdown(results, checks))
     return 0 if results["ok"] else 1
 

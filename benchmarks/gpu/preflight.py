@@ -214,6 +214,7 @@ def _describe(config) -> dict:
         "ir_op_priority": {k: list(v) for k, v in vars(config.kernel_config.ir_op_priority).items()
                            if k in serve_flags.IR_OP_PRIORITY},
         "block_size": config.cache_config.block_size,
+        "cache_dtype": str(config.cache_config.cache_dtype),
         "kv_eviction": (config.additional_config or {}).get("kv_eviction"),
     }
 

@@ -14,7 +14,13 @@
 #   graphs       (e) the same with piecewise CUDA graphs (optional: only with ONLY=graphs or GRAPHS=1);
 #   prefix       issue 30's shared prefix: `vllm bench serve --dataset-name prefix_repetition`, one 3000-token
 #                prefix, 400 tokens of each request's own, 64 output tokens, 32 requests, vanilla vs ada-snapkv
-#                25 %, prefix-cache hits from the servers' counters (optional: only with ONLY=prefix or PREFIX=1).
+#                25 %, prefix-cache hits from the servers' counters (optional: only with ONLY=prefix or PREFIX=1);
+#   scorer       the learned question-agnostic scorer (issue 53): (a)+(b) with kvzap on the random checkpoint
+#                (its config's packaged scorer), and one `vllm bench serve` row of ada-kvzap at 25 %
+#                (optional: only with ONLY=scorer or SCORER=1);
+#   fp8          --kv-cache-dtype fp8 on both servers (issue 51): (a) greedy identity against fp8 vanilla and
+#                (c) KV usage, and one `vllm bench serve` row of ada-snapkv 25 % against fp8 vanilla
+#                (optional: only with ONLY=fp8 or FP8=1).
 # Every stage has its own time limit and the job goes on after a failure (a stage that needs an earlier one's
 # output fails fast); no stage starts past DEADLINE_S (default 540 s). Results: $OUT_DIR/<stage>.{json,md},
 # logs under $OUT_DIR/logs, summary.md at the end with each stage's exit status and time; exit status 1 when any
@@ -44,6 +50,8 @@ stage() {  # stage NAME SECONDS command...: output to $OUT/logs/NAME.txt, status
   if [[ $name != unpack && $name != preflight* ]]; then
     if [[ $name == graphs && -z ${ONLY:-} && ${GRAPHS:-0} != 1 ]]; then return 0; fi
     if [[ $name == prefix && -z ${ONLY:-} && ${PREFIX:-0} != 1 ]]; then return 0; fi
+    if [[ $name == scorer* && -z ${ONLY:-} && ${SCORER:-0} != 1 ]]; then return 0; fi
+    if [[ $name == fp8* && -z ${ONLY:-} && ${FP8:-0} != 1 ]]; then return 0; fi
     [[ $name =~ ${ONLY:-.} ]] || return 0
   fi
   if ((limit > DEADLINE - SECONDS)); then limit=$((DEADLINE - SECONDS)); fi
@@ -80,12 +88,20 @@ unset VLLM_TARGET_DEVICE
 MODEL=${KVEVICT_GPU_MODEL_DIR:-$WORK/model}
 RANDOM_MODEL=$WORK/random-model
 PREFIX_ARGS="--prefix-len 3000 --suffix-len 400 --output-len 64 --num-prompts 32"
+SCORER_CHECK="--method kvzap --tag=-kvzap --checks greedy,reference"
+SCORER_BENCH="--method ada-kvzap --budgets 0.25 --tag=-kvzap"
+FP8_CHECK="--kv-cache-dtype fp8 --tag=-fp8 --checks greedy,kv_usage"
+FP8_BENCH="--kv-cache-dtype fp8 --budgets 0.25 --tag=-fp8"
 
 # Every stage's command lines, written without starting anything, then parsed by vLLM in the preflight.
 # (correctness serves $RANDOM_MODEL, made later; its flags are checked on $MODEL, the same config)
 stage "preflight commands" 60 bash -c "$PY -m benchmarks.gpu.correctness '$MODEL' '$OUT' --dry-run \
   && $PY -m benchmarks.gpu.bench_serve '$MODEL' '$OUT' --dry-run && $PY -m benchmarks.gpu.bench_serve '$MODEL' '$OUT' \
-  --dry-run --graphs && $PY -m benchmarks.gpu.bench_serve '$MODEL' '$OUT' --dry-run $PREFIX_ARGS"
+  --dry-run --graphs && $PY -m benchmarks.gpu.bench_serve '$MODEL' '$OUT' --dry-run $PREFIX_ARGS \
+  && $PY -m benchmarks.gpu.correctness '$MODEL' '$OUT' --dry-run $SCORER_CHECK \
+  && $PY -m benchmarks.gpu.bench_serve '$MODEL' '$OUT' --dry-run $SCORER_BENCH \
+  && $PY -m benchmarks.gpu.correctness '$MODEL' '$OUT' --dry-run $FP8_CHECK \
+  && $PY -m benchmarks.gpu.bench_serve '$MODEL' '$OUT' --dry-run $FP8_BENCH"
 stage "preflight vanilla" 120 $PY -m benchmarks.gpu.preflight "$MODEL" --role vanilla "${PREFLIGHT_ARGS[@]}" \
   --json "$OUT/preflight-vanilla.json"
 stage "preflight eviction" 120 $PY -m benchmarks.gpu.preflight "$MODEL" --role eviction "${PREFLIGHT_ARGS[@]}" \
@@ -98,6 +114,14 @@ if [[ $DRY != 1 ]]; then
   stage graphs 240 $PY -m benchmarks.gpu.bench_serve "$MODEL" "$OUT" --graphs
   # shellcheck disable=SC2086
   stage prefix 240 $PY -m benchmarks.gpu.bench_serve "$MODEL" "$OUT" $PREFIX_ARGS
+  # shellcheck disable=SC2086
+  stage scorer 150 $PY -m benchmarks.gpu.correctness "$RANDOM_MODEL" "$OUT" $SCORER_CHECK
+  # shellcheck disable=SC2086
+  stage "scorer bench" 200 $PY -m benchmarks.gpu.bench_serve "$MODEL" "$OUT" $SCORER_BENCH
+  # shellcheck disable=SC2086
+  stage fp8 150 $PY -m benchmarks.gpu.correctness "$RANDOM_MODEL" "$OUT" $FP8_CHECK
+  # shellcheck disable=SC2086
+  stage "fp8 bench" 200 $PY -m benchmarks.gpu.bench_serve "$MODEL" "$OUT" $FP8_BENCH
 fi
 
 {
@@ -106,7 +130,7 @@ fi
   echo "| stage | status | time |"
   echo "|---|---|---|"
   printf '%s\n' "${SUMMARY[@]}"
-  for f in correctness bench bench-graphs bench-prefix; do
+  for f in correctness bench bench-graphs bench-prefix correctness-kvzap bench-kvzap correctness-fp8 bench-fp8; do
     [[ -f $OUT/$f.md ]] && { echo; echo "## $f"; echo; cat "$OUT/$f.md"; }
   done
 } > "$OUT/summary.md"

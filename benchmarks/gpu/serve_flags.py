@@ -28,8 +28,11 @@ IR_OP_PRIORITY = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
 BLOCK_SIZE = 16
 
 
-def common_args(max_model_len: int, graphs: bool = False, dummy_weights: bool = True) -> list[str]:
-    """Flags every server of the job shares; ``dummy_weights`` False loads the model folder's weights."""
+def common_args(
+    max_model_len: int, graphs: bool = False, dummy_weights: bool = True, kv_cache_dtype: str | None = None
+) -> list[str]:
+    """Flags every server of the job shares; ``dummy_weights`` False loads the model folder's weights;
+    ``kv_cache_dtype`` (e.g. ``fp8``) quantises the KV cache of vanilla and eviction alike."""
     args = [
         "--load-format", "dummy" if dummy_weights else "safetensors",
         "--compilation-config", json.dumps(COMPILATION_PIECEWISE if graphs else COMPILATION_EAGER),
@@ -37,19 +40,23 @@ def common_args(max_model_len: int, graphs: bool = False, dummy_weights: bool = 
         "--block-size", str(BLOCK_SIZE),
         "--max-model-len", str(max_model_len),
     ]
+    if kv_cache_dtype:
+        args += ["--kv-cache-dtype", kv_cache_dtype]
     return args if graphs else [*args, "--enforce-eager"]
 
 
-def vanilla_args(max_model_len: int, graphs: bool = False, dummy_weights: bool = True) -> list[str]:
+def vanilla_args(max_model_len: int, graphs: bool = False, dummy_weights: bool = True,
+                 kv_cache_dtype: str | None = None) -> list[str]:
     """vLLM without eviction, on its Triton attention backend."""
-    return [*common_args(max_model_len, graphs, dummy_weights), "--attention-backend", "TRITON_ATTN"]
+    return [*common_args(max_model_len, graphs, dummy_weights, kv_cache_dtype),
+            "--attention-backend", "TRITON_ATTN"]
 
 
-def eviction_args(max_model_len: int, method: str = "ada-snapkv", budget: str = "0.25",
-                  graphs: bool = False, dummy_weights: bool = True) -> list[str]:
+def eviction_args(max_model_len: int, method: str = "ada-snapkv", budget: str = "0.25", graphs: bool = False,
+                  dummy_weights: bool = True, kv_cache_dtype: str | None = None) -> list[str]:
     """The plugin's eviction on its CUDA backend (``CUSTOM``, what ``--kv-eviction`` selects on CUDA)."""
-    return [*common_args(max_model_len, graphs, dummy_weights), "--attention-backend", "CUSTOM",
-            "--kv-eviction", method, "--kv-budget", budget]
+    return [*common_args(max_model_len, graphs, dummy_weights, kv_cache_dtype),
+            "--attention-backend", "CUSTOM", "--kv-eviction", method, "--kv-budget", budget]
 
 
 def pool_args(num_gpu_blocks: int) -> list[str]:

@@ -178,6 +178,21 @@ def test_every_command_line_of_the_job_parses_in_vllm(dry_run):
     assert prefix["servers"]["eviction"]["kv_eviction"]["budget"] == 0.25
 
 
+def test_the_scorer_and_fp8_stages_command_lines_parse_in_vllm(dry_run):
+    """Issue 53's learned scorer and issue 51's fp8 cache each get a correctness run and a bench row."""
+    out = dry_run[1]
+    scorer = step(out, "eviction", "command lines commands-correctness-kvzap.json")
+    assert scorer["servers"]["eviction"]["kv_eviction"]["method"] == "kvzap"
+    assert scorer["servers"]["vanilla"]["kv_eviction"] is None
+    scorer_bench = step(out, "eviction", "command lines commands-bench-kvzap.json")
+    assert set(scorer_bench["clients"]) == {"vanilla", "ada-kvzap-0.25"}
+    assert scorer_bench["servers"]["eviction"]["kv_eviction"]["method"] == "ada-kvzap"
+    for name in ("commands-correctness-fp8.json", "commands-bench-fp8.json"):
+        fp8 = step(out, "eviction", f"command lines {name}")
+        assert {s["cache_dtype"] for s in fp8["servers"].values()} == {"fp8"}
+        assert fp8["servers"]["eviction"]["kv_eviction"]["method"] == "ada-snapkv"
+
+
 def test_eviction_flags_resolve_to_the_projects_triton_backend(dry_run):
     """``--kv-eviction`` on CUDA: ``CUSTOM``, registered by the plugin as ``backend_cuda``'s backend, whose
     attention is a ``TritonAttentionImpl`` (the model constructs: the FlashAttention backend it replaced
