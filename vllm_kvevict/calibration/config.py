@@ -12,7 +12,7 @@ class FitConfig:
 
     ridge: float = 1e-3
     hidden_dim: int = 32
-    epochs: int = 30
+    epochs: int = 10
     batch_size: int = 512
     lr: float = 3e-3
     seed: int = 0
@@ -22,10 +22,10 @@ class FitConfig:
 class CalibrationConfig:
     """What to calibrate on and how to fit (see ``vllm-kvevict calibrate --help``)."""
 
-    num_contexts: int = 14
-    held_out: int = 3
+    num_contexts: int = 32
+    held_out: int = 6
     min_tokens: int = 512
-    max_tokens: int = 1024
+    max_tokens: int = 1536
     chunk_size: int = 2048
     seed: int = 0
     features: str = "kv-pair-norms"

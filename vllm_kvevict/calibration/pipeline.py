@@ -106,8 +106,14 @@ def mean_fit(per_layer: list[dict[str, float]]) -> dict[str, float]:
 
 
 def build_scorer(
-    model_name: str, hf_config, features: str, kind: str, layers: list[dict[str, torch.Tensor]], config
+    model_name: str,
+    hf_config,
+    features: str,
+    kind: str,
+    layers: list[dict[str, torch.Tensor]],
+    config: CalibrationConfig,
 ) -> SurrogateScorer:
+    """The scorer of fitted ``layers`` with its weights rounded to ``config.dtype`` (what is written)."""
     fingerprint = model_fingerprint(hf_config)
     spec = ScorerSpec(
         model_name=model_name,
@@ -155,9 +161,7 @@ def calibrate(
     targets_s = time.monotonic() - started
     train, test = samples[: -config.held_out], samples[-config.held_out :]
     rotary = rotary_dim(model.config)
-    candidates = list(FEATURE_SETS) + ([HIDDEN] if config.compare else [])
-    if not config.compare:
-        candidates = [config.features]
+    candidates = [*FEATURE_SETS, HIDDEN] if config.compare else [config.features]
     table: dict[str, dict[str, dict[str, float]]] = {}
     per_layer: dict[str, dict[str, list[dict[str, float]]]] = {}
     chosen = None

@@ -22,6 +22,10 @@ DIR/fit.json (the full held-out table, per layer). See docs/learned_scorer.md.
 """
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, every option with its default."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     from vllm_kvevict.calibration.config import CalibrationConfig
 
@@ -31,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "calibrate",
         help="fit the learned scorer of a model (KVzip+ targets, CPU)",
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("model", help="HF model directory (config.json, weights, tokenizer)")
     parser.add_argument("--out", required=True, type=Path, help="directory for linear/, mlp/ and fit.json")
@@ -61,7 +65,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype", choices=("float32", "float16", "bfloat16"), default=defaults.dtype, help="written weights"
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (None: torch's choice; 1 is faster on a shared machine)",
+    )
     parser.set_defaults(handler=run)
 
 
