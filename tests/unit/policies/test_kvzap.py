@@ -10,7 +10,7 @@ import pytest
 import torch
 from learned_scorers import random_scorer, scorer_shaped_like
 from policy_layers import random_layer
-from vllm_kvevict.policies.selection import safeguard_size
+from vllm_kvevict.policies.kept_masks import safeguard_size
 
 from vllm_kvevict.policies import served_scorer
 from vllm_kvevict.policies.adakv import AdaKV
