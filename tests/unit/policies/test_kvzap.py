@@ -10,12 +10,12 @@ import pytest
 import torch
 from learned_scorers import random_scorer, scorer_shaped_like
 from policy_layers import random_layer
-from vllm_kvevict.policies.kept_masks import safeguard_size
 
 from vllm_kvevict.policies import served_scorer
 from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import LayerKV
 from vllm_kvevict.policies.between_chunks import between_chunks
+from vllm_kvevict.policies.kept_masks import safeguard_size
 from vllm_kvevict.policies.kvzap import KVzap, learned_part, scores_each_head_alone
 from vllm_kvevict.policies.registry import build_policy
 
