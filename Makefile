@@ -10,7 +10,7 @@ PORT ?= 8000
 METHOD ?= ada-snapkv
 BUDGET ?= 1024
 # 32-token blocks: the accounting rule rounds kept tokens up to whole blocks, so smaller blocks free more
-# (docs/benchmarks.md); vLLM's CPU backend accepts multiples of 32.
+# (docs/history/2026-11-21-benchmarks-capacity-32-token-blocks.md); vLLM's CPU backend accepts multiples of 32.
 BLOCK_SIZE ?= 32
 # KV pool in GiB (without it vLLM reserves 92% of RAM on CPU and refuses to start when other processes use some)
 KV_CACHE_GIB ?= 4

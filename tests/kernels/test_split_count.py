@@ -1,6 +1,7 @@
 """The key-range split choice of the ragged attention kernel (a host function: no GPU needed).
 
-The expected counts are the H100 sweep's (2026-11-27, docs/benchmarks.md) fastest or nearest to it."""
+The expected counts are the H100 sweep's fastest or nearest to it (2026-11-27,
+docs/history/2026-11-27-benchmarks-h100-kernels-and-datapath.md)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ class Moves:
 
     ``tokens``/``heads`` [N] int64 (whole-prompt eviction only): the same entries as rows
     ``key[tokens, heads]`` of the step's tensors, for a cache whose rows cannot be moved in place (a packing
-    the row views cannot express, a quantised cache): the backend then writes them from the step's tensors.
+    the row views cannot express; an fp8 cache's rows are moved as bytes like any other): the backend then
+    writes them from the step's tensors.
     """
 
     src_slots: torch.Tensor

