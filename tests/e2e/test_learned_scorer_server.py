@@ -7,12 +7,13 @@ Two servers, one after the other (prefix caching on; the worker saves what each 
 - the shipped scorer (no ``--kv-eviction-config``: the packaged scorer of the bundled model): it answers,
   compacts each request to its plan and frees the blocks; a context kept by one request (``kv_context:
   "keep"``, run as ``kvzap``: the same scores with every head the same count) is read by the next; a request
-  asking for per-chunk eviction gets HTTP 400, because the shipped scorer reads every head's row of a token
-  to score each head (``kvzap.scores_each_head_alone``);
-- a random-weight scorer whose heads score alone, of the bundled model's shapes and fingerprint, named with
-  ``--kv-eviction-config '{"scorer": DIR}'``, vLLM's chunks of 512 tokens: a prompt evicted chunk by chunk
-  keeps at layer 0 (whose entries do not depend on what earlier chunks kept) what the same prompt evicted
-  whole keeps.
+  asking for per-chunk eviction is served, because the shipped scorer scores each head from its own head's
+  features alone (``kvzap.scores_each_head_alone``; a scorer reading every head is refused per chunk,
+  checked in ``tests/unit/settings/test_learned_requests.py`` and
+  ``tests/unit/adapter/test_learned_scorer_startup.py``);
+- the shipped MLP scorer named with ``--kv-eviction-config '{"scorer": DIR}'``, vLLM's chunks of 512 tokens:
+  a prompt evicted chunk by chunk keeps at layer 0 (whose entries do not depend on what earlier chunks kept)
+  what the same prompt evicted whole keeps.
 
 These tests check the mechanics, never the answers' quality.
 """
@@ -26,13 +27,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from learned_scorers import write_scorer_for
 from request_bodies import client_of, ignore_eos_body
 from test_prefix_caching_server import shared_prefix
 
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
 from vllm_kvevict.layout.accounting import plan_request
 from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.policies.surrogate_scorer import PACKAGED_SCORERS
 from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -44,6 +45,7 @@ COMPACTED = "vllm_kvevict_requests_compacted_total"
 FREED = "vllm_kvevict_blocks_freed_total"
 CONTEXTS = "vllm_kvevict_kept_contexts_total"
 HITS = "vllm:prefix_cache_hits_total"
+SHIPPED_MLP = "smollm2-135m-instruct-mlp"
 USAGE = "vllm:kv_cache_usage_perc"
 
 
@@ -129,7 +131,7 @@ def serving(model_dir, dump_dir: Path, extra_args: tuple[str, ...]) -> Iterator[
 
 @pytest.fixture(scope="module")
 def shipped(model_dir, tmp_path_factory, tokenizer) -> Served:
-    """The packaged scorer: a request, a kept context and its reader, a per-chunk request refused."""
+    """The packaged scorer: a request, a kept context and its reader, a per-chunk request."""
     document = shared_prefix(tokenizer, 1500)[:1500]
     question = tokenizer("\nHow many boxes are on shelf 12? Answer:")["input_ids"]
     for session in serving(model_dir, tmp_path_factory.mktemp("shipped"), ()):
@@ -142,10 +144,8 @@ def shipped(model_dir, tmp_path_factory, tokenizer) -> Served:
 
 @pytest.fixture(scope="module")
 def per_head(model_dir, tmp_path_factory, tokenizer) -> Served:
-    """A scorer whose heads score alone: one prompt evicted whole, then chunk by chunk."""
-    from transformers import AutoConfig
-
-    scorer = write_scorer_for(AutoConfig.from_pretrained(model_dir), tmp_path_factory.mktemp("scorer"))
+    """The shipped MLP scorer (heads score alone), named: one prompt evicted whole, then chunk by chunk."""
+    scorer = PACKAGED_SCORERS / SHIPPED_MLP
     args = ("--kv-eviction-config", json.dumps({"scorer": str(scorer)}), "--max-num-batched-tokens", "512")
     prompt = story(tokenizer, 2000)
     for session in serving(model_dir, tmp_path_factory.mktemp("per-head"), args):
@@ -182,13 +182,15 @@ def test_a_context_kept_as_kvzap_is_read_by_the_next_request(shipped: Served):
     assert shipped.completion_tokens["reader"] == 16
 
 
-def test_per_chunk_eviction_with_the_shipped_scorer_is_a_400_saying_why(shipped: Served):
-    refusal = shipped.refusals["chunked"]
-    assert "vllm_xargs.kv_eviction='ada-kvzap': ada-kvzap with prefill=chunked: scorer " in refusal
-    assert "every head's row of a token" in refusal and "prefill: whole" in refusal
+def test_per_chunk_eviction_with_the_shipped_scorer_is_served(shipped: Served):
+    assert "chunked" not in shipped.refusals
+    assert shipped.completion_tokens["chunked"] == 4 and shipped.answers["chunked"].strip()
+    assert shipped.compacted["chunked"].get("ada-kvzap") == shipped.compacted["story"]["ada-kvzap"] + 1
+    assert shipped.freed["chunked"] > 0
 
 
 def test_chunk_by_chunk_keeps_at_layer_0_what_the_whole_prompt_keeps(per_head: Served):
+    assert f"kv-eviction: ada-kvzap scores with {PACKAGED_SCORERS / SHIPPED_MLP}" in per_head.log
     whole, chunked = per_head.dumps["whole"], per_head.dumps["chunked"]
     assert whole["prompt_len"] == chunked["prompt_len"] == 2000  # B = 500, I = 750, chunks of 512
     assert not whole["chunks"] and chunked["chunks"]  # only the second was evicted between chunks

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class FitConfig:
     """ridge: the L2 penalty per sample (on standardised features); hidden_dim, epochs, batch_size, lr: the
-    MLP's width and training; seed: the MLP's initialisation and batch order."""
+    MLP's width and training; seed: the MLP's initialisation and batch order; heads: "separate" (each KV
+    head's output reads only its own head's features: block-diagonal weights, what per-chunk eviction
+    needs) or "joint" (every output reads every head's features; ``calibration/fit.py``)."""
 
     ridge: float = 1e-3
     hidden_dim: int = 32
@@ -16,6 +18,7 @@ class FitConfig:
     batch_size: int = 512
     lr: float = 3e-3
     seed: int = 0
+    heads: str = "separate"
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
 """``vllm-kvevict calibrate``'s work: KVzip+ targets on the corpus, per-layer fits, held-out fit, scorers.
 
 Contexts are split by context (the last ``held_out`` contexts are never fitted on). Every feature set is
-fitted as a linear and an MLP scorer and measured on the held-out contexts; KVzap's own input (the attention
-module's input hidden states, not servable here: the served cache holds keys and values only) and the key
-norm (KNorm's rule) are measured beside them as comparison points. The scorers of ``features`` are written,
-their weights in ``dtype``, and their held-out fit is measured again on the written (rounded) weights.
+fitted as a linear and an MLP scorer, each head on its own features (``separate``) and on every head's
+(``joint``), and measured on the held-out contexts; KVzap's own input (the attention module's input hidden
+states, not servable here: the served cache holds keys and values only; fitted joint, they are not per head)
+and the key norm (KNorm's rule) are measured beside them as comparison points. The scorers of ``features``
+and ``fit.heads`` are written, their weights in ``dtype``, and their held-out fit is measured again on the
+written (rounded) weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +20,7 @@ import torch
 
 from vllm_kvevict.calibration.config import CalibrationConfig, FitConfig
 from vllm_kvevict.calibration.corpus import calibration_contexts
-from vllm_kvevict.calibration.fit import FITTERS, predict
+from vllm_kvevict.calibration.fit import FITTERS, HEAD_MODES, predict
 from vllm_kvevict.calibration.metrics import held_out_fit
 from vllm_kvevict.calibration.targets import ContextSample, context_sample
 from vllm_kvevict.policies.surrogate_scorer import (
@@ -64,10 +67,26 @@ def layer_features(
     return [featurize(s.keys[layer], s.values[layer], rotary) for s in samples]
 
 
+def fit_label(features: str, heads: str) -> str:
+    """The report's row name of a feature set fitted with ``heads`` (the hidden states only jointly)."""
+    return features if features == HIDDEN else f"{features} ({heads})"
+
+
+def candidates(config: CalibrationConfig) -> list[tuple[str, str]]:
+    """(features, heads) pairs to fit: the written pair first; with ``compare`` every feature set in both
+    head modes and the hidden states (joint)."""
+    chosen = (config.features, config.fit.heads)
+    if not config.compare:
+        return [chosen]
+    others = [(features, heads) for features in FEATURE_SETS for heads in HEAD_MODES]
+    return [chosen, *(pair for pair in others if pair != chosen), (HIDDEN, "joint")]
+
+
 def fit_and_measure(
     train: list[ContextSample], test: list[ContextSample], features: str, rotary: int, config: FitConfig
 ) -> tuple[dict[str, list[dict[str, torch.Tensor]]], dict[str, list[dict[str, float]]]]:
-    """({kind: per-layer weights}, {kind: per-layer held-out fit}) of one feature set."""
+    """({kind: per-layer weights}, {kind: per-layer held-out fit}) of one feature set, heads as
+    ``config.heads`` says."""
     weights: dict[str, list[dict[str, torch.Tensor]]] = {kind: [] for kind in KINDS}
     fits: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for layer in range(train[0].targets.shape[0]):
@@ -161,16 +180,20 @@ def calibrate(
     targets_s = time.monotonic() - started
     train, test = samples[: -config.held_out], samples[-config.held_out :]
     rotary = rotary_dim(model.config)
-    candidates = [*FEATURE_SETS, HIDDEN] if config.compare else [config.features]
     table: dict[str, dict[str, dict[str, float]]] = {}
     per_layer: dict[str, dict[str, list[dict[str, float]]]] = {}
     chosen = None
-    for features in candidates:
-        weights, fits = fit_and_measure(train, test, features, rotary, config.fit)
-        per_layer[features] = fits
-        table[features] = {kind: mean_fit(fits[kind]) for kind in KINDS}
-        if features == config.features:
+    fits_started = time.monotonic()
+    for features, heads in candidates(config):
+        fit_config = dataclasses.replace(config.fit, heads=heads)
+        weights, fits = fit_and_measure(train, test, features, rotary, fit_config)
+        label = fit_label(features, heads)
+        per_layer[label] = fits
+        table[label] = {kind: mean_fit(fits[kind]) for kind in KINDS}
+        log(f"fitted {label}: " + ", ".join(f"{k} top-25% {table[label][k]['top25']:.3f}" for k in KINDS))
+        if (features, heads) == (config.features, config.fit.heads):
             chosen = weights
+    fits_s = time.monotonic() - fits_started
     per_layer[KEY_NORM] = {"-": key_norm_fit(test)}
     table[KEY_NORM] = {"-": mean_fit(per_layer[KEY_NORM]["-"])}
     assert chosen is not None
@@ -180,6 +203,7 @@ def calibrate(
         shipped = mean_fit(scorer_fit(scorer, test))
         fit = {
             "held_out": shipped,
+            "heads": config.fit.heads,
             "weights_dtype": config.dtype,
             "train_contexts": len(train),
             "train_tokens": sum(s.num_tokens for s in train),
@@ -197,12 +221,14 @@ def calibrate(
     report = {
         "model": model_name,
         "features": config.features,
+        "heads": config.fit.heads,
         "table": table,
         "per_layer": per_layer,
         "scorers": written,
         "contexts": len(samples),
         "tokens": sum(s.num_tokens for s in samples),
         "targets_seconds": round(targets_s, 1),
+        "fits_seconds": round(fits_s, 1),
         "total_seconds": round(time.monotonic() - started, 1),
         "torch_threads": torch.get_num_threads(),
     }
@@ -211,7 +237,7 @@ def calibrate(
 
 def format_table(report: dict) -> str:
     """The held-out fit, one line per feature set and kind."""
-    lines = [f"{'features':<30} {'kind':<7} {'R^2':>7} {'top-25% overlap':>16}"]
+    lines = [f"{'features (heads)':<30} {'kind':<7} {'R^2':>7} {'top-25% overlap':>16}"]
     for features, kinds in report["table"].items():
         for kind, fit in kinds.items():
             r2 = f"{fit['r2']:.3f}" if "r2" in fit else "-"
@@ -219,7 +245,7 @@ def format_table(report: dict) -> str:
     for kind, entry in report["scorers"].items():
         fit = entry["held_out"]
         lines.append(
-            f"written {kind} scorer ({report['features']}): R^2 {fit['r2']:.3f}, "
+            f"written {kind} scorer ({fit_label(report['features'], report['heads'])}): R^2 {fit['r2']:.3f}, "
             f"top-25% overlap {fit['top25']:.3f} -> {entry['dir']}"
         )
     return "\n".join(lines)

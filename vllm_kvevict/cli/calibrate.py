@@ -14,8 +14,10 @@ Fit the learned, question-agnostic scorer of MODEL (an HF causal LM directory of
 KVzip+ scores every token of a calibration corpus (the Python standard library's docstrings, parsed from the
 interpreter's own source: no download, no evaluation text) by context reconstruction with the HF model in
 float32 on CPU; per layer a linear (closed-form ridge) and a 2-layer MLP scorer, one output per KV head, are
-fitted to the log-scores from each token's cache row (post-RoPE keys and values), and their fit is printed on
-held-out contexts beside KVzap's own input (hidden states, not servable) and the key norm.
+fitted to the log-scores from each token's cache row (post-RoPE keys and values), each head from its own
+head's features by default (--heads separate: what per-chunk eviction needs), and their fit is printed on
+held-out contexts beside the joint fit (every head's features), KVzap's own input (hidden states, not
+servable) and the key norm.
 
 Writes DIR/linear and DIR/mlp (each scorer.json + weights.safetensors, loadable by SurrogateScorer.load) and
 DIR/fit.json (the full held-out table, per layer). See docs/learned_scorer.md.
@@ -58,6 +60,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-compare",
         action="store_true",
         help="fit only --features (skip the other feature sets and the hidden-state comparison)",
+    )
+    parser.add_argument(
+        "--heads",
+        choices=("separate", "joint"),
+        default=fit.heads,
+        help="separate: each KV head's score reads only its own head's features (block-diagonal weights; "
+        "needed for per-chunk eviction); joint: every head's features (for comparison)",
     )
     parser.add_argument("--hidden-dim", type=int, default=fit.hidden_dim, help="MLP width")
     parser.add_argument("--epochs", type=int, default=fit.epochs, help="MLP training epochs")
@@ -106,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
         features=args.features,
         compare=not args.no_compare,
         dtype=args.dtype,
-        fit=FitConfig(ridge=args.ridge, hidden_dim=args.hidden_dim, epochs=args.epochs, seed=args.seed),
+        fit=FitConfig(
+            ridge=args.ridge, hidden_dim=args.hidden_dim, epochs=args.epochs, seed=args.seed, heads=args.heads
+        ),
     )
     started, cpu_started = time.monotonic(), time.process_time()
     model = AutoModelForCausalLM.from_pretrained(
