@@ -31,8 +31,8 @@ KINDS = ("linear", "mlp")
 WEIGHT_NAMES = ("w1", "b1", "w2", "b2")
 #: Scorers that ship with the package, one directory each (``scorer.json`` + ``weights.safetensors``).
 PACKAGED_SCORERS = Path(__file__).resolve().parent.parent / "scorers"
-#: The HF config fields a scorer must agree with: the same shapes are not enough (a random-weight model of
-#: the bundled model's config has them too), so the vocabulary and architecture are compared as well.
+#: The HF config fields a scorer must agree with: shapes, vocabulary and architecture. They tell models of
+#: other configs apart, not weights: a fine-tune or a random-weight model of the same config matches too.
 FINGERPRINT_FIELDS = (
     "architecture",
     "num_hidden_layers",
