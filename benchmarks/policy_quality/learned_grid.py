@@ -1,0 +1,174 @@
+"""Issue 53's grid in the HF masked runner: question-agnostic eviction by KVzip and by the learned scorer,
+whole and per chunk, beside the served default and the full cache, on the eval suite's own prompts.
+
+Per prompt (same generator and seeds as ``vllm-kvevict eval``), each kept fraction planned as the server
+plans it (``layout.accounting``, 32-token blocks):
+
+- ``full-cache``;
+- ``ada-snapkv whole echo``: the served default (Ada-SnapKV with the question echo of the last user turn's
+  first 32 tokens, whole-prompt eviction);
+- ``kvzip+ whole`` / ``ada-kvzip+ whole``: KVzip+ scores (``hf_reference.kvzip``: a second pass that
+  reconstructs the user turn's content; the chat template's tokens before it are always kept) ranked per
+  head with the plan's budgets, uniform or head-wise (Ada-KV) - the targets the learned scorer is fitted to;
+- per scorer directory (``--scorers label=DIR``): ``kvzap <label> whole``, ``ada-kvzap <label> whole``, and
+  per chunk (``chunked``: the prompt prefilled in ``--chunk``-token chunks with the server's per-chunk rule,
+  intermediate budget ``--chunk-budget``, the default ``between`` rule), and, for each ``--thresholds`` tau,
+  ``kvzap <label> tau=<tau>`` (whole; the kept count set by the scores, its realised share of the prompt
+  in the row's ``kept_share``; listed under fraction 1.0).
+
+Each kept set is decoded greedily (masks, true positions) and scored like ``eval``; rows go to a JSON-lines
+file (a prompt already there is skipped) and a markdown table of mean scores is printed.
+
+    .venv/bin/python benchmarks/policy_quality/learned_grid.py --lengths 4096 --samples 1 \
+        --scorers linear=vllm_kvevict/scorers/smollm2-135m-instruct-linear \
+        --out docs/results/2026-11-29-learned-grid/grid-4k.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import decode_in_batches  # noqa: E402
+from sweep import QUERY_WINDOW, decode_limits, run_samples, scored_row, summarise  # noqa: E402
+
+from vllm_kvevict.datapath.question_echo import echo_policy  # noqa: E402
+from vllm_kvevict.hf_reference import prefill  # noqa: E402
+from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
+from vllm_kvevict.hf_reference.kvzip import KVzipPolicy, kvzip_scores  # noqa: E402
+from vllm_kvevict.hf_reference.probe import (  # noqa: E402
+    echo_queries,
+    head_tokens,
+    probed_layers,
+    user_turn_start,
+)
+from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
+from vllm_kvevict.policies.adakv import AdaKV  # noqa: E402
+from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
+from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN  # noqa: E402
+from vllm_kvevict.policies.registry import build_policy  # noqa: E402
+from vllm_kvevict.settings.config import DEFAULT_CHUNK_BUDGET, DEFAULT_ECHO_WIDTH  # noqa: E402
+from vllm_kvevict.settings.parsers import parse_chunk_budget  # noqa: E402
+
+TASKS = (
+    "fwe,niah_multikey,niah_multikey_hard,niah_multiquery,niah_multivalue,niah_single_digits,"
+    "niah_single_essay,niah_single_noise,vt"
+)
+BLOCK_SIZE = 32
+
+
+def kept_share(kept: list[KeptTokens], num_tokens: int) -> float:
+    """Kept entries over all (layer, head) pairs as a share of the full cache."""
+    held = sum(int(layer.counts.sum()) for layer in kept)
+    pairs = sum(int(layer.counts.numel()) for layer in kept)
+    return held / max(1, pairs * num_tokens)
+
+
+def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> list[dict]:
+    """Every row of one prompt (see the module docstring), decoded and scored."""
+    ids = torch.tensor(sample.token_ids)
+    n = len(sample.token_ids)
+    num_layers = model.config.num_hidden_layers
+    fractions = [float(f) for f in args.fractions.split(",")]
+    whole = prefill(model, ids, query_window=QUERY_WINDOW)
+    runs: list[tuple[str, float, object, list[KeptTokens]]] = [
+        ("full-cache", 1.0, whole, [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers])
+    ]
+
+    def whole_rows(label: str, policy) -> None:
+        for fraction in fractions:
+            plan = plan_request(n, fraction, BLOCK_SIZE, policy, num_layers)
+            budgets = [min(budget, n) for budget in plan.layer_budgets]
+            kept = [policy.select(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
+            runs.append((label, fraction, whole, kept))
+
+    default = build_policy("ada-snapkv")
+    head = head_tokens(sample.token_ids, tokenizer, DEFAULT_ECHO_WIDTH)
+    if head:
+        echoed = echo_policy(default, len(head))
+        layers = probed_layers(
+            whole.layers, echo_queries(model, whole, head), window=default.query_window(n)
+        )
+        for fraction in fractions:
+            plan = plan_request(n, fraction, BLOCK_SIZE, default, num_layers)
+            budgets = [min(budget, n) for budget in plan.layer_budgets]
+            kept = [echoed.select(layer, b) for layer, b in zip(layers, budgets, strict=True)]
+            runs.append(("ada-snapkv whole echo", fraction, whole, kept))
+    if not args.no_kvzip:
+        start = user_turn_start(sample.token_ids, tokenizer) or 0
+        scores = kvzip_scores(model, tokenizer, ids, context_start=start, plus=True).scores.clone()
+        scores[:, :, :start] = float("inf")  # the template's system turn and user header: always kept
+        whole_rows("kvzip+ whole", KVzipPolicy(scores))
+        whole_rows("ada-kvzip+ whole", AdaKV(KVzipPolicy(scores)))
+    chunk_budget = parse_chunk_budget(args.chunk_budget)
+    for label, directory in scorers.items():
+        for method in args.learned_methods.split(","):
+            policy = build_policy(method, scorer=directory)
+            whole_rows(f"{method} {label} whole", policy)
+            if method not in args.chunked_methods.split(","):
+                continue
+            for fraction in fractions:
+                plan = with_chunk_budget(
+                    plan_request(n, fraction, BLOCK_SIZE, policy, num_layers), chunk_budget
+                )
+                chunked = chunked_prefill(model, ids, policy, plan, args.chunk, DEFAULT_BETWEEN)
+                runs.append((f"{method} {label} chunked", fraction, chunked.prompt, chunked.kept))
+        for tau in args.thresholds.split(","):
+            if not tau:
+                continue
+            policy = build_policy("kvzap", scorer=directory, threshold=float(tau))
+            kept = [policy.select(layer, n) for layer in whole.layers]
+            runs.append((f"kvzap {label} tau={tau}", 1.0, whole, kept))
+    new_tokens, finished = decode_limits(sample, tokenizer)
+    rows = []
+    for label, fraction, prompt, kept in runs:
+        (tokens,) = decode_in_batches(
+            model, prompt, [kept], new_tokens, n, [tokenizer.eos_token_id], finished, args.batch_bytes
+        )
+        output = tokenizer.decode(tokens, skip_special_tokens=True)
+        rows.append(scored_row(sample, label, fraction, output, kept_share=kept_share(kept, n)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="KVzip and the learned scorer, whole and per chunk (HF runner)")
+    parser.add_argument("--tasks", default=TASKS)
+    parser.add_argument("--lengths", default="4096")
+    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--fractions", default="0.25,0.1")
+    parser.add_argument(
+        "--scorers", default="", help="comma list of label=DIR (scorer directories `calibrate` wrote)"
+    )
+    parser.add_argument("--thresholds", default="", help="comma list of tau for kvzap's threshold rows")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size (max_num_batched_tokens)")
+    parser.add_argument("--chunk-budget", default=str(DEFAULT_CHUNK_BUDGET), help="intermediate budget")
+    parser.add_argument("--learned-methods", default="kvzap,ada-kvzap", help="whole rows of these methods")
+    parser.add_argument(
+        "--chunked-methods", default="kvzap,ada-kvzap", help="per-chunk rows of these methods ('' for none)"
+    )
+    parser.add_argument("--no-kvzip", action="store_true", help="no KVzip rows (they cost a second pass)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, help="JSON lines; prompts already there are skipped")
+    parser.add_argument("--batch-bytes", type=float, default=2e9)
+    parser.add_argument("--by-task", action="store_true", help="tasks weighed equally")
+    parser.add_argument("--summary-only", action="store_true")
+    args = parser.parse_args()
+    scorers = dict(entry.split("=", 1) for entry in args.scorers.split(",") if entry)
+    if args.summary_only:
+        records = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        records = run_samples(
+            args, lambda model, tokenizer, sample: rows_for_prompt(model, tokenizer, sample, args, scorers)
+        )
+    print(summarise(records, by_task=args.by_task))
+
+
+if __name__ == "__main__":
+    main()
