@@ -92,9 +92,7 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
     head = head_tokens(sample.token_ids, tokenizer, DEFAULT_ECHO_WIDTH)
     if head:
         echoed = echo_policy(default, len(head))
-        layers = probed_layers(
-            whole.layers, echo_queries(model, whole, head), window=default.query_window(n)
-        )
+        layers = probed_layers(whole.layers, echo_queries(model, whole, head), window=default.query_window(n))
         for fraction in fractions:
             plan = plan_request(n, fraction, BLOCK_SIZE, default, num_layers)
             budgets = [min(budget, n) for budget in plan.layer_budgets]
@@ -137,7 +135,9 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="KVzip and the learned scorer, whole and per chunk (HF runner)")
+    parser = argparse.ArgumentParser(
+        description="KVzip and the learned scorer, whole and per chunk (HF runner)"
+    )
     parser.add_argument("--tasks", default=TASKS)
     parser.add_argument("--lengths", default="4096")
     parser.add_argument("--samples", type=int, default=1)
@@ -154,14 +154,18 @@ def main() -> None:
     )
     parser.add_argument("--no-kvzip", action="store_true", help="no KVzip rows (they cost a second pass)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True, help="JSON lines; prompts already there are skipped")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="JSON lines; prompts already there are skipped"
+    )
     parser.add_argument("--batch-bytes", type=float, default=2e9)
     parser.add_argument("--by-task", action="store_true", help="tasks weighed equally")
     parser.add_argument("--summary-only", action="store_true")
     args = parser.parse_args()
     scorers = dict(entry.split("=", 1) for entry in args.scorers.split(",") if entry)
     if args.summary_only:
-        records = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
+        records = (
+            [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
+        )
     else:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         records = run_samples(
