@@ -159,6 +159,10 @@ class EvictionPolicy(ABC):
     name: str = ""
     #: False on a class whose own code never reads ``LayerKV.values`` (what it wraps may: ``reads_values``).
     reads_own_values: ClassVar[bool] = True
+    #: True on a method whose score of an entry reads that entry's own cache row alone (no queries, no
+    #: neighbours): between chunks it judges held entries by its own scores, which keep what the whole
+    #: prompt would keep (``between_chunks``), rather than by a blend with a key score.
+    scores_own_rows: ClassVar[bool] = False
 
     def layer_budget(self, budget: int, num_tokens: int, layer_idx: int, num_layers: int) -> int:
         """Average kept tokens per head for this layer given the request's average ``budget``.

@@ -24,7 +24,6 @@ from vllm_kvevict.policies.kept_masks import top_k_mask
 from vllm_kvevict.policies.key_scored import KeyScoredPolicy
 from vllm_kvevict.policies.keydiff import KeyDiff
 from vllm_kvevict.policies.knorm import KNorm
-from vllm_kvevict.policies.kvzap import KVzap
 
 #: The scores that judge a key with no queries: distinctiveness (KeyDiff) or a small L2 norm (K-norm).
 KEY_SCORERS: dict[str, type[KeyScoredPolicy]] = {"keydiff": KeyDiff, "knorm": KNorm}
@@ -144,9 +143,10 @@ def between_chunks(
         return KeepTail(between_chunks(policy, rule, rest), tail)
     rule = BetweenRule(rule) if isinstance(rule, str) else rule
     uniform = _uniform(policy)
-    if rule.kind == "window" or (rule.kind == "blend" and isinstance(uniform, KVzap)):
-        # the learned scorer judges without queries, so a chunk's last window cannot mislead it: its own
-        # scores alone keep between chunks what the whole prompt would keep (policies/kvzap.py)
+    if rule.kind == "window" or (rule.kind == "blend" and uniform.scores_own_rows):
+        # a method that scores each entry by its own cache row (the learned scorer) reads no window, so a
+        # chunk's last window cannot mislead it: its own scores alone keep between chunks what the whole
+        # prompt would keep (policies/kvzap.py)
         return uniform
     # The key score keeps the same recent window as the method, so the next chunk sees its own context.
     window = int(getattr(uniform, "window", KeyScoredPolicy.window))

@@ -53,6 +53,7 @@ class KVzap(ScoredPolicy):
     """
 
     reads_own_values: ClassVar[bool] = True
+    scores_own_rows: ClassVar[bool] = True
 
     scorer: str | None = None
     window: int = 32
