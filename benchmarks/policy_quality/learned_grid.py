@@ -70,6 +70,12 @@ def kept_share(kept: list[KeptTokens], num_tokens: int) -> float:
     return held / max(1, pairs * num_tokens)
 
 
+def largest_layer_share(kept: list[KeptTokens], num_tokens: int) -> float:
+    """The largest layer's kept share (its heads' mean): what a request holds in the server, where every layer
+    holds the blocks of its largest one (``docs/policies.md``, "PyramidKV's memory in the server")."""
+    return max(float(layer.counts.float().mean()) for layer in kept) / max(1, num_tokens)
+
+
 def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> list[dict]:
     """Every row of one prompt (see the module docstring), decoded and scored."""
     ids = torch.tensor(sample.token_ids)
@@ -130,7 +136,16 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
             model, prompt, [kept], new_tokens, n, [tokenizer.eos_token_id], finished, args.batch_bytes
         )
         output = tokenizer.decode(tokens, skip_special_tokens=True)
-        rows.append(scored_row(sample, label, fraction, output, kept_share=kept_share(kept, n)))
+        rows.append(
+            scored_row(
+                sample,
+                label,
+                fraction,
+                output,
+                kept_share=kept_share(kept, n),
+                largest_layer_share=largest_layer_share(kept, n),
+            )
+        )
     return rows
 
 
