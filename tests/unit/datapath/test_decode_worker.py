@@ -136,9 +136,9 @@ def test_a_rescore_observes_the_newest_queries_the_method_needs_prompt_ones_incl
     seen: list[list[int]] = []
     observe = policy.observe
 
-    def spy(state, keys, key_positions, queries, query_positions):
+    def spy(state, held, queries, query_positions):
         seen.append(query_positions.tolist())
-        return observe(state, keys, key_positions, queries, query_positions)
+        return observe(state, held, queries, query_positions)
 
     policy.observe = spy
     try:
