@@ -39,6 +39,12 @@ def startups(model_dir, tmp_path_factory) -> dict:
             "params": {"scorer": str(mixed)},  # whole prompts: fine; the decode cap scores it again
             "decode": {"method": "kvzap", "budget": 48},
         },
+        "decode_other_model": {
+            "method": "kvzap",
+            "budget": 64,
+            "params": {"scorer": str(fitting)},
+            "decode": {"method": "kvzap", "budget": 48, "params": {"scorer": str(other)}},
+        },
         "decode_fitting": {
             "method": "snapkv",
             "budget": 64,
@@ -103,6 +109,13 @@ def test_a_decode_cap_with_a_scorer_reading_every_head_is_refused(startups):
     error = startups["decode_mixed"]["error"]
     assert error.startswith("kv eviction refused: --kv-decode-eviction kvzap: scorer ")
     assert "every head's row" in error and "--heads separate" in error and "\n" not in error
+
+
+def test_a_decode_caps_own_scorer_of_another_model_is_refused(startups):
+    error = startups["decode_other_model"]["error"]
+    assert error.startswith("kv eviction refused: --kv-decode-eviction kvzap: scorer ")
+    assert "cannot score" in error and "num_hidden_layers=2" in error and "calibrate" in error
+    assert "\n" not in error
 
 
 def test_a_decode_cap_with_a_scorer_that_fits_serves(startups):
