@@ -1,5 +1,6 @@
-"""The decode-time cap's re-score, one layer after its attention: read the keys each head holds from the
-cache (the backend's cache rows), fold the ring's queries into the method's state (``observe``), ask
+"""The decode-time cap's re-score, one layer after its attention: read what each head holds from the cache
+(the backend's cache rows: the keys and values the method reads, dequantised on an fp8 cache, as one
+``HeldLayer`` with the layer index), fold the ring's queries into the method's state (``observe``), ask
 ``select`` for at most ``a(t)`` entries per head (``RequestPlan.kept_length``, the same for every layer;
 ragged with Ada-style allocation as long as the layer total fits), place the kept entries in sub-blocks of
 the blocks the request keeps, and return the moves. When a request re-scores is ``decode_schedule.py``'s.
@@ -25,27 +26,22 @@ from vllm_kvevict.datapath.policy_guard import guarded
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.policies.base import KeptTokens
-from vllm_kvevict.policies.decode.decode_policy import (
-    DecodeEvictionPolicy,
-    DecodeState,
-    ada_caps,
-    gather_padded,
-)
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, DecodeState, gather_padded
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 
 @dataclass
 class DecodeChoice:
     """A decode-time method's choice over one layer's held entries (``LayerChoice``): at most ``budget``
-    (the cap ``a(t)``) per head on average. keys [H, L, D] (None for a method that reads none), positions
-    [H, L] (-1 padded); queries ([Hq, R, D], [R] positions) for ``observe``. The method's running state
-    for the layer is kept when the choice holds, forgotten when the fallback keeps the layer."""
+    (the cap ``a(t)``) per head on average. held: the layer's entries (positions [H, L], -1 padded; the
+    keys and values [H, L, D] the method reads); queries ([Hq, R, D], [R] positions) for ``observe``. The
+    method's running state for the layer is kept when the choice holds, forgotten when the fallback keeps
+    the layer."""
 
     policy: DecodeEvictionPolicy
     allocation: str
     record: DecodeRecord
-    layer_idx: int
-    keys: torch.Tensor | None
-    positions: torch.Tensor
+    held: HeldLayer
     queries: tuple[torch.Tensor, torch.Tensor] | None
     budget: int
     exact: bool = False
@@ -56,30 +52,26 @@ class DecodeChoice:
         kept = guarded(self.policy, self._select, self._problem)
         if self._state is not None:
             self._state.keep(kept.indices)
-        self.record.states[self.layer_idx] = self._state
+        self.record.states[self.held.layer_idx] = self._state
         return kept
 
     def rejected(self) -> None:
-        self.record.states[self.layer_idx] = None
+        self.record.states[self.held.layer_idx] = None
 
     def _select(self) -> KeptTokens:
-        policy, positions = self.policy, self.positions
-        heads = positions.shape[0]
-        state = self.record.states[self.layer_idx]
+        policy, held = self.policy, self.held
+        state = self.record.states[held.layer_idx]
         if state is None:
-            state = policy.init_state(heads, positions.device)
-        keys = self.keys if self.keys is not None else torch.zeros(heads, positions.shape[1], 1)
+            state = policy.init_state(held.num_kv_heads, held.positions.device)
         if self.queries is not None:
-            state = policy.observe(state, keys, positions, self.queries[0], self.queries[1])
-        caps: int | torch.Tensor = self.budget
-        if self.allocation == "ada":
-            caps = ada_caps(policy, state, positions, self.budget)
+            state = policy.observe(state, held, self.queries[0], self.queries[1])
+        caps = policy.layer_caps(state, held, self.budget, self.allocation)
         self._state = state
-        kept, lengths = policy.select(state, keys, positions, caps)
+        kept, lengths = policy.select(state, held, caps)
         return KeptTokens(kept, lengths.to(torch.int64))
 
     def _problem(self, kept: KeptTokens) -> str | None:
-        heads, width = self.positions.shape
+        heads, width = self.held.positions.shape
         if int(kept.counts.sum()) <= heads * self.budget and bool((kept.indices < width).all()):
             return None
         return f"kept {kept.counts.tolist()} entries, the layer may keep {heads * self.budget}"
@@ -121,15 +113,27 @@ class DecodeEviction(DecodeSchedule):
 
     def choice(
         self,
-        layer_idx: int,
         record: DecodeRecord,
-        keys: torch.Tensor | None,
-        positions: torch.Tensor,
+        held: HeldLayer,
         queries: tuple[torch.Tensor, torch.Tensor] | None,
         cap: int,
     ) -> DecodeChoice:
-        """The method's choice of at most ``cap`` entries per head on average over ``positions`` [H, L]."""
-        return DecodeChoice(self.policy, self.allocation, record, layer_idx, keys, positions, queries, cap)
+        """The method's choice of at most ``cap`` entries per head on average over ``held``."""
+        return DecodeChoice(self.policy, self.allocation, record, held, queries, cap)
+
+    def held_layer(
+        self, layer_idx: int, positions: torch.Tensor, slots: torch.Tensor, rows: CacheRows
+    ) -> HeldLayer:
+        """``HeldLayer`` of ``positions`` [H, L] (-1 padded) at one-head-view cache ``slots`` [H, L]: the
+        keys and values the method reads, through the backend's reader (dequantised on an fp8 cache)."""
+        heads, width = slots.shape
+        slots = slots.clamp(min=0)  # padding reads some row; the methods ignore (and zero) it
+        keys = values = None
+        if self.policy.reads_values:
+            keys, values = (part.reshape(heads, width, -1) for part in rows.read(slots))
+        elif self.policy.reads_keys:
+            keys = rows.read_keys(slots).reshape(heads, width, -1)
+        return HeldLayer(positions, keys, values, layer_idx, self.num_layers)
 
     def _rescore(
         self,
@@ -147,12 +151,9 @@ class DecodeEviction(DecodeSchedule):
             if layer_idx == 0:
                 record.peaks.append((r.generated, []))
             record.peaks[-1][1].append(lengths)
-        keys = None
-        if self.policy.query_window:
-            heads, width = held.slots.shape
-            keys = rows.read_keys(held.slots.clamp(min=0)).reshape(heads, width, -1)
+        layer = self.held_layer(layer_idx, held.positions, held.slots, rows)
         queries = self._queries(layer_idx, r) if self.policy.query_window else None
-        choice = self.choice(layer_idx, record, keys, held.positions, queries, plan.kept_length(r.generated))
+        choice = self.choice(record, layer, queries, plan.kept_length(r.generated))
         first_block = plan.blocks_freed(r.generated)
         num_blocks = cdiv(plan.prompt_len + r.generated, self.block_size)
         target = LayerTarget(r.slot, r.req_id, block_row, first_block, num_blocks)
@@ -182,13 +183,15 @@ class DecodeEviction(DecodeSchedule):
         layer_idx: int,
         record: DecodeRecord,
         keys: torch.Tensor,
+        values: torch.Tensor,
         positions: torch.Tensor,
         queries: torch.Tensor,
         generated: int,
     ) -> DecodeChoice:
         """The cap's choice over ``positions`` [H, L] (the kept prompt entries then the recomputed output,
-        -1 padded; keys [H, L, D] theirs), down to ``a(t)``. queries: [P + t, Hq, D] of the step (prompt and
-        recomputed output; the last ``queries_needed(k)`` are observed, as at a decode-time re-score)."""
+        -1 padded; keys and values [H, L, D] theirs, from the step's tensors), down to ``a(t)``. queries:
+        [P + t, Hq, D] of the step (prompt and recomputed output; the last ``queries_needed(k)`` are
+        observed, as at a decode-time re-score)."""
         plan = record.plan
         window = min(self.policy.query_window, self.policy.queries_needed(plan.decode_interval))
         observed = None
@@ -198,4 +201,5 @@ class DecodeEviction(DecodeSchedule):
             query_positions = torch.arange(first, first + recent.shape[0], device=recent.device)
             observed = (recent.transpose(0, 1), query_positions)
         record.states[layer_idx] = None
-        return self.choice(layer_idx, record, keys, positions, observed, plan.kept_length(generated))
+        held = HeldLayer(positions, keys, values, layer_idx, self.num_layers)
+        return self.choice(record, held, observed, plan.kept_length(generated))

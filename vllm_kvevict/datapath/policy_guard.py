@@ -28,6 +28,7 @@ import torch
 from vllm_kvevict import metrics
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 FAULT_INJECTION_ENV = "KVEVICT_FAULT_INJECTION"
 INJECTABLE = ("raise", "wrong_counts", "nan")
@@ -146,7 +147,8 @@ def checked_score(scorer: object, method: str, poison: bool) -> Callable[..., to
         if poison:
             scores = torch.full_like(scores, float("nan"))
         if bool(torch.isnan(scores).any()):
-            layer = args[0].layer_idx if isinstance(args[0], LayerKV) else "?"
+            # A prefill scorer's LayerKV or a decode method's HeldLayer names the layer.
+            layer = next((arg.layer_idx for arg in args if isinstance(arg, LayerKV | HeldLayer)), "?")
             raise NaNScores(f"{policy_label(scorer)} scored NaN in layer {layer}")
         return scores
 

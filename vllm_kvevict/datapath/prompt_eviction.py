@@ -157,9 +157,10 @@ class PromptEviction:
         head_ids = torch.arange(heads, device=key.device)[:, None]
         slots = torch.where(padded >= 0, every.slots[head_ids, padded.clamp(min=0)], -1)
         held = HeldEntries(slots, padded, start)
-        keys = key[start + padded.clamp(min=0), head_ids]  # [H, L, D]
+        rows = start + padded.clamp(min=0)
+        keys, values = key[rows, head_ids], value[rows, head_ids]  # [H, L, D]
         choice = decode.recomputed_choice(
-            layer_idx, record, keys, padded, query[start : start + req.q_len], generated
+            layer_idx, record, keys, values, padded, query[start : start + req.q_len], generated
         )
         target = LayerTarget(
             req.index,

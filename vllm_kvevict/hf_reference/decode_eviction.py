@@ -25,6 +25,7 @@ from vllm_kvevict.policies.decode.decode_policy import (
     ada_caps_from_scores,
     gather_padded,
 )
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 
 @dataclass(frozen=True)
@@ -209,10 +210,12 @@ class CappedDecoder:
             queries = torch.cat([ring.queries[index, :, -last:] for ring in self.rings])  # type: ignore[index]
             positions = self.rings[0].positions[-last:]
             policy = config.policy
-            state = policy.observe(row.state, held_keys, row.held, queries, positions)
+            # Every layer's heads as the rows of one layer: the methods here judge each head alone.
+            layer = HeldLayer(row.held, held_keys)
+            state = policy.observe(row.state, layer, queries, positions)
             cap: int | torch.Tensor = int(caps[index])  # type: ignore[arg-type]
             if config.ada_alpha is not None:
-                scores = policy.scores(state, row.held).reshape(layers, heads, -1)
+                scores = policy.scores(state, layer).reshape(layers, heads, -1)
                 held = row.held.reshape(layers, heads, -1)
                 cap = torch.cat(
                     [
@@ -220,7 +223,7 @@ class CappedDecoder:
                         for i in range(layers)
                     ]
                 )
-            kept, _ = policy.select(state, held_keys, row.held, cap)
+            kept, _ = policy.select(state, layer, cap)
             if state is not None:
                 state.keep(kept)
             row.state = state

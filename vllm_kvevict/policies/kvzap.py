@@ -6,14 +6,13 @@ serving pays one matmul per entry. Ours (``surrogate_scorer.py``) reads each ent
 rotation-invariant part of its key, its value), so an entry's score does not depend on which chunk it came
 in, on its neighbours or on anything after it: per-chunk eviction keeps what whole-prompt eviction keeps
 when the intermediate budget is at least the final one, and a held entry can be scored again from the cache
-(between chunks here; at decode time once the decode methods take values and the layer index, which they do
-not yet).
+(between chunks here; at decode time through ``policies/decode/decode_scored.py``).
 
 That holds for a scorer whose heads score alone (``scores_each_head_alone``: head h's output reads only head
 h's features). A scorer that reads every head's row of a token to score each head is right only where all
 heads hold the same tokens (a whole prompt, before any eviction); after per-head eviction one cache row
 holds different tokens in different heads, so such a scorer is refused wherever held entries are scored
-again (per-chunk eviction, ``vllm_adapter/learned_scorer.py``).
+again (per-chunk eviction, decode-time caps: ``vllm_adapter/learned_scorer.py``).
 """
 
 from __future__ import annotations

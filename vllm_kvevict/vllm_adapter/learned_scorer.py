@@ -1,10 +1,13 @@
-"""The start-up check of a server that evicts with a learned scorer (``kvzap``, ``ada-kvzap``).
+"""The start-up check of a server that evicts with a learned scorer (``kvzap``, ``ada-kvzap``, as its prefill
+method or as its decode-time method, ``--kv-decode-eviction kvzap``).
 
 Every vLLM process (API server, EngineCore, workers) runs it with its config through the plugin
 (``plugin.install_eviction_if_configured``): it records the served model and its scorer
 (``policies/served_scorer.py``) so all of them resolve a policy without a scorer directory alike, and it
 refuses, in one line before any weight loads, a server whose method needs a scorer the model has none of,
-that asks for the threshold mode, or that evicts chunk by chunk with a scorer whose heads do not score alone.
+that asks for the threshold mode, or that scores held entries again (chunk by chunk, or decode-time caps)
+with a scorer whose heads do not score alone: after per-head eviction one cache row holds different tokens
+in different heads.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import logging
 from typing import Any
 
 from vllm_kvevict.policies import served_scorer
-from vllm_kvevict.policies.kvzap import learned_part
+from vllm_kvevict.policies.kvzap import KVzap, learned_part, scores_each_head_alone
+from vllm_kvevict.policies.surrogate_scorer import model_fingerprint
 from vllm_kvevict.settings.learned_methods import chunked_problem
 
 logger = logging.getLogger("vllm.kvevict")
-_announced: set[str] = set()
+_announced: set[tuple[str, str]] = set()
 
 #: Why the server refuses the threshold mode (the HF runner evicts with it).
 THRESHOLD_REFUSAL = (
@@ -37,27 +41,64 @@ def learned_scorer_refusal(vllm_config: Any) -> str | None:
         return None
     model_config = vllm_config.model_config
     learned = learned_part(config.build_policy())
+    decode = config.decode
+    decoding = learned_part(decode.build_policy()) if decode is not None else None
     name = str(getattr(model_config, "served_model_name", None) or model_config.model)
-    problem = served_scorer.serve_model(
-        model_config.hf_config, name, learned.scorer if learned is not None else None
-    )
-    if learned is None:
+    served = learned or decoding  # the prefill method's scorer is the served one when both are learned
+    problem = served_scorer.serve_model(model_config.hf_config, name, served.scorer if served else None)
+    if served is None:
         return None  # a request may still ask for kvzap: it is refused per request (HTTP 400)
-    if learned.threshold is not None:
+    if learned is not None and learned.threshold is not None:
         return f"kv eviction refused: {config.method} with threshold={learned.threshold}: {THRESHOLD_REFUSAL}"
     if problem is not None:
-        return f"kv eviction refused: --kv-eviction {config.method}: {problem}"
-    if config.chunked and (chunked := chunked_problem(config.method, learned)) is not None:
+        decode_flag = f"--kv-decode-eviction {decode.method if decode is not None else ''}"
+        flag = f"--kv-eviction {config.method}" if learned is not None else decode_flag
+        return f"kv eviction refused: {flag}: {problem}"
+    if learned is not None and config.chunked and (chunked := chunked_problem(config.method, learned)):
         return f"kv eviction refused: {chunked}"
-    directory = str(learned.scorer or served_scorer.served_scorer_dir())
-    if directory not in _announced:  # once per process: the check runs whenever a config is built
-        _announced.add(directory)
-        spec = served_scorer.load_scorer(directory).spec
-        logger.info(
-            "kv-eviction: %s scores with %s (%s, fitted on %s)",
-            config.method,
-            directory,
-            spec.kind,
-            spec.model_name,
+    if decoding is not None and decode is not None:
+        refusal = decode_problem(decode.method, decoding, model_config.hf_config, name)
+        if refusal is not None:
+            return f"kv eviction refused: {refusal}"
+        announce(f"decode {decode.method}", decoding)
+    if learned is not None:
+        announce(config.method, learned)
+    return None
+
+
+def decode_problem(method: str, learned: KVzap, hf_config: Any, model_name: str) -> str | None:
+    """Why decode method ``method`` cannot cap decoding with ``learned``'s scorer, else None: a directory of
+    its own that does not fit the model, or a scorer whose heads do not score alone (each head holds its own
+    entries at a re-score, so a scorer reading every head's row would score an entry by other tokens)."""
+    directory = learned.scorer or served_scorer.served_scorer_dir()
+    if directory is None:
+        return f"--kv-decode-eviction {method}: {served_scorer.served_scorer_problem()}"
+    try:
+        scorer = served_scorer.load_scorer(str(directory))
+    except ValueError as exc:
+        return f"--kv-decode-eviction {method}: {exc}"
+    mismatch = scorer.mismatch(model_fingerprint(hf_config))
+    if mismatch is not None:
+        return (
+            f"--kv-decode-eviction {method}: scorer {directory} cannot score {model_name}: {mismatch}; "
+            f"{served_scorer.CALIBRATE_HINT}"
+        )
+    if not scores_each_head_alone(scorer):
+        return (
+            f"--kv-decode-eviction {method}: scorer {directory} scores each head from every head's row of a "
+            "token, and at a decode-time re-score each head holds its own tokens; fit a scorer whose heads "
+            "score alone (calibrate --heads separate, the default)"
         )
     return None
+
+
+def announce(method: str, learned: KVzap) -> None:
+    """Log once per process and scorer which scorer ``method`` scores with."""
+    directory = str(learned.scorer or served_scorer.served_scorer_dir())
+    if (method, directory) in _announced:  # the check runs whenever a config is built
+        return
+    _announced.add((method, directory))
+    spec = served_scorer.load_scorer(directory).spec
+    logger.info(
+        "kv-eviction: %s scores with %s (%s, fitted on %s)", method, directory, spec.kind, spec.model_name
+    )

@@ -1,7 +1,8 @@
-"""A server with a learned method is refused when vLLM builds its engine config (before any weight loads), in
-one line naming ``vllm-kvevict calibrate``, unless the bundled model has a scorer that fits it; the threshold
-mode and a chunked prefill with a scorer that reads every head are refused there too. Each engine config is
-built by real vLLM in a fresh interpreter (``test_plugin.run_scenario``)."""
+"""A server with a learned method (prefill or decode-time) is refused when vLLM builds its engine config
+(before any weight loads), in one line naming ``vllm-kvevict calibrate``, unless the bundled model has a
+scorer that fits it; the threshold mode, and a chunked prefill or a decode-time cap with a scorer that reads
+every head, are refused there too. Each engine config is built by real vLLM in a fresh interpreter
+(``test_plugin.run_scenario``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ def startups(model_dir, tmp_path_factory) -> dict:
             "params": {"scorer": str(mixed)},
         },
         "fitting": {"method": "ada-kvzap", "budget": 64, "params": {"scorer": str(fitting)}},
+        "decode_none_ships": {"method": "snapkv", "budget": 64, "decode": {"method": "kvzap", "budget": 48}},
+        "decode_mixed": {
+            "method": "kvzap",
+            "budget": 64,
+            "params": {"scorer": str(mixed)},  # whole prompts: fine; the decode cap scores it again
+            "decode": {"method": "kvzap", "budget": 48},
+        },
+        "decode_other_model": {
+            "method": "kvzap",
+            "budget": 64,
+            "params": {"scorer": str(fitting)},
+            "decode": {"method": "kvzap", "budget": 48, "params": {"scorer": str(other)}},
+        },
+        "decode_fitting": {
+            "method": "snapkv",
+            "budget": 64,
+            "decode": {"method": "ada-kvzap", "budget": 48, "params": {"scorer": str(fitting)}},
+        },
     }
     return run_scenario(
         f"""
@@ -78,3 +97,27 @@ def test_a_chunked_prefill_with_a_scorer_reading_every_head_is_refused(startups)
 def test_a_scorer_that_fits_the_model_serves(startups):
     assert startups["fitting"]["error"] is None
     assert startups["fitting"]["state"]["cpu_attn"] == EVICTING_CPU_ATTN
+
+
+def test_a_decode_cap_with_kvzap_where_no_scorer_ships_is_refused_naming_calibrate(startups):
+    error = startups["decode_none_ships"]["error"]
+    assert error.startswith("kv eviction refused: --kv-decode-eviction kvzap: no learned scorer ships for ")
+    assert "`vllm-kvevict calibrate MODEL --out DIR`" in error and "\n" not in error
+
+
+def test_a_decode_cap_with_a_scorer_reading_every_head_is_refused(startups):
+    error = startups["decode_mixed"]["error"]
+    assert error.startswith("kv eviction refused: --kv-decode-eviction kvzap: scorer ")
+    assert "every head's row" in error and "--heads separate" in error and "\n" not in error
+
+
+def test_a_decode_caps_own_scorer_of_another_model_is_refused(startups):
+    error = startups["decode_other_model"]["error"]
+    assert error.startswith("kv eviction refused: --kv-decode-eviction kvzap: scorer ")
+    assert "cannot score" in error and "num_hidden_layers=2" in error and "calibrate" in error
+    assert "\n" not in error
+
+
+def test_a_decode_cap_with_a_scorer_that_fits_serves(startups):
+    assert startups["decode_fitting"]["error"] is None
+    assert startups["decode_fitting"]["state"]["cpu_attn"] == EVICTING_CPU_ATTN

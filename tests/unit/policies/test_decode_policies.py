@@ -13,6 +13,7 @@ from vllm_kvevict.policies.decode import (
     DecodeRoCo,
     DecodeSnapKV,
     DecodeStreamingLLM,
+    HeldLayer,
     ada_caps,
     build_decode_policy,
     decode_method_names,
@@ -69,8 +70,8 @@ def positions(*rows: list[int]) -> torch.Tensor:
 # Registry
 
 
-def test_registry_names_the_four_methods() -> None:
-    assert decode_method_names() == ["roco", "h2o", "streamingllm", "snapkv"]
+def test_registry_names_the_methods() -> None:
+    assert decode_method_names() == ["roco", "h2o", "streamingllm", "snapkv", "kvzap", "ada-kvzap"]
     assert isinstance(build_decode_policy("roco", std_ratio=0.25), DecodeRoCo)
     assert build_decode_policy("h2o").name == "h2o"
 
@@ -107,7 +108,7 @@ def test_interval_longer_than_the_kept_queries_is_refused() -> None:
 def test_cap_below_the_always_kept_entries_is_refused() -> None:
     keys, key_positions, *_ = padded_case()
     with pytest.raises(ValueError, match=r"cap=3.*>= 4"):
-        DecodeStreamingLLM(sinks=4).select(None, keys, key_positions, 3)
+        DecodeStreamingLLM(sinks=4).select(None, HeldLayer(key_positions, keys), 3)
 
 
 # observe
@@ -124,7 +125,9 @@ def test_held_attention_matches_brute_force_with_padding_and_gqa() -> None:
 def test_observe_folds_group_mean_statistics_like_brute_force() -> None:
     keys, key_positions, queries, query_positions = padded_case()
     policy = DecodeRoCo(window=2)
-    state = policy.observe(policy.init_state(2, "cpu"), keys, key_positions, queries, query_positions)
+    state = policy.observe(
+        policy.init_state(2, "cpu"), HeldLayer(key_positions, keys), queries, query_positions
+    )
     rows = brute_force_attention(keys, key_positions, queries, query_positions).reshape(2, 2, 5, 10).mean(1)
     seen = (key_positions[:, None, :] >= 0) & (key_positions[:, None, :] <= query_positions[None, :, None])
     seen &= (query_positions >= 0)[None, :, None]
@@ -140,10 +143,12 @@ def test_observe_folds_group_mean_statistics_like_brute_force() -> None:
 def test_observe_skips_queries_already_folded() -> None:
     keys, key_positions, queries, query_positions = padded_case()
     policy = DecodeH2O(window=2)
-    once = policy.observe(policy.init_state(2, "cpu"), keys, key_positions, queries, query_positions)
+    once = policy.observe(
+        policy.init_state(2, "cpu"), HeldLayer(key_positions, keys), queries, query_positions
+    )
     split = policy.init_state(2, "cpu")
-    policy.observe(split, keys, key_positions, queries[:, :3], query_positions[:3])
-    policy.observe(split, keys, key_positions, queries, query_positions)  # overlaps the first call
+    policy.observe(split, HeldLayer(key_positions, keys), queries[:, :3], query_positions[:3])
+    policy.observe(split, HeldLayer(key_positions, keys), queries, query_positions)  # overlaps the first call
     torch.testing.assert_close(split.stats.sums, once.stats.sums)
     torch.testing.assert_close(split.stats.counts, once.stats.counts)
 
@@ -151,7 +156,9 @@ def test_observe_skips_queries_already_folded() -> None:
 def test_keep_compacts_statistics_and_new_slots_start_at_zero() -> None:
     keys, key_positions, queries, query_positions = padded_case()
     policy = DecodeH2O(window=2)
-    state = policy.observe(policy.init_state(2, "cpu"), keys, key_positions, queries, query_positions)
+    state = policy.observe(
+        policy.init_state(2, "cpu"), HeldLayer(key_positions, keys), queries, query_positions
+    )
     before = state.stats.sums.clone()
     kept = torch.tensor([[1, 4, 9], [0, 2, -1]])
     state.keep(kept)
@@ -172,14 +179,16 @@ def test_keep_compacts_statistics_and_new_slots_start_at_zero() -> None:
 def test_streamingllm_keeps_sinks_and_newest() -> None:
     policy = DecodeStreamingLLM(sinks=2)
     key_positions = positions([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 2, 3, -1, 5, 6, 8, 9, -1, -1])
-    kept, lengths = policy.select(None, torch.zeros(2, 10, 4), key_positions, 5)
+    kept, lengths = policy.select(None, HeldLayer(key_positions, torch.zeros(2, 10, 4)), 5)
     assert kept.tolist() == [[0, 1, 7, 8, 9], [0, 4, 5, 6, 7]]
     assert lengths.tolist() == [5, 5]
 
 
 def test_h2o_keeps_heavy_hitters_and_recent() -> None:
     state = statistics_state([[0.5, 0.1, 0.9, 0.2, 0.0, 0.0]], [[6, 5, 4, 3, 2, 1]])
-    kept, lengths = DecodeH2O(window=2).select(state, torch.zeros(1, 6, 4), positions([0, 1, 2, 3, 4, 5]), 4)
+    kept, lengths = DecodeH2O(window=2).select(
+        state, HeldLayer(positions([0, 1, 2, 3, 4, 5]), torch.zeros(1, 6, 4)), 4
+    )
     assert kept.tolist() == [[0, 2, 4, 5]] and lengths.tolist() == [4]
 
 
@@ -187,9 +196,11 @@ def test_roco_ranks_by_mean_where_h2o_ranks_by_sum() -> None:
     # Sums favour the old entry 0; per query that saw them, entry 2 got the most.
     sums, counts = [[0.8, 0.3, 0.25, 0.0]], [[8, 3, 1, 1]]
     key_positions = positions([0, 1, 2, 3])
-    h2o = DecodeH2O(window=1).select(statistics_state(sums, counts), torch.zeros(1, 4, 2), key_positions, 2)
+    h2o = DecodeH2O(window=1).select(
+        statistics_state(sums, counts), HeldLayer(key_positions, torch.zeros(1, 4, 2)), 2
+    )
     roco = DecodeRoCo(window=1, std_ratio=0.0).select(
-        statistics_state(sums, counts), torch.zeros(1, 4, 2), key_positions, 2
+        statistics_state(sums, counts), HeldLayer(key_positions, torch.zeros(1, 4, 2)), 2
     )
     assert h2o[0].tolist() == [[0, 3]] and roco[0].tolist() == [[2, 3]]
 
@@ -199,10 +210,10 @@ def test_roco_std_scope_keeps_the_most_volatile_entry() -> None:
     state = statistics_state([[0.4, 0.4, 1.2, 0.0]], [[4, 4, 4, 1]], sq=[[0.04, 0.4, 0.36, 0.0]])
     assert int(state.stats.std()[0, :3].argmax()) == 1
     policy = DecodeRoCo(window=1, std_ratio=0.5)
-    kept, _ = policy.select(state, torch.zeros(1, 4, 2), positions([0, 1, 2, 3]), 3)
+    kept, _ = policy.select(state, HeldLayer(positions([0, 1, 2, 3]), torch.zeros(1, 4, 2)), 3)
     assert kept.tolist() == [[1, 2, 3]]  # one slot by std (1), one by mean (2), the window (3)
     kept, _ = DecodeRoCo(window=1, std_ratio=0.0).select(
-        state, torch.zeros(1, 4, 2), positions([0, 1, 2, 3]), 3
+        state, HeldLayer(positions([0, 1, 2, 3]), torch.zeros(1, 4, 2)), 3
     )
     assert kept.tolist() == [[0, 2, 3]]  # ties in mean go to the lower slot
 
@@ -213,8 +224,8 @@ def test_roco_sinks_keep_the_first_positions_whatever_their_mean() -> None:
     state = statistics_state([[0.2, 0.4, 1.2, 0.8, 0.0]], [[4, 4, 4, 4, 1]])
     key_positions = positions([0, 1, 2, 3, 4])
     keys = torch.zeros(1, 5, 2)
-    paper, _ = DecodeRoCo(window=1, std_ratio=0.0).select(state, keys, key_positions, 3)
-    sunk, _ = DecodeRoCo(window=1, std_ratio=0.0, sinks=1).select(state, keys, key_positions, 3)
+    paper, _ = DecodeRoCo(window=1, std_ratio=0.0).select(state, HeldLayer(key_positions, keys), 3)
+    sunk, _ = DecodeRoCo(window=1, std_ratio=0.0, sinks=1).select(state, HeldLayer(key_positions, keys), 3)
     assert paper.tolist() == [[2, 3, 4]] and sunk.tolist() == [[0, 2, 4]]
     assert DecodeRoCo(window=1, sinks=4).min_cap == 5
     with pytest.raises(ValueError, match="sinks"):
@@ -229,12 +240,16 @@ def test_snapkv_keeps_what_the_window_attends_to() -> None:
     query[0, 0, 0] = 10.0
     policy = DecodeSnapKV(window=1, kernel=1)
     key_positions = positions([0, 1, 2, 3, 4])
-    state = policy.observe(policy.init_state(1, "cpu"), keys, key_positions, query, torch.tensor([4]))
-    kept, _ = policy.select(state, keys, key_positions, 2)
+    state = policy.observe(
+        policy.init_state(1, "cpu"), HeldLayer(key_positions, keys), query, torch.tensor([4])
+    )
+    kept, _ = policy.select(state, HeldLayer(key_positions, keys), 2)
     assert kept.tolist() == [[1, 4]]
     pooled = DecodeSnapKV(window=1, kernel=3)
-    state = pooled.observe(pooled.init_state(1, "cpu"), keys, key_positions, query, torch.tensor([4]))
-    kept, _ = pooled.select(state, keys, key_positions, 3)
+    state = pooled.observe(
+        pooled.init_state(1, "cpu"), HeldLayer(key_positions, keys), query, torch.tensor([4])
+    )
+    kept, _ = pooled.select(state, HeldLayer(key_positions, keys), 3)
     assert kept.tolist() == [[0, 1, 4]]  # max pooling spreads entry 1's score to 0 and 2; tie -> lower
 
 
@@ -242,8 +257,9 @@ def test_padding_is_never_kept_and_output_is_padded() -> None:
     keys, key_positions, queries, query_positions = padded_case()
     for name in decode_method_names():
         policy = build_decode_policy(name, **({"window": 2} if name != "streamingllm" else {"sinks": 1}))
-        state = policy.observe(policy.init_state(2, "cpu"), keys, key_positions, queries, query_positions)
-        kept, lengths = policy.select(state, keys, key_positions, torch.tensor([3, 9]))
+        held = HeldLayer(key_positions, keys, -keys)  # kvzap reads values too
+        state = policy.observe(policy.init_state(2, "cpu"), held, queries, query_positions)
+        kept, lengths = policy.select(state, held, torch.tensor([3, 9]))
         assert kept.shape == (2, 9) and lengths.tolist() == [3, 7], name
         assert (kept[0, 3:] == -1).all() and (kept[1, 7:] == -1).all(), name
         held = kept[1, :7]
@@ -256,30 +272,32 @@ def test_ragged_caps_follow_ada_allocation_with_safeguard() -> None:
     state = statistics_state(sums, [[1] * 8, [1] * 8])
     policy = DecodeH2O(window=1)
     key_positions = torch.arange(8).expand(2, 8).clone()
-    caps = ada_caps(policy, state, key_positions, cap=4, alpha=0.5)
+    caps = ada_caps(policy, state, HeldLayer(key_positions), cap=4, alpha=0.5)
     # Safeguard int(4 * 0.5) = 2 per head, the window counted in it: {7, 0} each. The 4 shared slots go to
     # the best remaining scores of both heads: head 1's 0.2s, so caps 2 and 2 + 4.
     assert caps.tolist() == [2, 6]
-    kept, lengths = policy.select(state, torch.zeros(2, 8, 2), key_positions, caps)
+    kept, lengths = policy.select(state, HeldLayer(key_positions, torch.zeros(2, 8, 2)), caps)
     assert lengths.tolist() == [2, 6] and kept[0, :2].tolist() == [0, 7]
 
 
 def test_ragged_caps_never_exceed_what_a_head_holds() -> None:
     state = statistics_state([[0.5, 0.5, 0.5, 0.5], [0.1, 0.1, 0.0, 0.0]], [[1] * 4, [1] * 4])
     key_positions = positions([0, 1, 2, 3], [0, 1, -1, -1])
-    caps = ada_caps(DecodeH2O(window=1), state, key_positions, cap=3, alpha=0.2)
+    caps = ada_caps(DecodeH2O(window=1), state, HeldLayer(key_positions), cap=3, alpha=0.2)
     assert caps.tolist() == [4, 2]
 
 
 def test_snapkv_scores_do_not_depend_on_where_padding_sits() -> None:
     keys, key_positions, queries, query_positions = padded_case()
     policy = DecodeSnapKV(window=2, kernel=3)
-    state = policy.observe(policy.init_state(2, "cpu"), keys, key_positions, queries, query_positions)
+    state = policy.observe(
+        policy.init_state(2, "cpu"), HeldLayer(key_positions, keys), queries, query_positions
+    )
     # Head 1 again, its held entries packed to the front: same entries, same scores.
     order = torch.tensor([0, 1, 2, 4, 5, 6, 7, 3, 8, 9])
     packed_keys, packed_positions = keys[1:, order], key_positions[1:, order]
     packed = policy.observe(
-        policy.init_state(1, "cpu"), packed_keys, packed_positions, queries[2:], query_positions
+        policy.init_state(1, "cpu"), HeldLayer(packed_positions, packed_keys), queries[2:], query_positions
     )
     torch.testing.assert_close(packed.values[0, :7], state.values[1, order[:7]])
 

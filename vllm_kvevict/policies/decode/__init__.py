@@ -15,9 +15,11 @@ from vllm_kvevict.policies.decode.decode_registry import (
     decode_method_params,
 )
 from vllm_kvevict.policies.decode.decode_roco import DecodeRoCo
+from vllm_kvevict.policies.decode.decode_scored import ScoredDecode
 from vllm_kvevict.policies.decode.decode_snapkv import DecodeSnapKV
 from vllm_kvevict.policies.decode.decode_states import AccumulatingPolicy, AttentionStatistics, WindowScores
 from vllm_kvevict.policies.decode.decode_streamingllm import DecodeStreamingLLM
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 __all__ = [
     "AccumulatingPolicy",
@@ -28,6 +30,8 @@ __all__ = [
     "DecodeSnapKV",
     "DecodeState",
     "DecodeStreamingLLM",
+    "HeldLayer",
+    "ScoredDecode",
     "WindowScores",
     "ada_caps",
     "ada_caps_from_scores",

@@ -11,6 +11,7 @@ import torch
 
 from vllm_kvevict.policies.decode.decode_policy import DecodeState, recent_entries
 from vllm_kvevict.policies.decode.decode_states import AccumulatingPolicy
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 
 @dataclass
@@ -18,6 +19,6 @@ class DecodeH2O(AccumulatingPolicy):
     """Score = attention accumulated over every query since the entry was held (a KV head's row being the
     mean over its query group); the newest ``window`` positions are always kept."""
 
-    def scores(self, state: DecodeState | None, key_positions: torch.Tensor) -> torch.Tensor:
-        accumulated = self.statistics(state, key_positions).stats.sums.clone()
-        return accumulated.masked_fill(recent_entries(key_positions, self.window), float("inf"))
+    def scores(self, state: DecodeState | None, held: HeldLayer) -> torch.Tensor:
+        accumulated = self.statistics(state, held.positions).stats.sums.clone()
+        return accumulated.masked_fill(recent_entries(held.positions, self.window), float("inf"))

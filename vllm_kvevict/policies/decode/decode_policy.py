@@ -1,15 +1,17 @@
 """The contract of a decode-time eviction method, and what every method shares.
 
 A re-score happens every ``interval`` generated tokens, once per (request, layer): the caller passes what the
-layer holds (keys with their positions, per KV head, padded) and the recent queries it kept for the method
+layer holds as one ``HeldLayer`` (per KV head, padded: positions, and the keys and values a method reads,
+``reads_keys``/``reads_values``; the layer index) and the recent queries it kept for the method
 (``query_window`` of them). ``observe`` folds their attention into the method's running per-entry state;
 ``select`` answers which held entries each KV head keeps, at most ``cap`` of them; the caller compacts its
 cache with the answer and calls ``state.keep`` with the same indices.
 
-Layout: slot i of head h of the state describes ``keys[h, i]``. After ``keep(kept)`` slot i holds the entry
-that was at slot ``kept[h, i]``. A slot whose position differs from the state's (a new token, or padding
-that became a token) starts with zero statistics, so the caller may append new tokens after each head's
-kept entries or after the common width, as it likes. Pure torch, no vLLM import; no per-head Python loops.
+Layout: slot i of head h of the state describes ``held.keys[h, i]``. After ``keep(kept)`` slot i holds the
+entry that was at slot ``kept[h, i]``. A slot whose position differs from the state's (a new token, or
+padding that became a token) starts with zero statistics, so the caller may append new tokens after each
+head's kept entries or after the common width, as it likes. Pure torch, no vLLM import; no per-head Python
+loops.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 from vllm_kvevict.policies.kept_masks import ada_allocation, top_k_mask
 
 #: Elements of one attention block [q_heads, T, L] computed at once (bounds observe's memory).
@@ -66,6 +69,16 @@ class DecodeEvictionPolicy(ABC):
         """Smallest per-head cap: the entries the method always keeps (sinks, recent window)."""
         return 1
 
+    @property
+    def reads_keys(self) -> bool:
+        """Whether ``HeldLayer.keys`` must be read from the cache (the attention methods read them)."""
+        return self.query_window > 0
+
+    @property
+    def reads_values(self) -> bool:
+        """Whether ``HeldLayer.values`` must be read from the cache (a scorer of whole cache rows)."""
+        return False
+
     def queries_needed(self, interval: int) -> int:
         """Recent queries to pass when re-scoring every ``interval`` tokens (at most ``query_window``)."""
         return self.query_window
@@ -82,46 +95,47 @@ class DecodeEvictionPolicy(ABC):
     def observe(
         self,
         state: DecodeState | None,
-        keys: torch.Tensor,
-        key_positions: torch.Tensor,
+        held: HeldLayer,
         queries: torch.Tensor,
         query_positions: torch.Tensor,
     ) -> DecodeState | None:
         """Fold the attention of ``queries`` over the held entries into ``state``.
 
-        keys: [kv_heads, L, d]; key_positions: [kv_heads, L] int64, -1 = padding; queries: [q_heads, T, d]
-        (q_heads a multiple of kv_heads); query_positions: [T] int64 (-1 = an unfilled ring slot). Queries
-        see the entries at positions <= theirs (causal), softmax over the held ones.
+        held: the layer's entries (``held.keys`` [kv_heads, L, d], ``held.positions`` [kv_heads, L] int64,
+        -1 = padding); queries: [q_heads, T, d] (q_heads a multiple of kv_heads); query_positions: [T] int64
+        (-1 = an unfilled ring slot). Queries see the entries at positions <= theirs (causal), softmax over
+        the held ones.
         """
         return state
 
     @abstractmethod
-    def scores(self, state: DecodeState | None, key_positions: torch.Tensor) -> torch.Tensor:
+    def scores(self, state: DecodeState | None, held: HeldLayer) -> torch.Tensor:
         """[kv_heads, L] float32 importance of the held entries, ``+inf`` for the ones always kept."""
 
-    def keep_mask(
-        self, state: DecodeState | None, key_positions: torch.Tensor, caps: torch.Tensor
-    ) -> torch.Tensor:
+    def keep_mask(self, state: DecodeState | None, held: HeldLayer, caps: torch.Tensor) -> torch.Tensor:
         """[kv_heads, L] bool, at most caps[h] held entries of head h (its best scores)."""
-        return top_k_mask(self.scores(state, key_positions), caps, eligible=key_positions >= 0)
+        return top_k_mask(self.scores(state, held), caps, eligible=held.valid)
 
     def select(
-        self,
-        state: DecodeState | None,
-        keys: torch.Tensor,
-        key_positions: torch.Tensor,
-        cap: int | torch.Tensor,
+        self, state: DecodeState | None, held: HeldLayer, cap: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Which held entries each KV head keeps.
 
-        keys: [kv_heads, L, d]; key_positions: [kv_heads, L] int64 (-1 = padding); cap: per-head cap, an int
-        or [kv_heads] int (ragged, e.g. from ``ada_caps``). Returns (kept_indices [kv_heads, M] int64 slot
+        held: the layer's entries (positions [kv_heads, L], -1 = padding); cap: per-head cap, an int or
+        [kv_heads] int (ragged, e.g. from ``layer_caps``). Returns (kept_indices [kv_heads, M] int64 slot
         indices sorted ascending, -1 padded, M = min(L, max cap); new_lengths [kv_heads] int64 <= cap).
         """
-        kv_heads, length = key_positions.shape
-        caps, width = self._caps(cap, kv_heads, length, key_positions.device)
-        keep = self.keep_mask(state, key_positions, caps)
+        kv_heads, length = held.positions.shape
+        caps, width = self._caps(cap, kv_heads, length, held.positions.device)
+        keep = self.keep_mask(state, held, caps)
         return kept_slots(keep, width)
+
+    def layer_caps(
+        self, state: DecodeState | None, held: HeldLayer, cap: int, allocation: str
+    ) -> int | torch.Tensor:
+        """The per-head caps of one re-score: ``cap`` for every head (``allocation`` "uniform"), or Ada-KV's
+        ragged caps summing to at most ``kv_heads * cap`` ("ada", ``ada_caps``)."""
+        return ada_caps(self, state, held, cap) if allocation == "ada" else cap
 
     def _caps(
         self, cap: int | torch.Tensor, kv_heads: int, length: int, device: torch.device
@@ -214,7 +228,7 @@ def held_attention(
 def ada_caps(
     policy: DecodeEvictionPolicy,
     state: DecodeState | None,
-    key_positions: torch.Tensor,
+    held: HeldLayer,
     cap: int,
     alpha: float = 0.2,
 ) -> torch.Tensor:
@@ -224,9 +238,9 @@ def ada_caps(
     rest of the layer's ``kv_heads * cap`` slots go to the highest scores of all heads together
     (``selection.ada_allocation``, as Ada-KV does after prefill). A head never gets more than it holds.
     """
-    if cap >= key_positions.shape[1]:
-        return (key_positions >= 0).sum(dim=1)
-    return ada_caps_from_scores(policy.scores(state, key_positions), key_positions, cap, alpha)
+    if cap >= held.width:
+        return held.valid.sum(dim=1)
+    return ada_caps_from_scores(policy.scores(state, held), held.positions, cap, alpha)
 
 
 def ada_caps_from_scores(

@@ -11,6 +11,7 @@ import torch
 from vllm_kvevict.policies.base import check_fraction, check_int
 from vllm_kvevict.policies.decode.decode_policy import DecodeState, recent_entries
 from vllm_kvevict.policies.decode.decode_states import AccumulatingPolicy
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 from vllm_kvevict.policies.kept_masks import top_k_mask
 
 
@@ -40,14 +41,13 @@ class DecodeRoCo(AccumulatingPolicy):
         sinks = (key_positions >= 0) & (key_positions < self.sinks)
         return recent_entries(key_positions, self.window) | sinks
 
-    def scores(self, state: DecodeState | None, key_positions: torch.Tensor) -> torch.Tensor:
+    def scores(self, state: DecodeState | None, held: HeldLayer) -> torch.Tensor:
         """Mean attention, ``+inf`` for the recent window and the sinks (what Ada-style caps rank by)."""
-        mean = self.statistics(state, key_positions).stats.mean()
-        return mean.masked_fill(self.protected(key_positions), float("inf"))
+        mean = self.statistics(state, held.positions).stats.mean()
+        return mean.masked_fill(self.protected(held.positions), float("inf"))
 
-    def keep_mask(
-        self, state: DecodeState | None, key_positions: torch.Tensor, caps: torch.Tensor
-    ) -> torch.Tensor:
+    def keep_mask(self, state: DecodeState | None, held: HeldLayer, caps: torch.Tensor) -> torch.Tensor:
+        key_positions = held.positions
         stats = self.statistics(state, key_positions).stats
         recent = self.protected(key_positions)
         scope = (key_positions >= 0) & ~recent

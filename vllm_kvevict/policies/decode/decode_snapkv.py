@@ -16,6 +16,7 @@ from vllm_kvevict.policies.decode.decode_policy import (
     recent_entries,
 )
 from vllm_kvevict.policies.decode.decode_states import WindowScores
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 
 @dataclass
@@ -47,12 +48,12 @@ class DecodeSnapKV(DecodeEvictionPolicy):
     def observe(
         self,
         state: DecodeState | None,
-        keys: torch.Tensor,
-        key_positions: torch.Tensor,
+        held: HeldLayer,
         queries: torch.Tensor,
         query_positions: torch.Tensor,
     ) -> WindowScores:
         assert isinstance(state, WindowScores), "init_state gives SnapKV's state"
+        keys, key_positions = held.key_rows(self._label()), held.positions
         state.fit(key_positions)
         query_positions = query_positions.to(device=keys.device, dtype=torch.int64)
         # The last `window` queries by position; absent ones (-1) sort first and drop out.
@@ -63,10 +64,10 @@ class DecodeSnapKV(DecodeEvictionPolicy):
         state.values = group_mean_pooled(mean, key_positions, self.kernel, self.pooling)
         return state
 
-    def scores(self, state: DecodeState | None, key_positions: torch.Tensor) -> torch.Tensor:
+    def scores(self, state: DecodeState | None, held: HeldLayer) -> torch.Tensor:
         assert isinstance(state, WindowScores), "init_state gives SnapKV's state"
-        state.fit(key_positions)
-        return state.values.masked_fill(recent_entries(key_positions, self.window), float("inf"))
+        state.fit(held.positions)
+        return state.values.masked_fill(recent_entries(held.positions, self.window), float("inf"))
 
 
 def group_mean_pooled(

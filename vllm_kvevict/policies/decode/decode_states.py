@@ -15,6 +15,7 @@ from vllm_kvevict.policies.decode.decode_policy import (
     gather_padded,
     held_attention,
 )
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 from vllm_kvevict.policies.roco import RocoStatistics
 
 
@@ -116,13 +117,12 @@ class AccumulatingPolicy(DecodeEvictionPolicy):
     def observe(
         self,
         state: DecodeState | None,
-        keys: torch.Tensor,
-        key_positions: torch.Tensor,
+        held: HeldLayer,
         queries: torch.Tensor,
         query_positions: torch.Tensor,
     ) -> AttentionStatistics:
-        state = self.statistics(state, key_positions)
-        state.observe(keys, key_positions, queries, query_positions)
+        state = self.statistics(state, held.positions)
+        state.observe(held.key_rows(self._label()), held.positions, queries, query_positions)
         return state
 
     def statistics(self, state: DecodeState | None, key_positions: torch.Tensor) -> AttentionStatistics:

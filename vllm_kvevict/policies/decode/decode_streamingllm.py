@@ -11,6 +11,7 @@ import torch
 
 from vllm_kvevict.policies.base import check_int
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, DecodeState
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 
 @dataclass
@@ -27,7 +28,8 @@ class DecodeStreamingLLM(DecodeEvictionPolicy):
     def min_cap(self) -> int:
         return max(1, self.sinks)
 
-    def scores(self, state: DecodeState | None, key_positions: torch.Tensor) -> torch.Tensor:
+    def scores(self, state: DecodeState | None, held: HeldLayer) -> torch.Tensor:
         # Recency is the score: newer positions first; sinks are always kept.
+        key_positions = held.positions
         scores = key_positions.float()
         return scores.masked_fill((key_positions >= 0) & (key_positions < self.sinks), float("inf"))

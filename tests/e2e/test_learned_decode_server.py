@@ -1,0 +1,105 @@
+"""A decode-time cap with the learned scorer (``--kv-decode-eviction kvzap``) in a real ``vllm serve`` of the
+bundled model, with its shipped scorer (no ``--kv-eviction-config``), through HTTP and the ``openai`` client.
+
+One request: a 200-token prompt kept whole (``vllm_xargs kv_budget=1024``), so every eviction is the decode
+cap's, generating 100 tokens capped at 64 entries per KV head, re-scored every block (32 tokens). The worker
+saves each head's length right before every re-score (``KVEVICT_DEBUG_DUMP_DIR``). Mechanics only: the
+answer's quality is not checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from request_bodies import client_of, ignore_eos_body
+
+from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
+from vllm_kvevict.layout.accounting import RequestPlan, plan_request, with_decode_cap
+from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.server_process import VLLMServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+BLOCK_SIZE, CAP, NUM_LAYERS, NUM_KV_HEADS = 32, 64, 30, 3  # SmolLM2-135M
+PROMPT_TOKENS, OUTPUT_TOKENS, WHOLE = 200, 100, 1024
+SERVER_ARGS = (
+    "--max-model-len", "1024", "--block-size", str(BLOCK_SIZE),
+    "--kv-eviction", "kvzap", "--kv-budget", "64",
+    "--kv-decode-eviction", "kvzap", "--kv-decode-budget", str(CAP),
+)  # fmt: skip
+FREED = "vllm_kvevict_decode_blocks_freed_total"
+RESCORES = "vllm_kvevict_decode_evictions_total"
+FALLBACKS = "vllm_kvevict_policy_fallbacks_total"
+
+
+def kvzap_total(server: VLLMServer, name: str) -> float:
+    return sum(value for labels, value in server.metric_samples(name) if labels.get("method") == "kvzap")
+
+
+@dataclass
+class Capped:
+    text: str
+    completion_tokens: int
+    rescores: float  # re-scores counted while it decoded (every layer of it each)
+    freed: float  # blocks it gave back while decoding
+    fallbacks: float
+    dump: dict
+    plan: RequestPlan
+    log: str
+
+
+@pytest.fixture(scope="module")
+def capped(model_dir, tmp_path_factory) -> Capped:
+    from transformers import AutoTokenizer
+
+    dump_dir = tmp_path_factory.mktemp("learned-decode")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = tokenizer("The lighthouse keeper wrote in his log every night. " * 40)["input_ids"][
+        :PROMPT_TOKENS
+    ]
+    plan = with_decode_cap(
+        plan_request(PROMPT_TOKENS, WHOLE, BLOCK_SIZE, build_policy("kvzap"), NUM_LAYERS), CAP, None
+    )
+    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
+        result = client_of(server, timeout_s=900).completions.create(
+            model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
+            extra_body=ignore_eos_body({"kv_budget": WHOLE}),
+        )  # fmt: skip
+        dumps = list(dump_dir.glob("*.decode.pt"))
+        assert len(dumps) == 1, dumps
+        return Capped(
+            text=result.choices[0].text,
+            completion_tokens=result.usage.completion_tokens,
+            rescores=kvzap_total(server, RESCORES),
+            freed=kvzap_total(server, FREED),
+            fallbacks=kvzap_total(server, FALLBACKS),
+            dump=torch.load(dumps[0]),
+            plan=plan,
+            log=Path(server.log_path).read_text(),
+        )
+
+
+def test_the_capped_request_answers(capped: Capped) -> None:
+    assert capped.completion_tokens == OUTPUT_TOKENS and capped.text.strip()
+
+
+def test_the_learned_scorer_re_scores_on_the_plans_schedule_without_falling_back(capped: Capped) -> None:
+    plan = capped.plan
+    assert not plan.compacts  # kept whole: every eviction is the decode cap's
+    expected = [t for t in range(1, OUTPUT_TOKENS) if plan.rescores_at(t)]
+    assert len(expected) >= 3
+    assert capped.dump["rescored_at"] == expected and capped.rescores == len(expected)
+    assert capped.fallbacks == 0 and "failed on request" not in capped.log
+    assert "kv-eviction: decode kvzap scores with " in capped.log
+
+
+def test_blocks_are_freed_while_decoding_and_each_head_stays_under_its_cap(capped: Capped) -> None:
+    plan = capped.plan
+    assert capped.freed == plan.blocks_freed(OUTPUT_TOKENS - 1) > 0
+    for t, per_layer in zip(capped.dump["rescored_at"], capped.dump["lengths_before"], strict=True):
+        assert len(per_layer) == NUM_LAYERS and all(len(heads) == NUM_KV_HEADS for heads in per_layer)
+        # right before a re-score a head holds what the last one kept (<= the cap) and the tokens since
+        assert max(map(max, per_layer)) <= max(CAP + 2 * BLOCK_SIZE, PROMPT_TOKENS + t), t
