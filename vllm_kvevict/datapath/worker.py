@@ -1,7 +1,9 @@
 """The one owner of eviction state in a worker process: the policy and per-request settings, the sub-block
-tables, the per-chunk and decode-time state, the records, and CriticalKV's o_proj weights. The model-runner
-hooks hand it each step's request ids and token counts (``begin_step``/``end_step``/``drop``); the attention
-metadata builder asks it for the step (``make_step``), which every attention layer of that step reads."""
+tables, the per-chunk and decode-time state, the records, and CriticalKV's o_proj weights. The model
+runner's metadata builders hold it, and the runner for its hooks (``vllm_adapter/evicting_backend.py``).
+The model-runner hooks hand it each step's request ids and token counts (``begin_step``/``end_step``/
+``drop``); the attention metadata builder asks it for the step (``make_step``), which every attention
+layer of that step reads."""
 
 from __future__ import annotations
 
@@ -278,15 +280,3 @@ class EvictionWorker:
             self.tables.mark_compacted(slot)
             self.records.restart(slot, req_id)
 
-
-_WORKER: EvictionWorker | None = None
-
-
-def current_worker() -> EvictionWorker | None:
-    """This process's eviction worker (None until a builder with eviction on created it)."""
-    return _WORKER
-
-
-def set_worker(worker: EvictionWorker | None) -> None:
-    global _WORKER
-    _WORKER = worker

@@ -14,11 +14,24 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_kvevict import metrics
-from vllm_kvevict.datapath.worker import StepInputs, current_worker
+from vllm_kvevict.datapath.worker import StepInputs
+from vllm_kvevict.vllm_adapter.vllm_private import hold_runner_worker, runner_worker
+
+
+def initialize_kv_cache(original, runner, *args: Any, **kwargs: Any):
+    """vLLM makes the runner's metadata builders here (a profiling pass, then the real one): they share the
+    runner's one eviction worker, which the runner then holds for the other hooks."""
+    from vllm_kvevict.vllm_adapter.evicting_backend import WorkerSlot, builders_share
+
+    with builders_share(WorkerSlot(runner_worker(runner))) as slot:
+        result = original(runner, *args, **kwargs)
+    if slot.worker is not None:
+        hold_runner_worker(runner, slot.worker)
+    return result
 
 
 def execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any):
-    worker = current_worker()
+    worker = runner_worker(runner)
     if worker is None:
         return original(runner, scheduler_output, *args, **kwargs)
     worker.drop(scheduler_output.finished_req_ids)
@@ -58,7 +71,7 @@ def get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
 
 
 def prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *args: Any, **kwargs: Any):
-    worker = current_worker()
+    worker = runner_worker(runner)
     if worker is not None:
         if not worker.o_proj_collected:
             worker.o_proj = o_proj_weights(runner.get_model())
