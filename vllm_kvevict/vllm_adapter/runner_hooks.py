@@ -2,7 +2,8 @@
 
 vLLM's attention metadata builders see block tables and token counts but no request ids or prompt lengths,
 and nothing tells them when a request ends; the scheduler's single-type managers see request ids but not
-requests. The bodies here bridge that: ``execute_model`` drops finished and preempted requests' worker state,
+requests. The bodies here bridge that: ``initialize_kv_cache`` lets the runner's builders share one worker and
+the runner hold it for the other hooks, ``execute_model`` drops finished and preempted requests' worker state,
 ``prepare_inputs`` hands the worker the step's request ids and token counts (and, once, the model's o_proj
 weights and RoPE frequencies), ``get_kv_cache_spec`` publishes the evicting spec and refuses a model whose
 layers the worker cannot evict, ``allocate_slots``/``get_computed_blocks`` let the evicting manager see each
