@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Concatenate, ParamSpec
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "vllm_kvevict_"
+
+P = ParamSpec("P")
 
 #: kept / prompt tokens of one request (1.0 = nothing evicted).
 KEPT_RATIO_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
@@ -144,12 +147,14 @@ class EvictionMetrics:
         )
 
     def record_eviction_config(self, method: str, budget: int | float, params: Mapping[str, object]) -> None:
+        """Publish the active method, budget and parameters (call once per process that evicts)."""
         params_text = ",".join(f"{key}={params[key]}" for key in sorted(params))
         self.config_info.labels(method=method, budget=str(budget), params=params_text).set(1)
         for reason in FALLBACK_REASONS:  # series at 0 from the start: a rate() panel shows 0, not "no data"
             self.policy_fallbacks.labels(method=method, reason=reason)
 
     def record_policy_fallback(self, method: str, reason: str) -> None:
+        """One layer of one request fell back to its most recent tokens because its policy failed."""
         if reason not in FALLBACK_REASONS:
             raise ValueError(f"reason={reason!r} is not one of {', '.join(FALLBACK_REASONS)}")
         self.policy_fallbacks.labels(method=method, reason=reason).inc()
@@ -163,6 +168,14 @@ class EvictionMetrics:
         head_budget_ratios: Sequence[float],
         blocks_freed: int,
     ) -> None:
+        """One request compacted after prefill.
+
+        kept_tokens: mean kept entries per KV head over all layers (``Σ_l Σ_h B_h / (L·H)``).
+        layer_budgets: ``[num_layers]`` mean kept entries per KV head of each layer.
+        head_budget_ratios: ``B_h / B_layer`` for every (layer, KV head), flattened;
+            ``[]`` for uniform methods.
+        blocks_freed: leading blocks the accounting rule frees for this request.
+        """
         if prompt_tokens <= 0 or not 0 <= kept_tokens <= prompt_tokens:
             raise ValueError(f"kept_tokens={kept_tokens} must lie in [0, prompt_tokens={prompt_tokens}]")
         if blocks_freed < 0:
@@ -178,9 +191,13 @@ class EvictionMetrics:
             self.head_budget_ratio.observe(ratio)
 
     def record_request_skipped(self, method: str) -> None:
+        """One request not compacted: its prompt fits the budget, or its part after a shared prefix would free
+        less than ``min_freed_share`` of it."""
         self.requests_skipped.labels(method=method).inc()
 
     def record_decode_eviction(self, method: str, tokens_evicted: float, blocks_freed: int) -> None:
+        """One decode-time re-score of a capped request (every layer): entries per KV head evicted, blocks the
+        rule frees for it (decode method ``method``)."""
         if tokens_evicted < 0 or blocks_freed < 0:
             raise ValueError(f"tokens_evicted={tokens_evicted} and blocks_freed={blocks_freed} must be >= 0")
         self.decode_evictions.labels(method=method).inc()
@@ -188,31 +205,40 @@ class EvictionMetrics:
         self.decode_blocks_freed.labels(method=method).inc(blocks_freed)
 
     def record_decode_config(self, method: str) -> None:
-        """Series at 0 from the start, so the dashboard's rate() panels show 0, not "no data"."""
+        """The decode-time method of this worker: its series at 0 from the start, so the dashboard's rate()
+        panels show 0, not "no data"."""
         for counter in (self.decode_evictions, self.decode_tokens_evicted, self.decode_blocks_freed):
             counter.labels(method=method)
 
     def observe_eviction_step(self, seconds: float, phase: str = "total") -> None:
+        """Time one engine step spent on eviction; ``phase`` is one of ``STEP_PHASES``."""
         if phase not in STEP_PHASES:
             raise ValueError(f"phase={phase!r} is not one of {', '.join(STEP_PHASES)}")
         self.step_seconds.labels(phase=phase).observe(seconds)
 
     def set_kv_tokens_resident(self, tokens: float) -> None:
+        """KV tokens per KV head now resident for all running compacted requests (after eviction)."""
         self.kv_tokens_resident.set(tokens)
 
     def record_context(self, event: str) -> None:
+        """A creator's compacted context entered the prefix cache (``kept``), or a request started from a kept
+        context instead of computing it (``read``); scheduler side."""
         if event not in CONTEXT_EVENTS:
             raise ValueError(f"event={event!r} is not one of {', '.join(CONTEXT_EVENTS)}")
         self.contexts.labels(event=event).inc()
 
-    def start_contexts(self) -> None:
+    def start_kept_contexts(self) -> None:
+        """Create the kept-context series at 0 (scheduler side, once the evicting manager exists)."""
         for event in CONTEXT_EVENTS:  # series at 0 from the start: a rate() panel shows 0, not "no data"
             self.contexts.labels(event=event)
 
     def set_worker_requests(self, count: int) -> None:
+        """Requests whose eviction state (sub-block tables) the worker holds after a step."""
         self.worker_requests.set(count)
 
     def set_kv_cache_saved(self, saved_blocks: int, total_blocks: int, block_bytes: int = 0) -> None:
+        """Blocks running requests would hold in addition without eviction, the pool size and one block's
+        bytes over all layers (scheduler side)."""
         if total_blocks <= 0:
             raise ValueError(f"total_blocks={total_blocks} must be > 0")
         self.kv_blocks_saved.set(saved_blocks)
@@ -253,30 +279,41 @@ def process_metrics() -> EvictionMetrics:
     return _process_metrics
 
 
-def record_eviction_config(method: str, budget: int | float, params: Mapping[str, object]) -> None:
-    """Publish the active method, budget and parameters (call once per process that evicts)."""
-    process_metrics().record_eviction_config(method, budget, params)
+def _forward(method: Callable[Concatenate[EvictionMetrics, P], None]) -> Callable[P, None]:
+    """The module-level recording function of ``method``: it calls it on this process's metrics at call time
+    (nothing when the process is muted)."""
+    name = method.__name__
+
+    def record(*args: P.args, **kwargs: P.kwargs) -> None:
+        getattr(process_metrics(), name)(*args, **kwargs)
+
+    record.__name__ = record.__qualname__ = name
+    record.__doc__ = method.__doc__
+    return record
 
 
-def record_request_compacted(
-    method: str,
-    prompt_tokens: int,
-    kept_tokens: float,
-    layer_budgets: Sequence[float],
-    head_budget_ratios: Sequence[float],
-    blocks_freed: int,
-) -> None:
-    """One request compacted after prefill.
+record_eviction_config = _forward(EvictionMetrics.record_eviction_config)
+record_request_compacted = _forward(EvictionMetrics.record_request_compacted)
+record_request_skipped = _forward(EvictionMetrics.record_request_skipped)
+record_decode_eviction = _forward(EvictionMetrics.record_decode_eviction)
+record_decode_config = _forward(EvictionMetrics.record_decode_config)
+record_policy_fallback = _forward(EvictionMetrics.record_policy_fallback)
+observe_eviction_step = _forward(EvictionMetrics.observe_eviction_step)
+set_kv_tokens_resident = _forward(EvictionMetrics.set_kv_tokens_resident)
+set_worker_requests = _forward(EvictionMetrics.set_worker_requests)
+set_kv_cache_saved = _forward(EvictionMetrics.set_kv_cache_saved)
+start_kept_contexts = _forward(EvictionMetrics.start_kept_contexts)
+record_context = _forward(EvictionMetrics.record_context)
 
-    kept_tokens: mean kept entries per KV head over all layers (``Σ_l Σ_h B_h / (L·H)``).
-    layer_budgets: ``[num_layers]`` mean kept entries per KV head of each layer.
-    head_budget_ratios: ``B_h / B_layer`` for every (layer, KV head), flattened;
-        ``[]`` for uniform methods.
-    blocks_freed: leading blocks the accounting rule frees for this request.
-    """
-    process_metrics().record_request_compacted(
-        method, prompt_tokens, kept_tokens, layer_budgets, head_budget_ratios, blocks_freed
-    )
+
+def record_context_kept() -> None:
+    """A creator's compacted context entered the prefix cache (scheduler side)."""
+    record_context("kept")
+
+
+def record_context_read() -> None:
+    """A request started from a kept context instead of computing it (scheduler side)."""
+    record_context("read")
 
 
 def record_kept_per_head(
@@ -292,61 +329,3 @@ def record_kept_per_head(
     ]
     kept_tokens = sum(layer_budgets) / len(layer_budgets)
     record_request_compacted(method, prompt_tokens, kept_tokens, layer_budgets, ratios, blocks_freed)
-
-
-def record_decode_eviction(method: str, tokens_evicted: float, blocks_freed: int) -> None:
-    """One decode-time re-score of a capped request (every layer): entries per KV head evicted, blocks the
-    rule frees for it (decode method ``method``)."""
-    process_metrics().record_decode_eviction(method, tokens_evicted, blocks_freed)
-
-
-def record_decode_config(method: str) -> None:
-    """The decode-time method of this worker (creates its series at 0)."""
-    process_metrics().record_decode_config(method)
-
-
-def record_request_skipped(method: str) -> None:
-    """One request not compacted: its prompt fits the budget, or its part after a shared prefix would free
-    less than ``min_freed_share`` of it."""
-    process_metrics().record_request_skipped(method)
-
-
-def observe_eviction_step(seconds: float, phase: str = "total") -> None:
-    """Time one engine step spent on eviction; ``phase`` is one of ``STEP_PHASES``."""
-    process_metrics().observe_eviction_step(seconds, phase)
-
-
-def set_kv_tokens_resident(tokens: float) -> None:
-    """KV tokens per KV head now resident for all running compacted requests (after eviction)."""
-    process_metrics().set_kv_tokens_resident(tokens)
-
-
-def record_policy_fallback(method: str, reason: str) -> None:
-    """One layer of one request fell back to its most recent tokens because its policy failed."""
-    process_metrics().record_policy_fallback(method, reason)
-
-
-def start_kept_contexts() -> None:
-    """Create the kept-context series at 0 (scheduler side, once the evicting manager exists)."""
-    process_metrics().start_contexts()
-
-
-def record_context_kept() -> None:
-    """A creator's compacted context entered the prefix cache (scheduler side)."""
-    process_metrics().record_context("kept")
-
-
-def record_context_read() -> None:
-    """A request started from a kept context instead of computing it (scheduler side)."""
-    process_metrics().record_context("read")
-
-
-def set_worker_requests(count: int) -> None:
-    """Requests whose eviction state (sub-block tables) the worker holds after a step."""
-    process_metrics().set_worker_requests(count)
-
-
-def set_kv_cache_saved(saved_blocks: int, total_blocks: int, block_bytes: int = 0) -> None:
-    """Blocks running requests would hold in addition without eviction, the pool size and one block's bytes
-    over all layers (scheduler side)."""
-    process_metrics().set_kv_cache_saved(saved_blocks, total_blocks, block_bytes)

@@ -151,20 +151,17 @@ def cases() -> list[KernelCase]:
                 seq_lens_ptr="i32",
                 max_ptr="fp32",
                 sum_ptr="fp32",
+                scores_ptr="fp32",
             )
-            out.append(
-                KernelCase(
-                    f"window stats {dt} g{g_pad} w{w_pad}", window_scores._window_stats_kernel, ptrs, common
+            for label, scores in (("stats", False), ("scores", True)):
+                out.append(
+                    KernelCase(
+                        f"window {label} {dt} g{g_pad} w{w_pad}",
+                        window_scores._window_pass_kernel,
+                        ptrs,
+                        dict(common, SCORES=scores),
+                    )
                 )
-            )
-            out.append(
-                KernelCase(
-                    f"window scores {dt} g{g_pad} w{w_pad}",
-                    window_scores._window_scores_kernel,
-                    dict(ptrs, scores_ptr="fp32"),
-                    common,
-                )
-            )
     for kind in ("max", "avg"):
         out.append(
             KernelCase(

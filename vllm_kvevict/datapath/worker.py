@@ -1,7 +1,9 @@
 """The one owner of eviction state in a worker process: the policy and per-request settings, the sub-block
-tables, the per-chunk and decode-time state, the records, and CriticalKV's o_proj weights. The model-runner
-hooks hand it each step's request ids and token counts (``begin_step``/``end_step``/``drop``); the attention
-metadata builder asks it for the step (``make_step``), which every attention layer of that step reads."""
+tables, the per-chunk and decode-time state, the records, and CriticalKV's o_proj weights. The model
+runner's metadata builders hold it, and the runner for its hooks (``vllm_adapter/evicting_backend.py``).
+The model-runner hooks hand it each step's request ids and token counts (``begin_step``/``end_step``/
+``drop``); the attention metadata builder asks it for the step (``make_step``), which every attention
+layer of that step reads."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import torch
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
 from vllm_kvevict.datapath.decode_rescore import DecodeEviction
+from vllm_kvevict.datapath.decode_schedule import Rescore
+from vllm_kvevict.datapath.query_ring import RingWrites
 from vllm_kvevict.datapath.question_echo import QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.request_plans import RequestPlans
 from vllm_kvevict.datapath.step import EvictionStep
+from vllm_kvevict.datapath.step_build import WorkerParts, build_step
 from vllm_kvevict.datapath.step_inputs import StepInputs
-from vllm_kvevict.datapath.step_plan import StepPlanner, shares_tables
+from vllm_kvevict.datapath.step_plan import PlannerView, StepDecisions, StepPlanner, shares_tables
 from vllm_kvevict.layout.accounting import RequestPlan
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.context_reuse import EntryBlocks, context_plan, entry_blocks, keeps_entry
@@ -180,18 +185,18 @@ class EvictionWorker:
         if self._step is None:
             check = block_table.device.type == "cpu"
             self._start_step(inputs, block_table, check)
-            planner = StepPlanner(
+            view = PlannerView(
                 self.shape,
                 self.policy,
-                self.tables,
-                self.chunks,
-                self.decode,
-                self.records,
                 self.plans,
+                self.chunks,
+                self.tables.compacted(num_reqs).copy(),
+                self.decode is not None,
                 self.echo,
                 self.spare_columns,
             )
-            self._step = planner.plan(inputs, block_table, slot_mapping, self.o_proj)
+            decided = StepPlanner(view).plan(inputs)
+            self._step = self._prepare(decided, inputs, block_table, slot_mapping, check)
         return self._step
 
     def _start_step(self, inputs: StepInputs, block_table: torch.Tensor, check: bool) -> None:
@@ -211,6 +216,44 @@ class EvictionWorker:
         self.chunks.drop(req_id)
         if self.decode is not None:
             self.decode.restart(req_id)
+
+    def _prepare(
+        self,
+        decided: StepDecisions,
+        inputs: StepInputs,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        check: bool,
+    ) -> EvictionStep:
+        """Apply what the planner decided the worker's state needs before the step's layers run: the decode
+        schedule's ring writes and re-scores, caps admitted, one table group per layer where a request keeps
+        ragged counts, requests compacting nothing recorded, every row grown by the step's tokens when some
+        request reads a compacted cache; then build the step (``step_build.build_step``)."""
+        decode_work: tuple[RingWrites | None, list[Rescore]] = (None, [])
+        if self.decode is not None:
+            decode_work = self.decode.plan_step(
+                inputs.req_ids,
+                decided.computed,
+                decided.q_lens,
+                decided.compacted,
+                lambda slot: self.plans.plan_of(inputs, slot, int(decided.prompt_lens[slot]))[0],
+                block_table.device,
+            )
+            for req_id, plan in decided.admits:
+                self.decode.admit(req_id, plan)
+            for req in decided.capped_prompts:
+                req.decode = self.decode.records[req.req_id]
+        if decided.split_tables:
+            self.tables.split()
+        for method in decided.skipped:
+            self.records.skipped(method)
+        layout = None
+        if decided.compacted.any():
+            layout = self.tables.layout(decided.computed, decided.q_lens, block_table, check)
+        else:
+            self.tables.skip(len(inputs.req_ids))
+        parts = WorkerParts(self.shape, self.tables, self.chunks, self.decode, self.records, self.o_proj)
+        return build_step(decided, layout, decode_work, parts, block_table, slot_mapping)
 
     def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
         """Requests starting from a kept context read it from their first step: each head holds the entry's
@@ -237,15 +280,3 @@ class EvictionWorker:
             self.tables.mark_compacted(slot)
             self.records.restart(slot, req_id)
 
-
-_WORKER: EvictionWorker | None = None
-
-
-def current_worker() -> EvictionWorker | None:
-    """This process's eviction worker (None until a builder with eviction on created it)."""
-    return _WORKER
-
-
-def set_worker(worker: EvictionWorker | None) -> None:
-    global _WORKER
-    _WORKER = worker

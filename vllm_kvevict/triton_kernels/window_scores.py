@@ -3,9 +3,10 @@
 Pass 1 (grid: sequence x key range) runs an online softmax over its key range for every window query row
 (group x w rows per sequence) and stores the partial row max and exp-sum. Pass 2 (grid: sequence x key
 tile) merges those partials into each row's softmax denominator, recomputes its tile's logits, and writes
-softmax averaged over the w window queries per query head. Nothing larger than a [rows, BLOCK_N] tile is
-ever live, so memory is O(group * w) per sequence plus the [group, n] output. A third tiny kernel pools
-along the keys and averages over the GQA group. Callers validate inputs.
+softmax averaged over the w window queries per query head. Both passes are one kernel (``SCORES`` picks
+the pass), so the query load and the tile's logits are written once. Nothing larger than a [rows, BLOCK_N]
+tile is ever live, so memory is O(group * w) per sequence plus the [group, n] output. A third tiny kernel
+pools along the keys and averages over the GQA group. Callers validate inputs.
 """
 
 from __future__ import annotations
@@ -18,166 +19,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _window_logits(
-    q,
-    keys,
-    seq,
-    seq_len,
-    positions,
-    row_valid,
-    k_ptr,
-    tables_ptr,
-    stride_kb,
-    stride_kt,
-    stride_table,
-    scale,
-    dims,
-    dim_valid,
-    BLOCK_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """[rows, BLOCK_N] scaled logits of one key tile, -inf where causally hidden or out of range."""
-    key_valid = keys < seq_len
-    subblocks = tl.load(tables_ptr + seq * stride_table + keys // BLOCK_SIZE, mask=key_valid, other=0)
-    k = tl.load(
-        k_ptr
-        + subblocks.to(tl.int64)[:, None] * stride_kb
-        + ((keys % BLOCK_SIZE) * stride_kt)[:, None]
-        + dims[None, :],
-        mask=key_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-    visible = key_valid[None, :] & (keys[None, :] <= positions[:, None]) & row_valid[:, None]
-    return tl.where(visible, logits, float("-inf"))
-
-
-@triton.jit
-def _load_window_queries(
-    q_ptr,
-    positions_ptr,
-    seq,
-    group,
-    window,
-    stride_qs,
-    stride_qg,
-    stride_qw,
-    stride_ps,
-    HEAD_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    G_PAD: tl.constexpr,
-    W_PAD: tl.constexpr,
-):
-    """Rows r = head * W_PAD + j of the window queries: ([rows, BLOCK_D], positions [rows], valid [rows])."""
-    rows = tl.arange(0, G_PAD * W_PAD)
-    head = rows // W_PAD
-    j = rows % W_PAD
-    row_valid = (head < group) & (j < window)
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < HEAD_SIZE
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_qs + (head * stride_qg + j * stride_qw)[:, None] + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
-    positions = tl.load(positions_ptr + seq * stride_ps + j, mask=row_valid, other=-1)
-    return q, positions, row_valid, dims, dim_valid
-
-
-@triton.jit
-def _window_stats_kernel(
+def _window_pass_kernel(
     q_ptr,  # [num_seqs, group, w, D]
     positions_ptr,  # [num_seqs, w] int32
     k_ptr,  # [S, bs, D]
     tables_ptr,  # [num_seqs, max_subblocks] int32
     seq_lens_ptr,  # [num_seqs] int32
-    max_ptr,  # [num_seqs, num_splits, rows] float32
-    sum_ptr,  # [num_seqs, num_splits, rows] float32
+    max_ptr,  # [num_seqs, num_splits, rows] float32: pass 1 writes it, pass 2 reads it
+    sum_ptr,  # [num_seqs, num_splits, rows] float32: likewise
+    scores_ptr,  # [num_seqs, group, max_len] float32: pass 2 writes it
     scale,
     group,
     window,
-    split_len,
-    num_splits,
-    stride_qs,
-    stride_qg,
-    stride_qw,
-    stride_ps,
-    stride_kb,
-    stride_kt,
-    stride_table,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    G_PAD: tl.constexpr,
-    W_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    split = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    q, positions, row_valid, dims, dim_valid = _load_window_queries(
-        q_ptr,
-        positions_ptr,
-        seq,
-        group,
-        window,
-        stride_qs,
-        stride_qg,
-        stride_qw,
-        stride_ps,
-        HEAD_SIZE,
-        BLOCK_D,
-        G_PAD,
-        W_PAD,
-    )
-    m_i = tl.full([G_PAD * W_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([G_PAD * W_PAD], tl.float32)
-    kv_start = split * split_len
-    kv_end = tl.minimum(seq_len, kv_start + split_len)
-    for n0 in range(kv_start, kv_end, BLOCK_N):
-        keys = n0 + tl.arange(0, BLOCK_N)
-        logits = _window_logits(
-            q,
-            keys,
-            seq,
-            kv_end,
-            positions,
-            row_valid,
-            k_ptr,
-            tables_ptr,
-            stride_kb,
-            stride_kt,
-            stride_table,
-            scale,
-            dims,
-            dim_valid,
-            BLOCK_SIZE,
-            DOT_PRECISION,
-        )
-        m_new = tl.maximum(m_i, tl.max(logits, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(logits - m_safe[:, None]), 1)
-        m_i = m_new
-    rows = tl.arange(0, G_PAD * W_PAD)
-    out = (seq.to(tl.int64) * num_splits + split) * (G_PAD * W_PAD) + rows
-    tl.store(max_ptr + out, m_i)
-    tl.store(sum_ptr + out, l_i)
-
-
-@triton.jit
-def _window_scores_kernel(
-    q_ptr,
-    positions_ptr,
-    k_ptr,
-    tables_ptr,
-    seq_lens_ptr,
-    max_ptr,
-    sum_ptr,
-    scores_ptr,  # [num_seqs, group, max_len] float32
-    scale,
-    group,
-    window,
+    split_len,  # keys per program: a key range in pass 1, BLOCK_N (one tile) in pass 2
     num_splits,
     max_len,
     stride_qs,
@@ -194,62 +48,74 @@ def _window_scores_kernel(
     W_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SCORES: tl.constexpr,  # False: pass 1 (a key range's row max and exp-sum); True: pass 2 (a tile's scores)
 ):
     seq = tl.program_id(0)
-    n0 = tl.program_id(1) * BLOCK_N
     seq_len = tl.load(seq_lens_ptr + seq)
-    if n0 >= seq_len:
-        return
+    kv_start = tl.program_id(1) * split_len
+    kv_end = tl.minimum(seq_len, kv_start + split_len)
     rows = tl.arange(0, G_PAD * W_PAD)
     stats = seq.to(tl.int64) * num_splits * (G_PAD * W_PAD) + rows
-    m = tl.full([G_PAD * W_PAD], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(max_ptr + stats + s * (G_PAD * W_PAD)))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.zeros([G_PAD * W_PAD], tl.float32)
-    for s in range(num_splits):
-        part = stats + s * (G_PAD * W_PAD)
-        denom += tl.load(sum_ptr + part) * tl.exp(tl.load(max_ptr + part) - m_safe)
-    q, positions, row_valid, dims, dim_valid = _load_window_queries(
-        q_ptr,
-        positions_ptr,
-        seq,
-        group,
-        window,
-        stride_qs,
-        stride_qg,
-        stride_qw,
-        stride_ps,
-        HEAD_SIZE,
-        BLOCK_D,
-        G_PAD,
-        W_PAD,
+    if SCORES:
+        if kv_start >= seq_len:  # a tile past this sequence's end: nothing to write
+            return
+        # merge every split's partials into each row's max and softmax denominator
+        m = tl.full([G_PAD * W_PAD], float("-inf"), tl.float32)
+        for s in range(num_splits):
+            m = tl.maximum(m, tl.load(max_ptr + stats + s * (G_PAD * W_PAD)))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        denom = tl.zeros([G_PAD * W_PAD], tl.float32)
+        for s in range(num_splits):
+            part = stats + s * (G_PAD * W_PAD)
+            denom += tl.load(sum_ptr + part) * tl.exp(tl.load(max_ptr + part) - m_safe)
+    # the window queries, row r = head * W_PAD + j: [rows, BLOCK_D], their positions [rows]
+    head = rows // W_PAD
+    j = rows % W_PAD
+    row_valid = (head < group) & (j < window)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_SIZE
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qs + (head * stride_qg + j * stride_qw)[:, None] + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
     )
-    keys = n0 + tl.arange(0, BLOCK_N)
-    logits = _window_logits(
-        q,
-        keys,
-        seq,
-        seq_len,
-        positions,
-        row_valid,
-        k_ptr,
-        tables_ptr,
-        stride_kb,
-        stride_kt,
-        stride_table,
-        scale,
-        dims,
-        dim_valid,
-        BLOCK_SIZE,
-        DOT_PRECISION,
-    )
-    # a query that sees no key has denom 0: it adds nothing (its exp terms are all 0 too)
-    probs = tl.exp(logits - m_safe[:, None]) / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    per_head = tl.sum(tl.reshape(probs, (G_PAD, W_PAD, BLOCK_N)), 1) / window
-    heads = tl.arange(0, G_PAD)
-    out = (seq.to(tl.int64) * group + heads)[:, None] * max_len + keys[None, :]
-    tl.store(scores_ptr + out, per_head, mask=(heads < group)[:, None] & (keys < seq_len)[None, :])
+    positions = tl.load(positions_ptr + seq * stride_ps + j, mask=row_valid, other=-1)
+    m_i = tl.full([G_PAD * W_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD * W_PAD], tl.float32)
+    # pass 2's one tile is a constant trip count: the compiler drops the loop (no pipelining buffers)
+    num_tiles = 1 if SCORES else tl.cdiv(kv_end - kv_start, BLOCK_N)
+    for tile in range(0, num_tiles):
+        keys = kv_start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        # [rows, BLOCK_N] scaled logits of the tile, -inf where causally hidden or out of range
+        key_valid = keys < kv_end
+        subblocks = tl.load(tables_ptr + seq * stride_table + keys // BLOCK_SIZE, mask=key_valid, other=0)
+        k = tl.load(
+            k_ptr
+            + subblocks.to(tl.int64)[:, None] * stride_kb
+            + ((keys % BLOCK_SIZE) * stride_kt)[:, None]
+            + dims[None, :],
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        visible = key_valid[None, :] & (keys[None, :] <= positions[:, None]) & row_valid[:, None]
+        logits = tl.where(visible, logits, float("-inf"))
+        if SCORES:
+            # a query that sees no key has denom 0: it adds nothing (its exp terms are all 0 too)
+            probs = tl.exp(logits - m_safe[:, None]) / tl.where(denom > 0.0, denom, 1.0)[:, None]
+            per_head = tl.sum(tl.reshape(probs, (G_PAD, W_PAD, BLOCK_N)), 1) / window
+            heads = tl.arange(0, G_PAD)
+            out = (seq.to(tl.int64) * group + heads)[:, None] * max_len + keys[None, :]
+            tl.store(scores_ptr + out, per_head, mask=(heads < group)[:, None] & (keys < kv_end)[None, :])
+        else:
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            m_safe_i = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe_i) + tl.sum(tl.exp(logits - m_safe_i[:, None]), 1)
+            m_i = m_new
+    if not SCORES:
+        split = stats + tl.program_id(1) * (G_PAD * W_PAD)
+        tl.store(max_ptr + split, m_i)
+        tl.store(sum_ptr + split, l_i)
 
 
 def window_attention_paged(
@@ -307,38 +173,12 @@ def window_attention_paged(
         subblock_tables.stride(0),
     )
     scale = 1.0 / math.sqrt(head_size)
-    _window_stats_kernel[(num_seqs, num_splits)](
-        queries,
-        query_positions,
-        k_cache,
-        subblock_tables,
-        seq_lens,
-        row_max,
-        row_sum,
-        scale,
-        group,
-        window,
-        split_len,
-        num_splits,
-        *strides,
-        **common,
+    args = (queries, query_positions, k_cache, subblock_tables, seq_lens, row_max, row_sum, scores, scale)
+    _window_pass_kernel[(num_seqs, num_splits)](
+        *args, group, window, split_len, num_splits, max_len, *strides, **common, SCORES=False
     )
-    _window_scores_kernel[(num_seqs, triton.cdiv(max_len, block_n))](
-        queries,
-        query_positions,
-        k_cache,
-        subblock_tables,
-        seq_lens,
-        row_max,
-        row_sum,
-        scores,
-        scale,
-        group,
-        window,
-        num_splits,
-        max_len,
-        *strides,
-        **common,
+    _window_pass_kernel[(num_seqs, triton.cdiv(max_len, block_n))](
+        *args, group, window, block_n, num_splits, max_len, *strides, **common, SCORES=True
     )
     return scores
 

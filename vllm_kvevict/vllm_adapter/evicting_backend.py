@@ -10,7 +10,10 @@ methods.
 
 from __future__ import annotations
 
-from dataclasses import fields
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -26,7 +29,7 @@ from vllm_kvevict.datapath.attention_metadata import HeadSequenceBatch, Standard
 from vllm_kvevict.datapath.moves import CacheRows
 from vllm_kvevict.datapath.question_echo import EchoLayer
 from vllm_kvevict.datapath.step import EvictionStep
-from vllm_kvevict.datapath.worker import EvictionWorker, current_worker, set_worker
+from vllm_kvevict.datapath.worker import EvictionWorker
 from vllm_kvevict.settings.additional_config import get_eviction_config
 from vllm_kvevict.vllm_adapter import model_support
 from vllm_kvevict.vllm_adapter.echo_forward import load_user_header
@@ -35,13 +38,37 @@ from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_sp
 logger = init_logger("vllm.kvevict.backend")
 
 
+@dataclass
+class WorkerSlot:
+    """The one eviction worker of a model runner, shared by every metadata builder vLLM makes for it (one
+    KV cache group holds every layer; a builder per attention group and micro-batch)."""
+
+    worker: EvictionWorker | None = None
+
+
+#: the slot of the runner whose builders vLLM is making (``builders_share``); None outside that call
+_making_builders: ContextVar[WorkerSlot | None] = ContextVar("kvevict_making_builders", default=None)
+
+
+@contextmanager
+def builders_share(slot: WorkerSlot) -> Iterator[WorkerSlot]:
+    """The builders made inside share ``slot``'s worker (created by the first, if the slot has none)."""
+    token = _making_builders.set(slot)
+    try:
+        yield slot
+    finally:
+        _making_builders.reset(token)
+
+
 def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWorker:
-    """The process's EvictionWorker, created by the first builder (one KV cache group holds every layer),
-    after the refusals of a model or configuration no backend can evict correctly."""
+    """The runner's EvictionWorker (``builders_share``), created by its first builder after the refusals of
+    a model or configuration no backend can evict correctly. A builder made outside a runner's KV cache
+    set-up gets a worker of its own."""
     refusal = model_support.eviction_refusal(vllm_config)
     if refusal is not None:
         raise model_support.ModelRefusedError(refusal)
-    worker = current_worker()
+    slot = _making_builders.get() or WorkerSlot()
+    worker = slot.worker
     if worker is None:
         config = spec.eviction_config()
         worker = EvictionWorker(
@@ -54,7 +81,7 @@ def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWo
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             spare_columns=spec.spare_columns,
         )
-        set_worker(worker)
+        slot.worker = worker
         # At start-up, not in the first request: loading the tokenizer took 0.4 s of py-spy samples there.
         worker.use_user_header(load_user_header(vllm_config))
         logger.info(

@@ -2,7 +2,8 @@
 
 vLLM's attention metadata builders see block tables and token counts but no request ids or prompt lengths,
 and nothing tells them when a request ends; the scheduler's single-type managers see request ids but not
-requests. The bodies here bridge that: ``execute_model`` drops finished and preempted requests' worker state,
+requests. The bodies here bridge that: ``initialize_kv_cache`` lets the runner's builders share one worker and
+the runner hold it for the other hooks, ``execute_model`` drops finished and preempted requests' worker state,
 ``prepare_inputs`` hands the worker the step's request ids and token counts (and, once, the model's o_proj
 weights and RoPE frequencies), ``get_kv_cache_spec`` publishes the evicting spec and refuses a model whose
 layers the worker cannot evict, ``allocate_slots``/``get_computed_blocks`` let the evicting manager see each
@@ -14,11 +15,24 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_kvevict import metrics
-from vllm_kvevict.datapath.worker import StepInputs, current_worker
+from vllm_kvevict.datapath.worker import StepInputs
+from vllm_kvevict.vllm_adapter.vllm_private import hold_runner_worker, runner_worker
+
+
+def initialize_kv_cache(original, runner, *args: Any, **kwargs: Any):
+    """vLLM makes the runner's metadata builders here (a profiling pass, then the real one): they share the
+    runner's one eviction worker, which the runner then holds for the other hooks."""
+    from vllm_kvevict.vllm_adapter.evicting_backend import WorkerSlot, builders_share
+
+    with builders_share(WorkerSlot(runner_worker(runner))) as slot:
+        result = original(runner, *args, **kwargs)
+    if slot.worker is not None:
+        hold_runner_worker(runner, slot.worker)
+    return result
 
 
 def execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any):
-    worker = current_worker()
+    worker = runner_worker(runner)
     if worker is None:
         return original(runner, scheduler_output, *args, **kwargs)
     worker.drop(scheduler_output.finished_req_ids)
@@ -58,7 +72,7 @@ def get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
 
 
 def prepare_inputs(original, runner, scheduler_output, num_scheduled_tokens, *args: Any, **kwargs: Any):
-    worker = current_worker()
+    worker = runner_worker(runner)
     if worker is not None:
         if not worker.o_proj_collected:
             worker.o_proj = o_proj_weights(runner.get_model())

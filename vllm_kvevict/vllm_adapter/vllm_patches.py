@@ -63,6 +63,11 @@ def install_eviction_hooks() -> None:
 
     from vllm_kvevict.vllm_adapter import runner_hooks
 
+    # Wraps GPUModelRunner.initialize_kv_cache (vLLM 0.32.0; CPUModelRunner's calls it): the one call that
+    # makes the runner's attention metadata builders (a profiling pass, then the real one), each from its
+    # spec and config alone; they share one eviction worker made by the first, which the runner then holds
+    # for the hooks below (no process-global worker; evicting_backend.builders_share).
+    _wrap(GPUModelRunner, "initialize_kv_cache", runner_hooks.initialize_kv_cache, _EVICTION_MARK)
     # Wraps GPUModelRunner.execute_model (vLLM 0.32.0; CPUModelRunner inherits it): the scheduler output
     # names finished/aborted and preempted requests even on steps with no tokens, and the worker must drop
     # their sub-block state; the step's inputs are cleared afterwards so no later dummy run can reuse them.

@@ -11,6 +11,24 @@ from typing import Any
 
 import torch
 
+#: our attribute on vLLM's model runner holding its eviction worker (``runner_worker``)
+_RUNNER_WORKER = "_kvevict_worker"
+
+
+def runner_worker(runner: Any) -> Any:
+    """The eviction worker a model runner holds (None: none, eviction off or its KV cache not set up yet).
+
+    An attribute of ours on ``GPUModelRunner`` (vLLM 0.32.0: a plain object, ``CPUModelRunner`` subclasses
+    it): the runner is all vLLM hands the runner hooks (``runner_hooks.py``), and it has no public place for
+    a plugin's state; its metadata builders, which hold the worker, are reached only through its private
+    ``attn_groups``."""
+    return getattr(runner, _RUNNER_WORKER, None)
+
+
+def hold_runner_worker(runner: Any, worker: Any) -> None:
+    """``runner`` holds ``worker`` from now on (``runner_worker``)."""
+    setattr(runner, _RUNNER_WORKER, worker)
+
 
 def insert_block_hash(block_pool: Any, block_hash: bytes, block: Any) -> None:
     """Register ``block`` in the prefix cache under ``block_hash`` (a hash with group id).
