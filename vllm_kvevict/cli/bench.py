@@ -39,6 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="--num-gpu-blocks-override of both: a pool small enough to be the bottleneck on a small CPU",
     )
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        help="--kv-cache-dtype of both servers, vanilla too (e.g. fp8; default: auto, the model's dtype)",
+    )
     add("--server-arg", action="append", default=[], help="extra `vllm serve` argument for both (repeatable)")
     add(
         "--kv-eviction-config",
@@ -54,6 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def common_server_args(args: argparse.Namespace) -> list[str]:
     common = ["--max-model-len", str(args.prompt_tokens + args.output_tokens + 64), *args.server_arg]
+    if args.kv_cache_dtype != "auto":
+        common += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.num_kv_blocks is not None:
         common += ["--num-gpu-blocks-override", str(args.num_kv_blocks)]
     return common
@@ -76,6 +83,8 @@ def settings_text(args: argparse.Namespace) -> str:
         f"(ignore_eos), all sent at once; VLLM_CPU_KVCACHE_SPACE={args.kv_cache_space_gib} GiB; "
         f"both servers: {server_mode_text(args.eager)}"
     )
+    if args.kv_cache_dtype != "auto":
+        text += f", --kv-cache-dtype {args.kv_cache_dtype}"
     if args.num_kv_blocks is not None:
         text += f", --num-gpu-blocks-override {args.num_kv_blocks}"
     return text
