@@ -69,3 +69,11 @@ def test_eval_compare_gives_every_server_the_cache_dtype(launches, tmp_path, ext
     commands = [command_line(tmp_path, launch) for launch in launches]
     assert [dtype_of(command) for command in commands] == [expected] * len(configs) == [expected] * 3
     assert "--kv-eviction" not in commands[0] and "--kv-eviction" in commands[1]
+
+
+def test_bench_measures_through_vllm_bench_serve_when_asked(launches):
+    from vllm_kvevict.cli.bench import settings_text
+
+    args = build_parser().parse_args(["bench", "--client", "vllm"])
+    assert args.client == "vllm" and "`vllm bench serve`, random prompts" in settings_text(args)
+    assert build_parser().parse_args(["bench"]).client == "openai"
