@@ -39,11 +39,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="--num-gpu-blocks-override of both: a pool small enough to be the bottleneck on a small CPU",
     )
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        help="--kv-cache-dtype of both servers, vanilla too (e.g. fp8; default: auto, the model's dtype)",
+    )
     add("--server-arg", action="append", default=[], help="extra `vllm serve` argument for both (repeatable)")
     add(
         "--kv-eviction-config",
         default=None,
         help="--kv-eviction-config of the eviction server only, e.g. '{\"prefill\": \"chunked\"}'",
+    )
+    add(
+        "--client",
+        choices=("openai", "vllm"),
+        default="openai",
+        help="openai: the bench's own streaming client over prose-like prompts (default; the runs before "
+        "2026-11-29); vllm: vLLM's own `vllm bench serve` with random prompts of the same lengths",
     )
     add("--seed", type=int, default=0, help="workload seed (default: 0)")
     add_eager_flag(add)
@@ -54,6 +66,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def common_server_args(args: argparse.Namespace) -> list[str]:
     common = ["--max-model-len", str(args.prompt_tokens + args.output_tokens + 64), *args.server_arg]
+    if args.kv_cache_dtype != "auto":
+        common += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.num_kv_blocks is not None:
         common += ["--num-gpu-blocks-override", str(args.num_kv_blocks)]
     return common
@@ -71,11 +85,14 @@ def server_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 
 def settings_text(args: argparse.Namespace) -> str:
+    client = "the bench's client" if args.client == "openai" else "`vllm bench serve`, random prompts"
     text = (
         f"{args.num_prompts} prompts × {args.prompt_tokens} tokens, {args.output_tokens} output tokens "
-        f"(ignore_eos), all sent at once; VLLM_CPU_KVCACHE_SPACE={args.kv_cache_space_gib} GiB; "
+        f"(ignore_eos), all sent at once ({client}); VLLM_CPU_KVCACHE_SPACE={args.kv_cache_space_gib} GiB; "
         f"both servers: {server_mode_text(args.eager)}"
     )
+    if args.kv_cache_dtype != "auto":
+        text += f", --kv-cache-dtype {args.kv_cache_dtype}"
     if args.num_kv_blocks is not None:
         text += f", --num-gpu-blocks-override {args.num_kv_blocks}"
     return text
@@ -123,7 +140,33 @@ def bench_server(model_dir: Path, label: str, extra: list[str], workload, args: 
         model = server.served_model_name
         run_workload(server.base_url, model, Workload(prompts=[workload.prompts[0][:32]], output_tokens=4), 1)
         with MetricsPoller(server.root_url + "/metrics") as poller:
-            timing = run_workload(server.base_url, model, workload, args.concurrency or len(workload.prompts))
+            if args.client == "vllm":
+                timing = vllm_bench_serve(server, model_dir, args)
+            else:
+                concurrency = args.concurrency or len(workload.prompts)
+                timing = run_workload(server.base_url, model, workload, concurrency)
     result = summarise(label, timing, poller.peaks)
     print(f"[bench] {label}: {result}", file=sys.stderr, flush=True)
     return result
+
+
+def vllm_bench_serve(server, model_dir: Path, args: argparse.Namespace):
+    """The workload's shape through ``vllm bench serve`` (``--client vllm``) on a started server."""
+    import tempfile
+
+    from vllm_kvevict.bench.vllm_client import bench_serve_command, run_bench_serve
+
+    with tempfile.TemporaryDirectory() as results_dir:
+        result = Path(results_dir) / "result.json"
+        command = bench_serve_command(
+            server.root_url,
+            server.served_model_name,
+            model_dir,
+            args.num_prompts,
+            args.prompt_tokens,
+            args.output_tokens,
+            args.seed,
+            result,
+            args.concurrency,
+        )
+        return run_bench_serve(command, result)

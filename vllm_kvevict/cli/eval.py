@@ -136,6 +136,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--block-size of every server: eviction frees whole blocks, so a kept fraction is rounded up "
         "to them; 32 (the CPU backend's smallest) keeps 5%% and 10%% of a 1k prompt apart",
     )
+    compare.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="--kv-cache-dtype of every server, vanilla too (e.g. fp8; default: auto, the model's dtype)",
+    )
     add_eager_flag(compare.add_argument)
     compare.add_argument("--report-only", action="store_true", help="rebuild the report from --results-dir")
     parser.set_defaults(handler=run)

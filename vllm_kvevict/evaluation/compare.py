@@ -74,12 +74,15 @@ def eviction_evidence(metrics_text: str) -> dict[str, float]:
     return totals
 
 
-def server_args(config: EvalConfig, block_size: int) -> tuple[str, ...]:
+def server_args(config: EvalConfig, block_size: int, kv_cache_dtype: str = "auto") -> tuple[str, ...]:
     """``vllm serve`` arguments of a configuration: every server (vanilla too) gets the same block size,
-    since eviction frees whole blocks and rounds a kept fraction up to them."""
+    since eviction frees whole blocks and rounds a kept fraction up to them, and the same
+    ``--kv-cache-dtype`` (an fp8 vanilla is the baseline of fp8 with eviction)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size!r}")
     args: tuple[str, ...] = ("--block-size", str(block_size))
+    if kv_cache_dtype != "auto":
+        args += ("--kv-cache-dtype", kv_cache_dtype)
     if not config.is_full_cache:
         args += ("--kv-eviction", config.method, "--kv-budget", f"{config.kept:g}")
     return args
@@ -93,7 +96,7 @@ def run_server_config(
 
     with VLLMServer(
         model_dir,
-        extra_args=server_args(config, args.block_size),
+        extra_args=server_args(config, args.block_size, args.kv_cache_dtype),
         kv_cache_space_gib=args.kv_cache_space_gib,
         enforce_eager=args.eager,
         startup_timeout_s=startup_timeout_for(args.eager),
