@@ -83,7 +83,7 @@ class HeadMirror:
         self.table = None
 
     def mark(self, groups: np.ndarray | slice, slots: np.ndarray) -> None:
-        """Rows (groups, slots) changed; ``groups`` a slice (every group) or an array paired with ``slots``."""
+        """Rows (groups, slots) changed: ``groups`` a slice (all) or an array paired with ``slots``."""
         if self.table is not None:
             self.dirty[groups, slots] = True
 
@@ -290,8 +290,7 @@ class SubBlockStore:
             if k:
                 keep = count > k
                 group, slot, head, count, used, pool, is_pool, first, cell, blocks_held = (
-                    a[keep]
-                    for a in (group, slot, head, count, used, pool, is_pool, first, cell, blocks_held)
+                    a[keep] for a in (group, slot, head, count, used, pool, is_pool, first, cell, blocks_held)
                 )
             entry = pool + k
             column = np.where(is_pool, first + entry // heads, used + k)
