@@ -3,9 +3,11 @@
 The same tables as ``tests/unit/layout/subblock_reference.py`` (the plain model they are tested against),
 laid out for the attention kernels: row ``(slot, head)`` of group ``g`` is the sub-block table of KV head
 ``head`` of the request in batch slot ``slot`` (vLLM's persistent input-batch order) for the layers of
-group ``g``. A layer's head-as-sequence block table is then a view, ``tables[g, :R].view(R * H, W)``, and its
-sequence lengths ``lengths[g, :R].view(R * H)``: nothing is copied per layer, and one decode step updates
-every row of every group with a few batched ops (``grow``), whatever the batch size, layer or head count.
+group ``g``. The kernels read head-major tables (sequence ``h * R + r``, ``block_tables`` says why): a
+mirror of ``tables`` in that order is kept and patched where the tables changed (``HeadMajorMirror``), so a
+steady decode step copies only the cells it wrote, not every group's tables (32 groups for Ada-KV). One
+decode step updates every row of every group with a few batched ops (``grow``), whatever the batch size,
+layer or head count.
 
 Rows of requests still in the standard layout hold sub-blocks ``block * H + h`` of their block-table row,
 so one formula serves the whole batch. Sub-blocks of a compacted request come from its pool: the sub-blocks
@@ -42,6 +44,12 @@ class TableRows:
         return self.rows[heads, index // block_size].to(torch.int64) * block_size + index % block_size
 
 
+def host_index(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """[N] int64 index tensor on ``device`` from host values."""
+    index = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+    return index if device.type == "cpu" else index.to(device)
+
+
 def head_token_index(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten per-head counts: ([total] head of each entry, [total] its index within the head).
 
@@ -51,6 +59,33 @@ def head_token_index(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, to
     )
     starts = torch.cumsum(counts, 0) - counts
     return heads, torch.arange(total, device=counts.device) - starts[heads]
+
+
+class HeadMirror:
+    """The head-major copy of ``SubBlockStore.tables`` the kernels read, kept between steps.
+
+    table: [G, H, R, Wm] int32 (viewed [G, H*R, Wm]): row ``(g, h, r)`` holds columns ``[0, Wm)`` of
+    ``tables[g, r, h]``; columns past a head's length are never read. It is valid for one batch size R; the
+    store marks what it writes since the last ``block_tables`` (whole (group, slot) rows in ``dirty``, or
+    single cells written straight through by ``write_cells``) or drops the mirror (``stale``) when a write is
+    not tracked (a reallocation, a group split, the dense GPU growth).
+    """
+
+    def __init__(self) -> None:
+        self.table: torch.Tensor | None = None
+        self.dirty = np.zeros((0, 0), dtype=bool)  # [G, S] rows to copy again
+
+    @property
+    def stale(self) -> bool:
+        return self.table is None
+
+    def drop(self) -> None:
+        self.table = None
+
+    def mark(self, groups: np.ndarray | slice, slots: np.ndarray) -> None:
+        """Rows (groups, slots) changed: ``groups`` a slice (all) or an array paired with ``slots``."""
+        if self.table is not None:
+            self.dirty[groups, slots] = True
 
 
 class SubBlockStore:
@@ -90,6 +125,7 @@ class SubBlockStore:
         # Power-of-two block sizes (vLLM's usual ones) divide by shifting: integer division is slow on CPU.
         self._shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else None
         self._row_base = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._mirror = HeadMirror()
         self.ensure_capacity(capacity, width)
 
     # ----- allocation (rare: start-up, a larger batch, a wider block table) --------------------------------
@@ -119,6 +155,7 @@ class SubBlockStore:
         # Flat index of (slot, head, sub-block 0) inside one group's tables, for gathers.
         rows = torch.arange(capacity * self.num_kv_heads, dtype=torch.int64, device=self.device) * width
         self._row_base = rows.view(1, capacity, self.num_kv_heads)
+        self._mirror.drop()
 
     def split_groups(self, num_groups: int) -> None:
         """From one group shared by every layer to ``num_groups`` (one per layer), each a copy of it."""
@@ -131,18 +168,37 @@ class SubBlockStore:
         self.cursor = self.cursor.repeat(num_groups, 1)
         self.tail = self.tail.repeat(num_groups, 1, 1)
         self.num_groups = num_groups
+        self._mirror.drop()
 
     # ----- views for the kernels --------------------------------------------------------------------------
     def block_tables(self, num_slots: int, max_len: int) -> torch.Tensor:
-        """[G, H * num_slots, cdiv(max_len, bs)] int32, a copy of the columns a head of at most ``max_len``
-        tokens uses: sequence ``h * num_slots + slot`` of group g is head h of the request in ``slot``.
-        Head-major, so that requests reading one shared prefix read its head-h sub-blocks one after the
-        other: with the caches cold (a layer after the rest of the model ran), request-major sequences made
-        16 decodes on one 2,976-token prefix 1.33x slower than vLLM's layout, head-major ones 0.97-0.99x
-        (``benchmarks/attention_layouts.py --shared-prefix 2976 --cold 256``)."""
+        """[G, H * num_slots, Wm] int32, Wm >= cdiv(max_len, bs) (the columns a head of at most ``max_len``
+        tokens uses; later ones are not read): sequence ``h * num_slots + slot`` of group g is head h of the
+        request in ``slot``. Head-major, so that requests reading one shared prefix read its head-h
+        sub-blocks one after the other: with the caches cold (a layer after the rest of the model ran),
+        request-major sequences made 16 decodes on one 2,976-token prefix 1.33x slower than vLLM's layout,
+        head-major ones 0.97-0.99x (``benchmarks/attention_layouts.py --shared-prefix 2976 --cold 256``).
+
+        The result is the store's mirror (``HeadMirror``), valid until the tables next change and this is
+        called again: rebuilt whole only when the batch size changes, a wider table is needed or a write was
+        not tracked; otherwise only the rows and cells written since the last call are copied. Copying every
+        group's tables each step cost 23 ms per Ada-SnapKV decode step at batch 256 (32 groups)."""
         width = max(1, min(self.width, -(-max_len // self.block_size)))
-        tables = self.tables[:, :num_slots, :, :width].transpose(1, 2)
-        return tables.reshape(self.num_groups, self.num_kv_heads * num_slots, width)
+        mirror, heads = self._mirror, self.num_kv_heads
+        table = mirror.table
+        if table is None or table.shape[2] != num_slots or table.shape[3] < width:
+            # Room to grow: a decode batch needs one more column every block_size steps.
+            room = width if table is None or table.shape[3] < width else table.shape[3]
+            room = min(self.width, max(room, width + 2 * (width // 8) + 1))
+            mirror.table = self.tables[:, :num_slots, :, :room].transpose(1, 2).contiguous()
+            mirror.dirty = np.zeros((self.num_groups, self.capacity), dtype=bool)
+        else:
+            rows = np.flatnonzero(mirror.dirty[:, :num_slots])
+            if len(rows):
+                group, slot = (host_index(a, self.device) for a in np.divmod(rows, num_slots))
+                table[group, :, slot] = self.tables[group, slot, :, : table.shape[3]]
+                mirror.dirty[:] = False
+        return mirror.table.view(self.num_groups, heads * num_slots, mirror.table.shape[3])
 
     def all_seq_lens(self, num_slots: int) -> torch.Tensor:
         """[G, H * num_slots] int32 head lengths in ``block_tables``' sequence order (a copy)."""
@@ -163,6 +219,7 @@ class SubBlockStore:
         self.lengths[:, slots] = lengths[None, :, None].to(torch.int32).expand(self.num_groups, -1, heads)
         last = (self._cdiv(lengths.to(torch.int64)) - 1).clamp(min=0)[:, None, None].expand(-1, heads, 1)
         self.tail[:, slots] = full.gather(2, last)[None, ..., 0].expand(self.num_groups, -1, -1)
+        self._mark_slots(slots)
 
     def grow(
         self,
@@ -232,8 +289,8 @@ class SubBlockStore:
         for k in range(max_new):
             if k:
                 keep = count > k
-                slot, head, count, used, pool, is_pool, first, cell, blocks_held = (
-                    a[keep] for a in (slot, head, count, used, pool, is_pool, first, cell, blocks_held)
+                group, slot, head, count, used, pool, is_pool, first, cell, blocks_held = (
+                    a[keep] for a in (group, slot, head, count, used, pool, is_pool, first, cell, blocks_held)
                 )
             entry = pool + k
             column = np.where(is_pool, first + entry // heads, used + k)
@@ -244,12 +301,37 @@ class SubBlockStore:
                 )
             block = rows[slot, np.minimum(column, rows.shape[1] - 1)].astype(np.int64)
             subblock = block * heads + np.where(is_pool, entry % heads, head)
-            tables[cell * self.width + np.minimum(used + k, self.width - 1)] = subblock
+            column = np.minimum(used + k, self.width - 1)
+            tables[cell * self.width + column] = subblock
             tail[cell] = subblock
+            self._mirror_cells(num_slots, group, head, slot, column, subblock)
+
+    def _mirror_cells(self, num_slots, group, head, slot, column, subblock) -> None:
+        """Write cells ``tables[group, slot, head, column] = subblock`` (host arrays) into the head-major
+        mirror too (columns it does not hold are never read from it)."""
+        table = self._mirror.table
+        if table is None:
+            return
+        if table.shape[2] != num_slots:
+            self._mirror.drop()
+            return
+        room = table.shape[3]
+        held = column < room
+        flat = ((group * self.num_kv_heads + head) * num_slots + slot) * room + column
+        table.numpy().reshape(-1)[flat[held]] = subblock[held]
+
+    def _mark_slots(self, slots: torch.Tensor) -> None:
+        """Every group's rows of ``slots`` [n] changed (read on the host only on CPU: elsewhere the mirror is
+        rebuilt, which needs no device read)."""
+        if slots.device.type == "cpu":
+            self._mirror.mark(slice(None), slots.numpy())
+        else:
+            self._mirror.drop()
 
     def _assign_dense(self, num_slots, need, compacted, block_table, num_blocks, max_new) -> None:
         """``grow``'s assignment over every row, with no device read (GPU)."""
         heads = self.num_kv_heads
+        self._mirror.drop()  # written everywhere: the head-major copy is rebuilt
         need = need.to(torch.int32)
         used = self._cdiv(self.lengths[:, :num_slots])
         pool = self.cursor[:, :num_slots, None] + torch.cumsum(need, 2, dtype=torch.int32) - need
@@ -392,6 +474,7 @@ class SubBlockStore:
         self.tail[group, slot] = table.rows.gather(1, last[:, None])[:, 0]
         self.cursor[group, slot] = table.cursor
         self.first_block[slot] = first_block
+        self._mirror.mark(np.array([group]), np.array([slot]))
 
     # ----- requests moving between batch slots ------------------------------------------------------------
     def save(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -411,3 +494,4 @@ class SubBlockStore:
         self.tail[:, slots] = saved["tail"]
         self.cursor[:, slots] = saved["cursor"]
         self.first_block[slots] = saved["first_block"]
+        self._mark_slots(slots)
