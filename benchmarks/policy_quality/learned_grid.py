@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from chunked_vs_whole import BLOCK_SIZE, TASKS  # noqa: E402
 from run import decode_in_batches  # noqa: E402
 from sweep import QUERY_WINDOW, decode_limits, run_samples, scored_row, summarise  # noqa: E402
 
@@ -55,12 +56,6 @@ from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 from vllm_kvevict.settings.config import DEFAULT_CHUNK_BUDGET, DEFAULT_ECHO_WIDTH  # noqa: E402
 from vllm_kvevict.settings.parsers import parse_chunk_budget  # noqa: E402
-
-TASKS = (
-    "fwe,niah_multikey,niah_multikey_hard,niah_multiquery,niah_multivalue,niah_single_digits,"
-    "niah_single_essay,niah_single_noise,vt"
-)
-BLOCK_SIZE = 32
 
 
 def kept_share(kept: list[KeptTokens], num_tokens: int) -> float:
