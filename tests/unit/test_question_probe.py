@@ -23,21 +23,43 @@ def chat(tokenizer, text: str) -> list[int]:
 
 
 def test_the_probe_takes_both_ends_of_the_last_user_turn(reference):
-    from vllm_kvevict.hf_reference.probe import probe_tokens, user_turn_start
+    from vllm_kvevict.hf_reference.probe import head_tokens, probe_tokens
 
     _, tokenizer = reference
     question = "What is the magic number for the blue door?"
     ids = chat(tokenizer, question + " " + " ".join(f"line {i} of the text." for i in range(200)))
-    start = user_turn_start(ids, tokenizer)
-    assert start is not None and tokenizer.decode(ids[start : start + 4]).startswith("What is")
+    start = next(i for i in range(len(ids) - 3, 0, -1) if tokenizer.decode(ids[i : i + 3]) == "What is the")
+    assert head_tokens(ids, tokenizer, 16) == ids[start : start + 16]
     probe = probe_tokens(ids, tokenizer, 16)
     assert probe == ids[start : start + 16] + ids[-16:]
     short = chat(tokenizer, "Hi there")  # the two spans overlap: their union, once
-    union_start = min(user_turn_start(short, tokenizer), len(short) - 16)
+    union_start = min(len(short) - len(head_tokens(short, tokenizer, 16)), len(short) - 16)
     assert probe_tokens(short, tokenizer, 16) == short[union_start:]
-    assert probe_tokens([5, 6, 7, 8], tokenizer, 2) == [7, 8]  # no user header: the last tokens
-    assert user_turn_start(tuple(ids), tokenizer) == start  # an eval sample's token ids are a tuple
-    assert probe_tokens(tuple(ids), tokenizer, 16) == probe
+    assert probe_tokens([5, 6, 7, 8, 9], tokenizer, 2) == [5, 6, 8, 9]  # no user header: both ends
+    assert probe_tokens(tuple(ids), tokenizer, 16) == probe  # an eval sample's token ids are a tuple
+
+
+def test_the_echo_finds_the_question_in_each_placement_of_the_eval_families(reference, model_dir):
+    """The served rule on the bundled tokenizer: a chat prompt's user turn (the template's own system
+    message is not echoed), an application's system message before one user turn, a plain completion."""
+    from vllm_kvevict.evaluation.generate import generate_sample
+    from vllm_kvevict.evaluation.prompt_format import PromptFormat
+    from vllm_kvevict.evaluation.tasks import get_task
+    from vllm_kvevict.hf_reference.probe import head_tokens
+
+    _, tokenizer = reference
+    fmt = PromptFormat.from_path(model_dir)
+    echoed = {}
+    for family in ("", "qfirst_", "qsystem_", "rag_"):
+        sample = generate_sample(get_task(f"{family}niah_single_essay"), fmt, 1024, 0, 0)
+        echoed[family] = tokenizer.decode(head_tokens(sample.token_ids, tokenizer, 32))
+        assert len(head_tokens(sample.token_ids, tokenizer, 32)) == (64 if family == "qsystem_" else 32)
+    assert echoed[""].startswith("Some special magic numbers") and "SmolLM" not in echoed[""]
+    assert "What is the special magic number for" in echoed["qfirst_"]
+    system, user = echoed["qsystem_"].split("provided text?")
+    assert "What is the special magic number for" in system and "SmolLM" not in system
+    assert user.strip() and "magic" not in user  # the document's first tokens
+    assert echoed["rag_"].startswith("Some special magic") and "Question: What is" in echoed["rag_"]
 
 
 def test_probe_queries_are_those_of_the_tokens_alone_at_the_given_positions(reference):

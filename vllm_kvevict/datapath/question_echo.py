@@ -1,22 +1,25 @@
 """The question echo in the server (docs/question_first.md, issue 32): a prompt's eviction judged by its own
-last window *and* by the queries of its last user turn's first tokens run again after the whole prompt.
+last window *and* by the queries of the tokens where a question placed before the document sits, run again
+after the whole prompt.
 
 A question-first prompt (instruction, then the document) has document text in its last window, so SnapKV's
-window does not point at what the question needs. The echo finds the question where it is: the first
-``width`` tokens of the last user turn (after the chat template's user header), run once more at positions
-``P .. P + width - 1`` with the whole prompt in view, so that in every layer their queries have read the
-document as a question placed last would have. Those queries join the prompt's own last window, and the
-method keeps what both attend to (and its own window, as always).
+window does not point at what the question needs. The echo finds the question where it can be
+(``question_spans``): the first ``width`` tokens of the last user turn (after the chat template's user
+header); with them the system message's last ``width`` when the application wrote its own system message
+before one user turn; in a prompt with no user header (a plain completion), its first ``width`` tokens. They
+run once more at positions ``P ..`` with the whole prompt in view, so that in every layer their queries have
+read the document as a question placed last would have. Those queries join the prompt's own last window,
+and the method keeps what both attend to (and its own window, as always).
 
 In the server the echo runs after the step's forward that completes the prompt (whose first output token
 comes from the real prompt, unchanged): the request's compaction is deferred from that forward to the echo
 pass, which attends each layer to the held entries read back from the cache without writing them, then
-compacts that layer as the last chunk does (``ChunkEviction``). A prompt without a user header, or whose
-method reads no query window, is evicted as before.
+compacts that layer as the last chunk does (``ChunkEviction``). A prompt whose method reads no query window
+is evicted as before.
 
 With ``echo_between_chunks`` (off by default), a prompt evicted between chunks (``prefill: chunked``) is
 echoed after every evicting chunk too, at the positions right after the tokens computed so far: there the
-echo is the user turn's first ``width`` tokens *and* the prompt's last ``width`` (``between_echo_tokens``;
+echo is those spans *and* the prompt's last ``width`` (``between_echo_tokens``;
 all of a prompt's token ids are known when it arrives, so a question placed last is echoed before its chunk
 is computed), and the between-chunks rule's window part judges with their queries beside the chunk's own
 last window.
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_kvevict.datapath.chat_marks import ChatMarks
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.moves import CacheRows, Moves
@@ -43,41 +47,69 @@ from vllm_kvevict.policies.base import EvictionPolicy
 def user_turn_start(token_ids: Sequence[int] | np.ndarray, header: Sequence[int]) -> int | None:
     """Index of the first token after the last occurrence of ``header`` (the chat template's user header),
     or None when the prompt has none."""
+    starts = _header_ends(token_ids, header)
+    return starts[-1] if starts else None
+
+
+def _header_ends(token_ids: Sequence[int] | np.ndarray, header: Sequence[int]) -> list[int]:
+    """The index right after each occurrence of ``header`` in ``token_ids``, in order."""
     ids = np.asarray(token_ids)
     size = len(header)
     if size == 0 or ids.shape[0] < size:
-        return None
+        return []
     head = np.asarray(header, dtype=ids.dtype)
     candidates = np.flatnonzero(ids[: ids.shape[0] - size + 1] == head[0])
-    for start in candidates[::-1].tolist():
-        if np.array_equal(ids[start : start + size], head):
-            return start + size
-    return None
+    return [int(s) + size for s in candidates.tolist() if np.array_equal(ids[s : s + size], head)]
 
 
-def echo_tokens(token_ids: Sequence[int] | np.ndarray, header: Sequence[int], width: int) -> list[int]:
-    """The echo of a prompt: its last user turn's first ``width`` tokens (empty without a user header)."""
-    start = user_turn_start(token_ids, header)
-    if start is None:
-        return []
-    return [int(t) for t in np.asarray(token_ids)[start : start + width]]
+def question_spans(
+    token_ids: Sequence[int] | np.ndarray, marks: ChatMarks, width: int
+) -> list[tuple[int, int]]:
+    """Where the question can sit before the prompt's end, as ``[start, end)`` spans of ``width`` tokens at
+    most, in order: the last user turn's first ``width`` tokens, preceded by the system message's last
+    ``width`` when the prompt is a system message of its own and one user turn (the question pinned in the
+    system message, a document as the user turn); without a user header (a plain completion prompt), the
+    prompt's first ``width`` tokens after its BOS ("Question: ... Context: ..."). Empty for an empty
+    prompt."""
+    n = len(token_ids)
+    header = marks.user_header
+    ends = _header_ends(token_ids, header)
+    if not ends:
+        first = 1 if marks.bos is not None and n and int(token_ids[0]) == marks.bos else 0
+        return [(first, min(n, first + width))] if n > first else []
+    start = ends[-1]
+    spans = [(start, min(n, start + width))]
+    system_end = start - len(header)
+    if len(ends) == 1 and system_end > 0:
+        preamble = tuple(int(t) for t in token_ids[:system_end])
+        if preamble != marks.default_preamble:
+            spans.insert(0, (max(0, system_end - width), system_end))
+    return spans
 
 
-def between_echo_tokens(
-    token_ids: Sequence[int] | np.ndarray, header: Sequence[int], width: int
-) -> list[int]:
-    """The echo after an earlier chunk of a prompt: its last user turn's first ``width`` tokens, then the
-    prompt's last ``width`` (where a question placed last sits; each span once where they overlap); empty
-    without a user header."""
+def _tokens_of(token_ids: Sequence[int] | np.ndarray, spans: list[tuple[int, int]]) -> list[int]:
+    """The tokens of ``spans`` (sorted), each token once where spans overlap."""
     ids = np.asarray(token_ids)
-    start = user_turn_start(ids, header)
-    if start is None:
-        return []
-    tail = max(0, ids.shape[0] - width)
-    if start + width >= tail:
-        return [int(t) for t in ids[min(start, tail) :]]
-    spans = np.concatenate([ids[start : start + width], ids[tail:]])
-    return [int(t) for t in spans]
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif end > start:
+            merged.append([start, end])
+    return [int(t) for start, end in merged for t in ids[start:end]]
+
+
+def echo_tokens(token_ids: Sequence[int] | np.ndarray, marks: ChatMarks, width: int) -> list[int]:
+    """The echo of a prompt: the tokens of its ``question_spans``."""
+    return _tokens_of(token_ids, question_spans(token_ids, marks, width))
+
+
+def between_echo_tokens(token_ids: Sequence[int] | np.ndarray, marks: ChatMarks, width: int) -> list[int]:
+    """The echo after an earlier chunk of a prompt: its ``question_spans``, then the prompt's last ``width``
+    tokens (where a question placed last sits; each token once where they overlap)."""
+    n = len(token_ids)
+    spans = question_spans(token_ids, marks, width)
+    return _tokens_of(token_ids, [*spans, (max(0, n - width), n)]) if spans else []
 
 
 def echo_policy(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
@@ -104,23 +136,23 @@ def _with_echo(policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
 
 
 class QuestionEcho:
-    """The chat template's user ``header`` (token ids), the server's echo ``width`` (a request may ask its
-    own), whether prompts evicted chunk by chunk are echoed after every evicting chunk too
+    """The served tokenizer's ``marks`` (``chat_marks.ChatMarks``), the server's echo ``width`` (a request
+    may ask its own), whether prompts evicted chunk by chunk are echoed after every evicting chunk too
     (``between_chunks``), and each method's echo-reading copy (built once per policy object and width)."""
 
-    def __init__(self, width: int, header: Sequence[int], between_chunks: bool = False) -> None:
+    def __init__(self, width: int, marks: ChatMarks, between_chunks: bool = False) -> None:
         self.width = width
-        self.header = list(header)
+        self.marks = marks
         self.between_chunks = between_chunks
         self._policies: dict[tuple[int, int], tuple[EvictionPolicy, EvictionPolicy | None]] = {}
 
     def tokens(self, prompt_token_ids: Sequence[int] | np.ndarray, width: int) -> list[int]:
-        """The echo of one prompt (empty: the prompt has no user header; it is evicted as before)."""
-        return echo_tokens(prompt_token_ids, self.header, width)
+        """The echo of one prompt (``echo_tokens``; empty for an empty prompt)."""
+        return echo_tokens(prompt_token_ids, self.marks, width)
 
     def between_tokens(self, prompt_token_ids: Sequence[int] | np.ndarray, width: int) -> list[int]:
         """The echo of one prompt after one of its earlier chunks (``between_echo_tokens``)."""
-        return between_echo_tokens(prompt_token_ids, self.header, width)
+        return between_echo_tokens(prompt_token_ids, self.marks, width)
 
     def policy_for(self, policy: EvictionPolicy, width: int) -> EvictionPolicy | None:
         """``policy`` reading ``width`` echo queries, or None when the method reads no bounded window."""

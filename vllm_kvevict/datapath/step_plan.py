@@ -136,8 +136,8 @@ class StepPlanner:
     ) -> tuple[list[int], EvictionPolicy] | None:
         """(echo tokens, the method's copy that reads that many echo queries) of a request judged with the
         question echo: after its last chunk (``QuestionEcho.tokens``) or an earlier one
-        (``QuestionEcho.between_tokens``); None for a kept context, a width of 0, a method that reads no
-        bounded query window, or a prompt without a user header."""
+        (``QuestionEcho.between_tokens``); None for a kept context, a width of 0 or a method that reads no
+        bounded query window."""
         echo = self.echo
         assert echo is not None and inputs.prompt_token_ids is not None
         _, setting = self.plans.plan_of(inputs, slot, prompt_len)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
+from vllm_kvevict.datapath.chat_marks import ChatMarks
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
 from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import Rescore
@@ -76,8 +77,8 @@ class EvictionWorker:
         # sees it); reader -> the entry it starts from, until its tables are set up.
         self.context_lens: dict[str, int] = {}
         self.context_readers: dict[str, EntryBlocks] = {}
-        #: echoed tokens of the last user turn (config ``question_echo``; 0: off unless a request asks) and
-        #: the echo once the chat template's user header is known (``use_user_header``)
+        #: echoed tokens per question span (config ``question_echo``; 0: off unless a request asks) and the
+        #: echo once the served tokenizer's marks are known (``use_chat_marks``)
         self.echo_width = server.question_echo or 0
         self.echo_between_chunks = server.echo_between_chunks
         self.echo: QuestionEcho | None = None
@@ -136,10 +137,10 @@ class EvictionWorker:
         if keeps_entry(plan) and plan.prompt_len != prompt_len:
             self.context_lens[req_id] = plan.prompt_len
 
-    def use_user_header(self, header: list[int] | None) -> None:
-        """Start the question echo with the chat template's user header (token ids); None or empty: the model
-        has no chat template with a user turn, and prompts are judged by their last window alone."""
-        self.echo = QuestionEcho(self.echo_width, header, self.echo_between_chunks) if header else None
+    def use_chat_marks(self, marks: ChatMarks) -> None:
+        """Start the question echo with the served tokenizer's marks (``chat_marks``: its user header, default
+        system message and BOS; empty marks: every prompt is echoed by its head)."""
+        self.echo = QuestionEcho(self.echo_width, marks, self.echo_between_chunks)
 
     def current_step(self) -> EvictionStep | None:
         """This step's eviction data (None before the metadata builder made it, or for a dummy run)."""
@@ -279,4 +280,3 @@ class EvictionWorker:
                 store.commit(group, slot, table, entry.reader_first)
             self.tables.mark_compacted(slot)
             self.records.restart(slot, req_id)
-

@@ -3,11 +3,11 @@ short side sequence, without the rest of the prompt, at the positions right afte
 per-layer queries then judge the prompt's keys as SnapKV's last window would. ``echo_queries`` runs such
 tokens with the whole prompt's cache in view instead (an echo of the question after the document).
 
-Which tokens: ``probe_tokens`` takes the first ``width`` tokens of the last user turn (where a question-first
-prompt puts its instruction and question) and the prompt's last ``width`` tokens (where a question-last
-prompt puts it), so the probe finds the question at either end without knowing which. A chat prompt's turns
-are found by the tokenizer's role header (``<|im_start|>user`` in ChatML); a prompt without one is probed
-by its last tokens only.
+Which tokens: ``probe_tokens`` takes the spans where a question placed first sits (the server's rule,
+``datapath.question_echo.question_spans``: the first ``width`` tokens of the last user turn, the system
+message's last ``width`` when the prompt has its own, a plain completion's first ``width``) and the prompt's
+last ``width`` tokens (where a question-last prompt puts it), so the probe finds the question at either end
+without knowing which.
 """
 
 from __future__ import annotations
@@ -18,37 +18,25 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from vllm_kvevict.datapath.chat_marks import chat_marks
+from vllm_kvevict.datapath.question_echo import between_echo_tokens, echo_tokens
 from vllm_kvevict.hf_reference.capture import PrefilledPrompt, recording
 from vllm_kvevict.hf_reference.generation import cache_prefix
 from vllm_kvevict.policies.base import LayerKV
 
 
-def user_turn_start(token_ids: Sequence[int], tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """Index of the first token of the last user turn's content, or None when the prompt has no user
-    header the tokenizer knows. ``token_ids``: any sequence (a list, or an eval sample's tuple)."""
-    header = tokenizer.encode("<|im_start|>user\n", add_special_tokens=False)
-    if not header:
-        return None
-    for start in range(len(token_ids) - len(header), -1, -1):
-        if list(token_ids[start : start + len(header)]) == header:
-            return start + len(header)
-    return None
-
-
 def probe_tokens(token_ids: Sequence[int], tokenizer: PreTrainedTokenizerBase, width: int) -> list[int]:
-    """The probe: the last user turn's first ``width`` tokens, then the prompt's last ``width`` (each span
-    once where they overlap)."""
-    tail_start = max(0, len(token_ids) - width)
-    start = user_turn_start(token_ids, tokenizer)
-    if start is None or start + width >= tail_start:
-        return list(token_ids[min(start or tail_start, tail_start) :])
-    return list(token_ids[start : start + width]) + list(token_ids[tail_start:])
+    """The probe: where a question placed before the document sits (the server's rule,
+    ``question_echo.question_spans``), then the prompt's last ``width`` (each token once where they
+    overlap)."""
+    return between_echo_tokens(token_ids, chat_marks(tokenizer), width)
 
 
 def head_tokens(token_ids: Sequence[int], tokenizer: PreTrainedTokenizerBase, width: int) -> list[int]:
-    """The last user turn's first ``width`` tokens (empty without a user header)."""
-    start = user_turn_start(token_ids, tokenizer)
-    return [] if start is None else list(token_ids[start : start + width])
+    """The echo's tokens, as the server picks them (``question_echo.echo_tokens``): the last user turn's first
+    ``width``, with the system message's last ``width`` before them when the prompt has its own; without a
+    user header the prompt's first ``width``."""
+    return echo_tokens(token_ids, chat_marks(tokenizer), width)
 
 
 @torch.inference_mode()

@@ -32,7 +32,7 @@ from vllm_kvevict.datapath.step import EvictionStep
 from vllm_kvevict.datapath.worker import EvictionWorker
 from vllm_kvevict.settings.additional_config import get_eviction_config
 from vllm_kvevict.vllm_adapter import model_support
-from vllm_kvevict.vllm_adapter.echo_forward import load_user_header
+from vllm_kvevict.vllm_adapter.echo_forward import load_chat_marks
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_spec_from
 
 logger = init_logger("vllm.kvevict.backend")
@@ -83,7 +83,7 @@ def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWo
         )
         slot.worker = worker
         # At start-up, not in the first request: loading the tokenizer took 0.4 s of py-spy samples there.
-        worker.use_user_header(load_user_header(vllm_config))
+        worker.use_chat_marks(load_chat_marks(vllm_config))
         logger.info(
             "kv eviction worker: %s, %d layers x %d KV heads, block size %d",
             config.describe(),

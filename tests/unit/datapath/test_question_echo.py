@@ -8,12 +8,14 @@ import dataclasses
 import pytest
 import torch
 
+from vllm_kvevict.datapath.chat_marks import ChatMarks
 from vllm_kvevict.datapath.question_echo import (
     QuestionEcho,
     between_echo_tokens,
     echo_attention,
     echo_policy,
     echo_tokens,
+    question_spans,
     user_turn_start,
 )
 from vllm_kvevict.policies.registry import available_methods, build_policy
@@ -22,29 +24,49 @@ from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError
 HEADER = [2, 198, 1, 4093, 198]
 
 
+DEFAULT_SYSTEM = (1, 9, 9)  # what the template writes before a lone user turn
+MARKS = ChatMarks(tuple(HEADER), DEFAULT_SYSTEM)
+
+
 def test_the_echo_is_the_last_user_turns_first_tokens():
-    ids = [1, 9, 9, *HEADER, 50, 51, 52, 2, 198, *HEADER, 60, 61, 62, 63, 64, 2]
+    ids = [*DEFAULT_SYSTEM, *HEADER, 50, 51, 52, 2, 198, *HEADER, 60, 61, 62, 63, 64, 2]
     start = user_turn_start(ids, HEADER)
     assert start == len(ids) - 6
-    assert echo_tokens(ids, HEADER, 3) == [60, 61, 62]
-    assert echo_tokens(ids, HEADER, 100) == [60, 61, 62, 63, 64, 2]  # what there is
+    assert echo_tokens(ids, MARKS, 3) == [60, 61, 62]
+    assert echo_tokens(ids, MARKS, 100) == [60, 61, 62, 63, 64, 2]  # what there is
+    assert echo_tokens([*DEFAULT_SYSTEM, *HEADER, 60, 61], MARKS, 3) == [60, 61]  # the template's system
 
 
-def test_between_chunks_the_echo_is_the_user_turns_first_tokens_and_the_prompts_last():
+def test_an_own_system_message_before_one_user_turn_is_echoed_by_its_end_too():
+    ids = [1, 30, 31, 32, 33, *HEADER, 60, 61, 62, 63]
+    assert question_spans(ids, MARKS, 3) == [(2, 5), (10, 13)]
+    assert echo_tokens(ids, MARKS, 3) == [31, 32, 33, 60, 61, 62]
+    assert echo_tokens(ids, MARKS, 8) == [1, 30, 31, 32, 33, 60, 61, 62, 63]  # the span stops at the header
+    later_turn = [1, 30, 31, *HEADER, 50, 2, 198, *HEADER, 60, 61]  # a conversation: the last turn only
+    assert echo_tokens(later_turn, MARKS, 3) == [60, 61]
+    no_default = ChatMarks(tuple(HEADER), None)  # a template with no system message of its own
+    assert echo_tokens([1, 30, *HEADER, 60], no_default, 2) == [1, 30, 60]
+
+
+def test_between_chunks_the_echo_is_the_question_spans_and_the_prompts_last():
     document = list(range(100, 140))
-    ids = [1, 9, *HEADER, 60, 61, 62, *document, 70, 71, 72]
-    assert between_echo_tokens(ids, HEADER, 3) == [60, 61, 62, 70, 71, 72]
-    short = [1, *HEADER, 60, 61, 62, 63]  # the two spans overlap: their union, once
-    assert between_echo_tokens(short, HEADER, 3) == [60, 61, 62, 63]
-    assert between_echo_tokens(short, HEADER, 5) == [198, 60, 61, 62, 63]
+    ids = [*DEFAULT_SYSTEM, *HEADER, 60, 61, 62, *document, 70, 71, 72]
+    assert between_echo_tokens(ids, MARKS, 3) == [60, 61, 62, 70, 71, 72]
+    short = [*DEFAULT_SYSTEM, *HEADER, 60, 61, 62, 63]  # the two spans overlap: their union, once
+    assert between_echo_tokens(short, MARKS, 3) == [60, 61, 62, 63]
+    assert between_echo_tokens(short, MARKS, 5) == [198, 60, 61, 62, 63]
+    own_system = [1, 30, 31, *HEADER, *document, 70, 71]
+    assert between_echo_tokens(own_system, MARKS, 2) == [30, 31, 100, 101, 70, 71]
 
 
-@pytest.mark.parametrize("ids", [[5, 6, 7, 8], [2, 198, 1, 4093], []])
-def test_a_prompt_without_the_header_has_no_echo(ids):
+@pytest.mark.parametrize("ids", [[5, 6, 7, 8], [2, 198, 1, 4093], list(range(10, 60))])
+def test_a_prompt_without_the_header_is_echoed_by_its_head(ids):
     assert user_turn_start(ids, HEADER) is None
-    assert echo_tokens(ids, HEADER, 32) == []
-    assert between_echo_tokens(ids, HEADER, 32) == []
-    assert echo_tokens([*HEADER, 3], [], 32) == []  # no header known
+    assert echo_tokens(ids, MARKS, 32) == ids[:32]
+    assert between_echo_tokens(ids, MARKS, 2) == ids[:2] + ids[-2:]
+    assert echo_tokens([*HEADER, 3], ChatMarks(), 32) == [*HEADER, 3]  # no header known: the head
+    assert echo_tokens([7, *ids], ChatMarks(bos=7), 3) == ids[:3]  # after the BOS
+    assert echo_tokens([], MARKS, 32) == [] and between_echo_tokens([], MARKS, 32) == []
 
 
 @pytest.mark.parametrize("method", ["snapkv", "ada-snapkv", "pyramidkv", "critical-ada-snapkv", "nacl"])
@@ -66,7 +88,7 @@ def test_methods_without_a_bounded_window_have_no_echo():
 
 
 def test_question_echo_builds_one_widened_policy_per_policy():
-    echo = QuestionEcho(16, HEADER)
+    echo = QuestionEcho(16, MARKS)
     policy = build_policy("ada-snapkv")
     first = echo.policy_for(policy, 16)
     assert first is echo.policy_for(policy, 16)
@@ -111,7 +133,7 @@ def test_config_takes_question_echo_and_refuses_bad_values():
 def test_the_echo_between_chunks_is_opt_in_and_needs_the_echo():
     base = {"method": "ada-snapkv", "budget": 0.25, "prefill": "chunked"}
     assert EvictionConfig.from_dict(base).echo_between_chunks is False
-    assert QuestionEcho(32, HEADER).between_chunks is False
+    assert QuestionEcho(32, MARKS).between_chunks is False
     config = EvictionConfig.from_dict({**base, "echo_between_chunks": True})
     assert config.echo_between_chunks and EvictionConfig.from_dict(config.to_dict()) == config
     assert "(also between chunks)" in config.describe()
