@@ -45,11 +45,16 @@ CHUNK_TOKENS = 512
 
 
 def server_configs(
-    budgets: list[float], width: int, without_echo: bool = True, prefills: tuple[str, ...] = ("whole",)
+    budgets: list[float],
+    width: int,
+    without_echo: bool = True,
+    prefills: tuple[str, ...] = ("whole",),
+    learned: bool = False,
 ) -> list[tuple[str, tuple[str, ...]]]:
     """(name, extra ``vllm serve`` args) of every server, vanilla first; per budget and ``prefills`` mode
     (``whole``: the default; ``chunked``: ``prefill: chunked`` at ``CHUNK_TOKENS``-token chunks) one with
-    the echo and, with ``without_echo``, one with ``question_echo: 0``."""
+    the echo and, with ``without_echo``, one with ``question_echo: 0``; with ``learned``, per budget one
+    ``ada-kvzap`` server (the learned question-agnostic scorer, packaged for the bundled model; no echo)."""
     configs = [("vanilla", ())]
     for budget in budgets:
         for prefill in prefills:
@@ -69,6 +74,9 @@ def server_configs(
             configs.append(
                 (f"ada-snapkv{suffix}-echo{width}-{budget:g}", (*evicting, "--kv-eviction-config", echo))
             )
+        if learned:
+            learned_args = ("--kv-eviction", "ada-kvzap", "--kv-budget", f"{budget:g}")
+            configs.append((f"ada-kvzap-{budget:g}", learned_args))
     return configs
 
 
@@ -107,6 +115,9 @@ def main() -> None:
         default="whole",
         help="comma list of eviction modes: whole (the default), chunked, chunked-tw<W> (trailing window W)",
     )
+    parser.add_argument(
+        "--learned", action="store_true", help="also an ada-kvzap server per budget (the learned scorer)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -121,7 +132,7 @@ def main() -> None:
     max_len = str(max(s.prompt_tokens for s in samples) + 256)
     rows, results = [], []
     prefills = tuple(args.prefill.split(","))
-    for name, extra in server_configs(budgets, args.width, not args.echo_only, prefills):
+    for name, extra in server_configs(budgets, args.width, not args.echo_only, prefills, args.learned):
         server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", max_len, *extra)
         with VLLMServer(model_dir, extra_args=server_args) as server:
             client = make_client(server.base_url)
