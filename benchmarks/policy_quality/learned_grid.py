@@ -39,16 +39,12 @@ from chunked_vs_whole import BLOCK_SIZE, TASKS  # noqa: E402
 from run import decode_in_batches  # noqa: E402
 from sweep import QUERY_WINDOW, decode_limits, run_samples, scored_row, summarise  # noqa: E402
 
-from vllm_kvevict.datapath.question_echo import echo_policy  # noqa: E402
+from vllm_kvevict.datapath.chat_marks import chat_marks  # noqa: E402
+from vllm_kvevict.datapath.question_echo import echo_policy, user_turn_start  # noqa: E402
 from vllm_kvevict.hf_reference import prefill  # noqa: E402
 from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
 from vllm_kvevict.hf_reference.kvzip import KVzipPolicy, kvzip_scores  # noqa: E402
-from vllm_kvevict.hf_reference.probe import (  # noqa: E402
-    echo_queries,
-    head_tokens,
-    probed_layers,
-    user_turn_start,
-)
+from vllm_kvevict.hf_reference.probe import echo_queries, head_tokens, probed_layers  # noqa: E402
 from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
 from vllm_kvevict.policies.adakv import AdaKV  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
@@ -100,7 +96,7 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
             kept = [echoed.select(layer, b) for layer, b in zip(layers, budgets, strict=True)]
             runs.append(("ada-snapkv whole echo", fraction, whole, kept))
     if not args.no_kvzip:
-        start = user_turn_start(sample.token_ids, tokenizer) or 0
+        start = user_turn_start(sample.token_ids, chat_marks(tokenizer).user_header) or 0
         scores = kvzip_scores(model, tokenizer, ids, context_start=start, plus=True).scores.clone()
         scores[:, :, :start] = float("inf")  # the template's system turn and user header: always kept
         whole_rows("kvzip+ whole", KVzipPolicy(scores))
