@@ -55,8 +55,17 @@ def run_echo(runner: Any, step: EvictionStep) -> None:
     device = runner.device
     layers = runner.vllm_config.compilation_config.static_forward_context
     metadata = EchoMetadata(step)
+    # skip_compiled (vLLM 0.32's ``ForwardContext.skip_compiled``, read by ``support_torch_compile``'s
+    # ``__call__``): the echo calls the model's own forward, not the graph vLLM compiled for its steps.
+    # Through that graph (compiled servers, vLLM's default) the echo tokens' layer-0 keys and values came
+    # out wrong (key norm 126.1 against HF's 106.3 for the same 32 tokens; eager 106.4), so the echo
+    # judged by other queries than its tokens'.
     with set_forward_context(
-        {name: metadata for name in layers}, runner.vllm_config, num_tokens=echo.num_tokens, slot_mapping={}
+        {name: metadata for name in layers},
+        runner.vllm_config,
+        num_tokens=echo.num_tokens,
+        slot_mapping={},
+        skip_compiled=True,
     ):
         runner.model(
             input_ids=echo.input_ids(device),
