@@ -1,7 +1,8 @@
 """The question echo through a real server equals HF's echo (``hf_reference.probe.echo_queries``).
 
 ``vllm serve --kv-eviction ada-snapkv --kv-budget 0.25 --kv-eviction-config '{"question_echo": 32, ...}'``
-in float32, with vLLM's chunked prefill at 256 tokens per step and ``"echo_between_chunks": true``. A chat
+compiled (vLLM's default: the echo must run the model's own forward, not the step's compiled graph), in
+float32, with vLLM's chunked prefill at 256 tokens per step and ``"echo_between_chunks": true``. A chat
 prompt with its question before a ~1,000-token document (``qfirst_niah_single_essay`` from ``eval``'s
 generator) is echoed: its last user turn's first 32 tokens run again after the prompt, and their queries
 with the prompt's own last 32 judge its compaction. Beside it in the same steps: a plain completion prompt
@@ -32,7 +33,7 @@ import torch
 from reference_checks import logprob_gap, tokens_and_logprobs
 
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
-from vllm_kvevict.server_process import VLLMServer
+from vllm_kvevict.server_process import VLLMServer, startup_timeout_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -107,7 +108,11 @@ def served(model_dir, tmp_path_factory, reference) -> dict[str, Served]:
     }
     assert len({len(ids) for ids in prompts.values()}) == 6  # the dumps are told apart by prompt length
     dump_dir = tmp_path_factory.mktemp("kept")
-    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
+    # compiled, as vLLM serves by default: the echo forward must not run through the step's compiled graph
+    served_at_defaults = {"enforce_eager": False, "startup_timeout_s": startup_timeout_for(False)}
+    with VLLMServer(
+        model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}, **served_at_defaults
+    ) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
 
         def complete(ids: list[int], xargs: dict | None = None):
