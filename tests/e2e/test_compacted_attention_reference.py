@@ -38,10 +38,14 @@ BLOCK_SIZE = 128
 PROMPT_TOKENS = 1100
 NEW_TOKENS = 512
 FIRST_STEPS = 16
+#: The prompt's own window judges it (``question_echo: 0``): this checks the attention over what was kept,
+#: and its near-tie bounds were set on that kept set; the echo's kept sets and their decoding against HF
+#: are ``test_question_echo_server.py``'s.
 SERVER_ARGS = (
     "--kv-eviction", "ada-snapkv", "--kv-budget", str(BUDGET),
     "--max-model-len", "2048", "--max-num-batched-tokens", "2048",
     "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+    "--kv-eviction-config", '{"question_echo": 0}',
 )
 
 
