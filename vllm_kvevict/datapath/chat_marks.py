@@ -32,7 +32,7 @@ class ChatMarks:
 
 def chat_marks(tokenizer: Any) -> ChatMarks:
     """The marks of ``tokenizer`` (a Hugging Face tokenizer). A template that refuses the probing turns, or
-    none, gives no user header: every prompt is then echoed by its head (``question_echo.echo_spans``)."""
+    none, gives no user header: every prompt is then echoed by its head (``question_echo.question_spans``)."""
     try:
         return _cached_marks(tokenizer)
     except TypeError:  # an unhashable tokenizer wrapper: read it again

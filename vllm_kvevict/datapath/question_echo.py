@@ -80,11 +80,17 @@ def question_spans(
     start = ends[-1]
     spans = [(start, min(n, start + width))]
     system_end = start - len(header)
-    if len(ends) == 1 and system_end > 0:
-        preamble = tuple(int(t) for t in token_ids[:system_end])
-        if preamble != marks.default_preamble:
-            spans.insert(0, (max(0, system_end - width), system_end))
+    if len(ends) == 1 and system_end > 0 and not _is_default(token_ids, system_end, marks.default_preamble):
+        spans.insert(0, (max(0, system_end - width), system_end))
     return spans
+
+
+def _is_default(token_ids: Sequence[int] | np.ndarray, end: int, default: tuple[int, ...] | None) -> bool:
+    """True when ``token_ids[:end]`` is the template's default system message ``default`` (lengths first:
+    an own system message may be long, and this runs once per echoed prompt)."""
+    if default is None or end != len(default):
+        return False
+    return bool(np.array_equal(np.asarray(token_ids[:end]), default))
 
 
 def _tokens_of(token_ids: Sequence[int] | np.ndarray, spans: list[tuple[int, int]]) -> list[int]:
