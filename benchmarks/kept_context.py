@@ -14,9 +14,10 @@ questions, one per needle. Servers, one after the other, same KV pool:
 
 TTFT is measured by streaming (first token received). Each answer is scored (the needle's value in the
 output). HF transformers (float32) then runs the question-agnostic mode the readers serve: the document's
-block-aligned part compressed alone by the same method and budget (``accounting.plan_request`` of that
-length, as the server plans it), each question run on the compressed cache, greedy. Prints one table per
-setting; ``--out`` saves everything as JSON.
+block-aligned part compressed alone by the same method and budget as the server keeps it (``ada-snapkv``
+as ``ada-kvzap`` with the packaged scorer; Ada-KV's head budgets in whole blocks;
+``accounting.plan_request`` of that length), each question run on the compressed cache, greedy. Prints one
+table per setting; ``--out`` saves everything as JSON.
 
     python -m benchmarks.kept_context --tokens 7000 --setting snapkv:0.25 --setting snapkv:0.1 \
         --setting expected-attention:0.25 --setting expected-attention:0.1 --per-question \
@@ -140,15 +141,20 @@ def hf_agnostic(
         prefill,
     )
     from vllm_kvevict.layout.accounting import plan_request
+    from vllm_kvevict.policies import served_scorer
     from vllm_kvevict.policies.registry import build_policy
+    from vllm_kvevict.settings.learned_methods import kept_context_method
 
     model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
+    served_scorer.serve_model(model.config, model_dir.name)  # the packaged scorer, as the server finds it
     prompt = prefill(model, torch.tensor(document.ids), query_window=None)
     context_len = BLOCK_SIZE * (len(document.ids) // BLOCK_SIZE)
     layers = context_layers(prompt, context_len, None)
     answers = {}
     for method, fraction in settings:
-        policy = build_policy(method)
+        # as the server keeps it: the served default as the learned method, heads in whole blocks
+        policy = build_policy(kept_context_method(method)).kept_context_form(BLOCK_SIZE)
+        assert policy is not None, f"{method} keeps no context"
         plan = plan_request(context_len, fraction, BLOCK_SIZE, policy, len(layers))
         kept = kept_per_layer(policy, layers, plan.kept_bound)
         outputs = []

@@ -5,8 +5,10 @@ question-agnostic run over the creator's kept entries.
 One server (``--kv-eviction snapkv --kv-budget 0.25``, the requests asking 10 %; prefix caching on;
 ``KVEVICT_DEBUG_DUMP_DIR`` set so the worker saves what the creator kept). In order: the creator (the
 document alone, one token); reader A (document + question A, 128 greedy tokens with log-probabilities) and
-reader B; the document under another ``cache_salt`` (no entry: it computes and keeps its own); a request
-asking for it with a method whose heads keep different counts (HTTP 400). HF transformers (float32) then
+reader B; the document under another ``cache_salt`` (no entry: it computes and keeps its own); the served
+default ``ada-snapkv`` keeping it, which this model's packaged scorer turns into ``ada-kvzap`` with head
+budgets in whole blocks (its creator, then reader A's question, 128 tokens); a request asking for it with
+PyramidKV, whose layers keep different budgets (HTTP 400). HF transformers (float32) then
 prefills the document alone, hides every entry the creator evicted and is fed reader A's question and
 vLLM's tokens (teacher forcing): each step's log-probability must match; a full-cache run is the control
 that lets the check fail.
@@ -45,6 +47,7 @@ SERVER_ARGS = (
     "4096",
 )
 KEEP = {"kv_context": "keep", "kv_budget": 0.1}  # the server's method; 10 %: the control sees eviction
+KEEP_ADA = {**KEEP, "kv_eviction": "ada-snapkv"}  # kept as ada-kvzap: ragged heads, whole blocks
 NEW_TOKENS = 128
 CONTEXTS = "vllm_kvevict_kept_contexts_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -56,10 +59,13 @@ class Served:
     question: list[int]
     tokens: torch.Tensor  # [T] reader A's greedy tokens
     logprobs: torch.Tensor  # [T] their log-probabilities in vLLM
+    ada_tokens: torch.Tensor  # [T] the Ada-KV reader's (question A)
+    ada_logprobs: torch.Tensor
     answers: dict[str, str]
     hits: dict[str, float]  # prefix-cache hit tokens each request added
     contexts: dict[str, dict[str, float]]  # kept/read counters after each request
     kept: list[tuple[torch.Tensor, torch.Tensor]]  # the creator's kept entries per layer
+    ada_kept: list[tuple[torch.Tensor, torch.Tensor]]  # the Ada-KV creator's
     context_len: int
     refusal: str
     usage: float
@@ -81,8 +87,8 @@ def served(model_dir, tmp_path_factory) -> Served:
     with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=900, max_retries=0)
 
-        def ask(label: str, prompt: list[int], max_tokens: int, salt: str | None = None, **extra):
-            body = {"vllm_xargs": KEEP, "ignore_eos": True, "return_tokens_as_token_ids": True}
+        def ask(label: str, prompt: list[int], max_tokens: int, salt: str | None = None, keep=KEEP, **extra):
+            body = {"vllm_xargs": keep, "ignore_eos": True, "return_tokens_as_token_ids": True}
             if salt:
                 body["cache_salt"] = salt
             before = server.metric_value(HITS)
@@ -103,32 +109,39 @@ def served(model_dir, tmp_path_factory) -> Served:
         reader = ask("A", document + questions["A"], NEW_TOKENS, logprobs=1)
         ask("B", document + questions["B"], 8)
         ask("salted", document + questions["A"], 8, salt="another-tenant")
+        ask("ada creator", document, 1, keep=KEEP_ADA)
+        ada_reader = ask("ada A", document + questions["A"], NEW_TOKENS, keep=KEEP_ADA, logprobs=1)
         try:
             client.completions.create(
                 model=server.served_model_name,
                 prompt=document,
                 max_tokens=1,
-                extra_body={"vllm_xargs": {**KEEP, "kv_eviction": "ada-snapkv"}},
+                extra_body={"vllm_xargs": {**KEEP, "kv_eviction": "pyramidkv"}},
             )
             refusal = ""
         except BadRequestError as exc:
             refusal = str(exc)
         usage = server.wait_for_metric("vllm:kv_cache_usage_perc", 0.0)
     tokens, logprobs = tokens_and_logprobs(reader.choices[0].logprobs)
-    records = [torch.load(path) for path in dump_dir.glob("*.pt")]
+    ada_tokens, ada_logprobs = tokens_and_logprobs(ada_reader.choices[0].logprobs)
+    # in the order written: the creator, the salted request (no entry of its salt: its own context, question
+    # A's start included), the Ada-KV creator
+    records = [torch.load(path) for path in sorted(dump_dir.glob("*.pt"), key=lambda p: p.stat().st_mtime)]
     context_len = BLOCK_SIZE * (len(document) // BLOCK_SIZE)
-    # the creator, and the salted request (no entry of its salt: its own context, question A's start included)
-    assert len(records) == 2
-    (record,) = [r for r in records if r["prompt_len"] == context_len]
+    assert len(records) == 3 and [r["prompt_len"] == context_len for r in records] == [True, False, True]
+    record, ada_record = records[0], records[2]
     return Served(
         document=document,
         question=questions["A"],
         tokens=tokens,
         logprobs=logprobs,
+        ada_tokens=ada_tokens,
+        ada_logprobs=ada_logprobs,
         answers=answers,
         hits=hits,
         contexts=contexts,
         kept=list(zip(record["indices"], record["counts"], strict=True)),
+        ada_kept=list(zip(ada_record["indices"], ada_record["counts"], strict=True)),
         context_len=context_len,
         refusal=refusal,
         usage=usage,
@@ -144,7 +157,11 @@ def test_readers_start_from_the_kept_context_and_nothing_else_finds_it(served: S
     assert served.hits["B"] == served.context_len
     assert served.contexts["salted"] == {"kept": 2.0, "read": 2.0}  # another salt: its own entry
     assert served.hits["salted"] == 0
-    assert "kv_context='keep' with kv_eviction='ada-snapkv'" in served.refusal and "snapkv" in served.refusal
+    assert served.contexts["ada creator"] == {"kept": 3.0, "read": 2.0}  # another method: its own entry
+    assert served.contexts["ada A"] == {"kept": 3.0, "read": 3.0}
+    assert served.hits["ada A"] == served.context_len
+    assert "kv_context='keep' with kv_eviction='pyramidkv'" in served.refusal
+    assert "ada-snapkv" in served.refusal.split("valid: ")[1]
     assert served.usage == 0.0  # readers and creators gave every block back
 
 
@@ -152,22 +169,37 @@ def test_the_creator_kept_whole_blocks_of_its_context(served: Served):
     for indices, counts in served.kept:
         assert counts.eq(counts[0]).all() and int(counts[0]) % BLOCK_SIZE == 0
         assert int(counts[0]) < served.context_len and int(indices.max()) < served.context_len
+    # Ada-KV: each head whole blocks, the layer the same total, heads differing
+    for (_, counts), (indices, ada_counts) in zip(served.kept, served.ada_kept, strict=True):
+        assert bool((ada_counts % BLOCK_SIZE == 0).all()) and int(ada_counts.sum()) == int(counts.sum())
+        assert int(indices.max()) < served.context_len
+    assert any(len(set(counts.tolist())) > 1 for _, counts in served.ada_kept)
 
 
 @pytest.fixture(scope="module")
-def references(model_dir, served: Served) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, vocab] HF log-probabilities along reader A's tokens: the creator's kept entries / full cache."""
+def hf_model(model_dir):
     from vllm_kvevict.hf_reference.model import load_reference_model
+
+    return load_reference_model(model_dir, dtype=torch.float32)[0]
+
+
+def teacher_forced_pair(model, served: Served, kept_entries, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, vocab] HF log-probabilities along ``tokens`` (question A's reader): over ``kept_entries`` / the
+    full cache."""
     from vllm_kvevict.policies.base import KeptTokens
 
-    model, _ = load_reference_model(model_dir, dtype=torch.float32)
-    kept = [KeptTokens(indices, counts) for indices, counts in served.kept]
+    kept = [KeptTokens(indices, counts) for indices, counts in kept_entries]
     everything = [KeptTokens.everything(k.counts.shape[0], served.context_len) for k in kept]
     prompt = served.document + served.question
     return (
-        agnostic_teacher_forced(model, prompt, served.context_len, served.tokens, kept),
-        agnostic_teacher_forced(model, prompt, served.context_len, served.tokens, everything),
+        agnostic_teacher_forced(model, prompt, served.context_len, tokens, kept),
+        agnostic_teacher_forced(model, prompt, served.context_len, tokens, everything),
     )
+
+
+@pytest.fixture(scope="module")
+def references(hf_model, served: Served) -> tuple[torch.Tensor, torch.Tensor]:
+    return teacher_forced_pair(hf_model, served, served.kept, served.tokens)
 
 
 @torch.inference_mode()
@@ -198,3 +230,15 @@ def test_a_readers_answer_equals_hf_over_the_creators_kept_entries(served: Serve
     assert_agrees_along_the_run(served.logprobs, served.tokens, kept)
     # The control: where hiding the evicted context moves HF's log-probability, vLLM sides with the hiding.
     assert_vllm_sides_with_the_eviction(served.logprobs, served.tokens, kept, full, min_moved=5)
+
+
+def test_an_ada_kv_readers_answer_equals_hf_over_its_creators_ragged_entries(served: Served, hf_model):
+    """The reader's tables follow the Ada-KV creator's counts per layer and head (recorded by the entry's
+    first block); read with uniform counts instead, it would attend to other entries than HF's."""
+    kept, full = teacher_forced_pair(hf_model, served, served.ada_kept, served.ada_tokens)
+    assert len(served.ada_tokens) == NEW_TOKENS
+    first = logprob_gap(served.ada_logprobs, served.ada_tokens, kept)[:8]
+    assert float(first[0]) < 0.25, f"first step |delta logprob| {first.tolist()}"
+    assert float(first[1:].max()) < 0.15, f"per-step |delta logprob| {first.tolist()}"
+    assert_agrees_along_the_run(served.ada_logprobs, served.ada_tokens, kept)
+    assert_vllm_sides_with_the_eviction(served.ada_logprobs, served.ada_tokens, kept, full, min_moved=5)

@@ -48,6 +48,8 @@ class EvictionRecords:
         self.requests: dict[str, RequestPlan] = {}  # compacted requests
         self.kept_tokens: dict[str, float] = {}  # req -> mean kept prompt entries per KV head (metrics)
         self.kept_by_slot = np.zeros(0)  # [R] kept_tokens of each batch slot (nan: not compacted)
+        #: req -> its compacted prompt's kept entries [layer][kv head] (a kept context's entry counts)
+        self.prompt_counts: dict[str, list[list[int]]] = {}
         self._slot_ids: list[str] | None = None
         self.chunk_history: dict[str, list] = {}  # req -> held sets after each chunk (debug dump only)
         dump = os.environ.get(DEBUG_DUMP_ENV)
@@ -63,12 +65,14 @@ class EvictionRecords:
     def restart(self, slot: int, req_id: str) -> None:
         """A request computing from token 0 again (new, or recomputed after preemption)."""
         self.requests.pop(req_id, None)
+        self.prompt_counts.pop(req_id, None)
         self.kept_tokens.pop(req_id, None)
         self.chunk_history.pop(req_id, None)
         self.kept_by_slot[slot] = np.nan
 
     def drop(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+        self.prompt_counts.pop(req_id, None)
         self.kept_tokens.pop(req_id, None)
         self.chunk_history.pop(req_id, None)
         self._slot_ids = None
@@ -87,6 +91,7 @@ class EvictionRecords:
             kept = float(req.plan.kept_length(generated) - generated)
         self._set_kept(req.req_id, req.index, kept)
         self.requests[req.req_id] = req.plan
+        self.prompt_counts[req.req_id] = kept_per_head
         metrics.record_kept_per_head(req.policy.name, req.prompt_len, kept_per_head, req.plan.blocks_to_free)
 
     def chunk_evicted(
@@ -113,6 +118,7 @@ class EvictionRecords:
             req.req_id, req.index, sum(map(sum, prompt_counts)) / (len(prompt_counts) * self.num_kv_heads)
         )
         self.requests[req.req_id] = plan
+        self.prompt_counts[req.req_id] = prompt_counts
         metrics.record_kept_per_head(method, plan.prompt_len, prompt_counts, plan.blocks_to_free)
         if self.dump_dir is not None:
             self.dump_prompt(req, [KeptTokens(k.indices.cpu(), k.counts.cpu()) for k in kept])

@@ -26,9 +26,16 @@ from vllm_kvevict.datapath.step_build import WorkerParts, build_step
 from vllm_kvevict.datapath.step_inputs import StepInputs
 from vllm_kvevict.datapath.step_plan import PlannerView, StepDecisions, StepPlanner, shares_tables
 from vllm_kvevict.layout.accounting import RequestPlan
-from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.layout.context_reuse import EntryBlocks, context_plan, entry_blocks, keeps_entry
-from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks, host_to_device
+from vllm_kvevict.layout.context_reuse import (
+    EntryBlocks,
+    EntryCounts,
+    context_plan,
+    entry_blocks,
+    keeps_entry,
+)
+from vllm_kvevict.layout.subblock_store import TableRows
+from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.request_settings import RequestSettings, decode_policy
 
@@ -77,6 +84,12 @@ class EvictionWorker:
         # sees it); reader -> the entry it starts from, until its tables are set up.
         self.context_lens: dict[str, int] = {}
         self.context_readers: dict[str, EntryBlocks] = {}
+        # Ada-KV's kept contexts: head counts differ by layer and head. Creators whose counts are still to
+        # be recorded, readers that look them up, the counts by entry block.
+        self.ragged_creators: set[str] = set()
+        self.ragged_readers: set[str] = set()
+        self.entry_counts = EntryCounts()
+        self._block_table: torch.Tensor | None = None  # this step's (for the creators' entry blocks)
         #: echoed tokens per question span (config ``question_echo``; 0: off unless a request asks) and the
         #: echo once the served tokenizer's marks are known (``use_chat_marks``)
         self.echo_width = server.question_echo or 0
@@ -126,16 +139,21 @@ class EvictionWorker:
         if setting is None or not setting.keeps_context:
             return
         req_id, shared = inputs.req_ids[slot], self.shared_tokens[inputs.req_ids[slot]]
+        ragged = not keeps_equal_counts(setting.policy)
         if shared > 0:
             context = setting.plan_for(shared)
             if not keeps_entry(context):
                 raise RuntimeError(f"request {req_id} starts from a kept context its setting cannot leave")
             self.context_readers[req_id] = entry_blocks(context)
+            if ragged:
+                self.ragged_readers.add(req_id)
             return
         prompt_len = int(inputs.prompt_lens[slot])
         plan = context_plan(setting.plan_for, prompt_len, 0, self.block_size, self.num_layers)
         if keeps_entry(plan) and plan.prompt_len != prompt_len:
             self.context_lens[req_id] = plan.prompt_len
+        if keeps_entry(plan) and ragged:
+            self.ragged_creators.add(req_id)
 
     def use_chat_marks(self, marks: ChatMarks) -> None:
         """Start the question echo with the served tokenizer's marks (``chat_marks``: its user header, default
@@ -152,8 +170,23 @@ class EvictionWorker:
             if self.decode is not None:
                 self.decode.start_from(self._step.cap_starts)
             self._step.publish()
+            if self.ragged_creators:
+                self._record_entries()
         self.pending = None
         self._step = None
+        self._block_table = None
+
+    def _record_entries(self) -> None:
+        """Ada-KV creators whose context was compacted in this step: record each head's kept count per
+        layer by the entry's first block, where its readers will look them up."""
+        assert self.pending is not None and self._block_table is not None
+        for slot, req_id in enumerate(self.pending.req_ids):
+            counts = self.records.prompt_counts.get(req_id)
+            if req_id not in self.ragged_creators or counts is None:
+                continue
+            first = self.records.requests[req_id].blocks_to_free
+            self.entry_counts.record(int(self._block_table[slot, first]), counts)
+            self.ragged_creators.discard(req_id)
 
     def drop(self, req_ids: set[str] | list[str] | None) -> None:
         """Forget finished, aborted or preempted requests (their blocks go back through the scheduler)."""
@@ -161,6 +194,8 @@ class EvictionWorker:
             self.shared_tokens.pop(req_id, None)
             self.context_lens.pop(req_id, None)
             self.context_readers.pop(req_id, None)
+            self.ragged_creators.discard(req_id)
+            self.ragged_readers.discard(req_id)
             self.records.drop(req_id)
             self.tables.forget(req_id)
             self.chunks.drop(req_id)
@@ -184,6 +219,7 @@ class EvictionWorker:
         if inputs is None or len(inputs.req_ids) != num_reqs or int(inputs.scheduled.sum()) != num_tokens:
             return None
         if self._step is None:
+            self._block_table = block_table
             check = block_table.device.type == "cpu"
             self._start_step(inputs, block_table, check)
             view = PlannerView(
@@ -257,26 +293,34 @@ class EvictionWorker:
         return build_step(decided, layout, decode_work, parts, block_table, slot_mapping)
 
     def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
-        """Requests starting from a kept context read it from their first step: each head holds the entry's
-        B' entries, in pool order from the entry's first block (``layout/context_reuse.py``); their own tokens
-        then grow into fresh sub-blocks from the block after it."""
+        """Requests starting from a kept context read it from their first step: each head holds its kept
+        entries (B' each, or an Ada-KV creator's counts per layer), in pool order from the entry's first
+        block (``layout/context_reuse.py``); their own tokens then grow into fresh sub-blocks from the block
+        after it."""
         store = self.tables.store
         assert store is not None
         for slot, req_id in enumerate(req_ids):
             entry = self.context_readers.pop(req_id, None)
             if entry is None:
                 continue
-            counts = torch.full((self.num_kv_heads,), entry.per_head, dtype=torch.int64, device=store.device)
-            table = store.assign(
-                counts,
-                block_table[slot],
-                entry.reader_first,
-                0,
-                total=self.num_kv_heads * entry.per_head,
-                num_blocks=entry.context_tokens // self.block_size,
-                check=check,
-            )
+            per_layer = [[entry.per_head] * self.num_kv_heads]
+            if req_id in self.ragged_readers:
+                self.ragged_readers.discard(req_id)
+                per_layer = self.entry_counts.counts_of(int(block_table[slot, entry.reader_first]))
+                self.tables.split()
+            tables: dict[tuple[int, ...], TableRows] = {}  # layers with the same counts share one
             for group in range(store.num_groups):
-                store.commit(group, slot, table, entry.reader_first)
+                counts = tuple(per_layer[group if len(per_layer) > 1 else 0])
+                if counts not in tables:
+                    tables[counts] = store.assign(
+                        host_to_device(np.array(counts), store.device),
+                        block_table[slot],
+                        entry.reader_first,
+                        0,
+                        total=sum(counts),
+                        num_blocks=entry.context_tokens // self.block_size,
+                        check=check,
+                    )
+                store.commit(group, slot, tables[counts], entry.reader_first)
             self.tables.mark_compacted(slot)
             self.records.restart(slot, req_id)

@@ -17,6 +17,13 @@ stays position-aligned and block-aligned), every head holds ``B'`` entries (tabl
 first pool block ``C/bs - m``) and its own tokens start at column ``C/bs``: fresh blocks, so no shared
 block is written. It keeps its own tokens whole (``reader_plan``) and publishes nothing.
 
+Ada-KV keeps ragged counts per head; as it keeps a context (``EvictionPolicy.kept_context_form``) every
+head's count is a whole number of blocks and the layer's total is H·B', so the H·m sub-blocks still fill the
+m blocks exactly, head h's from pool entry ``Σ_{g<h} B_g / bs`` on, in every layer its own counts. The
+scheduler's rule is unchanged; a reader's worker needs the counts, which depend on the creator's scores:
+the creator's worker records them by the entry's first block (``EntryCounts``) and the reader's looks them
+up there (the same worker process saw the creator, as it sees every request).
+
 Scheduler and workers both apply ``context_plan`` to (setting, prompt length, tokens found in the cache):
 a context request only ever starts with cached tokens by reading an entry (it never reads the ordinary
 prefix cache), so the role needs no message. No vLLM import.
@@ -81,12 +88,32 @@ class EntryBlocks:
 
     @property
     def count(self) -> int:
-        """m: blocks holding the context's H·m sub-blocks."""
+        """m: blocks holding the context's H·m sub-blocks (any split of H·B' among the heads, in blocks)."""
         return self.per_head // self.block_size
 
     @property
     def reader_first(self) -> int:
         return self.context_tokens // self.block_size - self.count
+
+
+class EntryCounts:
+    """Per-head kept counts [layer][kv head] of the entries this worker's creators left, by the pool block
+    id of the entry's first block. A block reclaimed and used by a later creator gets that creator's counts;
+    an entry is read only while its blocks are intact (the scheduler's ``KeptContext.intact``), so a
+    reader's first block always names the counts of the entry it reads. At most one record per block."""
+
+    def __init__(self) -> None:
+        self._by_block: dict[int, list[list[int]]] = {}
+
+    def record(self, first_block_id: int, counts: list[list[int]]) -> None:
+        self._by_block[first_block_id] = counts
+
+    def counts_of(self, first_block_id: int) -> list[list[int]]:
+        """The counts of the entry starting at pool block ``first_block_id``; raises when none was left."""
+        counts = self._by_block.get(first_block_id)
+        if counts is None:
+            raise RuntimeError(f"no kept context with ragged counts starts at block {first_block_id}")
+        return counts
 
 
 def entry_blocks(plan: RequestPlan) -> EntryBlocks:

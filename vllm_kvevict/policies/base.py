@@ -203,6 +203,13 @@ class EvictionPolicy(ABC):
             raise ValueError(f"{self._label()}: queries at positions before the shared prefix end ({fixed})")
         return shifted(self.select(private, budget), fixed)
 
+    def kept_context_form(self, block_size: int) -> EvictionPolicy | None:
+        """This method as it keeps a context (``kv_context: "keep"``, ``layout/context_reuse.py``): every
+        head of every layer keeps a whole number of ``block_size``-token sub-blocks; None when it cannot.
+        A uniform top-k method is its own form (its budget B' is a multiple of the block size); Ada-KV
+        gives its own (head budgets in whole blocks)."""
+        return self if keeps_equal_counts(self) else None
+
     def keep_all_or_check(self, layer: LayerKV, budget: int) -> KeptTokens | None:
         """Every token when ``budget`` >= n (nothing to evict); otherwise None once ``budget`` is checked.
 

@@ -185,3 +185,39 @@ def robust_selection(
     protected = top_k_mask(std, round(std_ratio * k), eligible=eligible)
     rest = k - protected.sum(dim=1)
     return protected | top_k_mask(mean, rest, eligible=eligible & ~protected)
+
+
+def whole_unit_counts(counts: list[int], unit: int, floors: list[int], limit: int) -> list[int]:
+    """Per-head counts moved to multiples of ``unit`` with the same sum (a kept context's head budgets:
+    every head then fills whole sub-blocks, ``layout/context_reuse.py``).
+
+    counts: [kv_heads] a layer's ragged counts, summing to a multiple of ``unit``; floors: [kv_heads] tokens
+    each head must keep (its ``+inf`` ones); limit: the most a head can keep (n, a multiple of ``unit``).
+    Each head starts at ``floor(count / unit)`` units (at least ``ceil(floor / unit)``); the units still
+    missing go to the heads with the largest remainders, surplus units come from the smallest (ties: the
+    lower head). Host ints: a layer has few heads."""
+    total, top = sum(counts), limit // unit
+    if total % unit or limit % unit:
+        raise ValueError(f"counts sum to {total} and limit is {limit}: both must be multiples of {unit}")
+    least = [-(-f // unit) for f in floors]
+    units = [max(c // unit, lo) for c, lo in zip(counts, least, strict=True)]
+    heads = range(len(counts))
+    while sum(units) * unit < total:
+        open_heads = [h for h in heads if units[h] < top]
+        units[max(open_heads, key=lambda h: (counts[h] - units[h] * unit, -h))] += 1
+    while sum(units) * unit > total:
+        above = [h for h in heads if units[h] > least[h]]
+        if not above:
+            raise ValueError(f"floors {floors} need more than {total} tokens in multiples of {unit}")
+        units[min(above, key=lambda h: (counts[h] - units[h] * unit, h))] -= 1
+    return [u * unit for u in units]
+
+
+def whole_unit_mask(scores: torch.Tensor, keep: torch.Tensor, unit: int) -> torch.Tensor:
+    """``keep`` ([kv_heads, n] bool, a layer's ragged selection by ``scores`` [kv_heads, n]) with every head's
+    count moved to a multiple of ``unit`` (``whole_unit_counts``), each head keeping its top tokens by
+    ``scores``. n and the kept total must be multiples of ``unit``. Returns [kv_heads, n] bool."""
+    counts = whole_unit_counts(
+        keep.sum(dim=1).tolist(), unit, always_kept_mask(scores).sum(dim=1).tolist(), scores.shape[1]
+    )
+    return top_k_mask(scores, torch.tensor(counts, device=scores.device))

@@ -21,8 +21,9 @@ from vllm_kvevict.policies.roco import RoCo
 from vllm_kvevict.policies.snapkv import SnapKV
 from vllm_kvevict.policies.streamingllm import StreamingLLM
 
-#: Dataclass fields that hold a wrapped policy, not a user parameter.
-_WRAPPED_FIELDS = frozenset({"inner"})
+#: Dataclass fields that are no user parameter: a wrapped policy, and what a kept context sets
+#: (``EvictionPolicy.kept_context_form``).
+_WRAPPED_FIELDS = frozenset({"inner", "head_unit"})
 
 
 @dataclass(frozen=True)

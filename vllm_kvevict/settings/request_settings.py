@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from vllm_kvevict.layout.accounting import RequestPlan, request_planner
-from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
+from vllm_kvevict.policies.base import EvictionPolicy
 from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
 from vllm_kvevict.policies.registry import (
@@ -37,8 +37,6 @@ from vllm_kvevict.policies.registry import (
 from vllm_kvevict.settings.config import PREFILL_MODES, EvictionConfig
 from vllm_kvevict.settings.decode_config import DecodeConfig
 from vllm_kvevict.settings.learned_methods import (
-    KEPT_CONTEXT_AS,
-    NO_FALLBACK,
     chunked_problem,
     inherited_params,
     kept_context_method,
@@ -89,8 +87,8 @@ def per_request_methods(server: EvictionConfig) -> list[str]:
 
 
 def method_params(method: str, server: EvictionConfig) -> dict[str, Any]:
-    """The server's method keeps the server's parameters; a kept context's uniform form of it (kvzap under
-    ada-kvzap) the ones it shares; any other method runs with its defaults."""
+    """The server's method keeps the server's parameters; the method the server's keeps a context as
+    (``learned_methods.KEPT_CONTEXT_AS``) the ones it shares; any other method runs with its defaults."""
     if method == server.method:
         return dict(server.params)
     return inherited_params(method, server.method, server.params)
@@ -130,7 +128,7 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
     if chunked and (problem := chunked_problem(method, policy)) is not None:
         raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r}: {problem}")
     if extra_args.get(CONTEXT_KEY) == "keep" and kept_context_method(method) != method:
-        # the same scores with a uniform budget (settings/learned_methods.py)
+        # judged without its questions: the served scorer's method (settings/learned_methods.py)
         method = kept_context_method(method)
         policy = build_request_policy(method, server)
     budget = parse_budget(
@@ -187,12 +185,11 @@ def parse_context(
         raise EvictionConfigError(
             f"vllm_xargs.{CONTEXT_KEY}={raw!r} is not valid; valid: {', '.join(CONTEXT_VALUES)}"
         )
-    if not keeps_equal_counts(policy):
-        uniform = [m for m in method_names() if keeps_equal_counts(build_request_policy(m, server))]
+    if policy.kept_context_form(block_size=1) is None:
+        keeping = [m for m in method_names() if build_request_policy(m, server).kept_context_form(1)]
         raise EvictionConfigError(
             f"vllm_xargs.{CONTEXT_KEY}={raw!r} with {METHOD_KEY}={method!r}: a kept context needs a method "
-            f"that keeps the same count in every head and layer; valid: "
-            f"{', '.join([*uniform, *KEPT_CONTEXT_AS])} ({NO_FALLBACK})"
+            f"whose heads keep whole blocks and one budget per layer; valid: {', '.join(keeping)}"
         )
     if server.decode is not None or decode_budget is not None:
         raise EvictionConfigError(
@@ -387,6 +384,8 @@ class RequestSettings:
         )
         identity = ""
         if override.context:
+            policy = policy.kept_context_form(self.block_size)
+            assert policy is not None  # parse_context refused the others
             params = method_params(override.method, self.server)
             identity = json.dumps(
                 {"method": override.method, "budget": override.budget, "params": params}, sort_keys=True

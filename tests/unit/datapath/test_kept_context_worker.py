@@ -39,6 +39,9 @@ def create(engine: SimulatedEngine, chunks: list[int], args: dict) -> None:
         ("expected-attention", KEEP),
         ("streamingllm", KEEP),
         ("ada-snapkv", {**KEEP, "kv_eviction": "snapkv"}),  # per-layer tables on the server
+        ("ada-snapkv", KEEP),  # Ada-KV: head counts in whole blocks, per layer
+        ("ada-expected-attention", KEEP),
+        ("snapkv", {**KEEP, "kv_eviction": "ada-snapkv"}),  # one table group until the creator splits it
     ],
 )
 @pytest.mark.parametrize(
@@ -54,11 +57,13 @@ def test_a_reader_reads_the_creators_kept_context_and_nothing_writes_it(method, 
     entry = entry_blocks(context)
     kept = context.kept_bound
     creator = [engine.held("creator", layer) for layer in range(LAYERS)]
+    counts = [[len(head) - (PROMPT - 400) for head in heads] for heads in creator]
     for layer in range(LAYERS):
-        for head in creator[layer]:
-            assert len(head) == kept + PROMPT - 400
-            assert all(p < 400 for p in head[:kept]) and head[:kept] == sorted(set(head[:kept]))
-            assert head[kept:] == list(range(400, PROMPT))  # the prompt's tail is kept after the context
+        assert sum(counts[layer]) == len(counts[layer]) * kept  # H·B' per layer, split in whole blocks
+        for head, count in zip(creator[layer], counts[layer], strict=True):
+            assert count % BS == 0 and (count == kept or setting.method.startswith("ada-"))
+            assert all(p < 400 for p in head[:count]) and head[:count] == sorted(set(head[:count]))
+            assert head[count:] == list(range(400, PROMPT))  # the prompt's tail is kept after the context
     entry_rows = engine.rows["creator"][entry.first : entry.first + entry.count]
     snapshot = [cache[entry_rows].clone() for cache in engine.caches]
 
@@ -75,18 +80,32 @@ def test_a_reader_reads_the_creators_kept_context_and_nothing_writes_it(method, 
     own = set(engine.rows["reader"][400 // BS :])
     for layer in range(LAYERS):
         assert torch.equal(engine.caches[layer][entry_rows], snapshot[layer]), "an entry block was written"
-        for head, context_entries in zip(engine.held("reader", layer), creator[layer], strict=True):
-            assert head[:kept] == context_entries[:kept]
-            assert head[kept:] == list(range(400, reader_prompt + BS + 2))
+        reader = engine.held("reader", layer)
+        for head, context_entries, count in zip(reader, creator[layer], counts[layer], strict=True):
+            assert head[:count] == context_entries[:count]
+            assert head[count:] == list(range(400, reader_prompt + BS + 2))
         read = engine.blocks_read("reader", layer)
         assert 0 not in read  # never a null block
         assert read == set(entry_rows) | own
     assert "reader" not in worker.context_readers  # set up once, then an ordinary compacted request
 
 
-def test_a_creator_whose_budget_fills_no_whole_block_keeps_its_prompt_as_usual():
-    """Ada-KV keeps ragged counts per head: no entry, and the request is planned like any other."""
+def test_ada_kv_heads_differ_in_a_kept_context():
+    """The Ada-KV entry is not a uniform one in disguise: some layer's heads keep different counts."""
     engine = SimulatedEngine(server("ada-snapkv"))
+    create(engine, [PROMPT], KEEP)
+    held = [[len(head) for head in engine.held("creator", layer)] for layer in range(LAYERS)]
+    assert any(len(set(layer)) > 1 for layer in held)
+    first_block = engine.rows["creator"][entry_blocks(engine.worker.plan_for(400)).first]
+    assert engine.worker.entry_counts.counts_of(first_block) == [
+        [count - (PROMPT - 400) for count in layer] for layer in held
+    ]
+
+
+def test_a_creator_whose_method_keeps_no_context_keeps_its_prompt_as_usual():
+    """PyramidKV's layers keep different budgets: the request is refused its context (the API's 400) and
+    falls back to the server's setting, planned like any other."""
+    engine = SimulatedEngine(server("pyramidkv"))
     create(engine, [PROMPT], KEEP)
     assert "creator" not in engine.worker.context_lens
     assert engine.worker.requests["creator"] == engine.worker.plan_for(PROMPT)

@@ -14,6 +14,8 @@ from vllm_kvevict.policies.kept_masks import (
     safeguard_size,
     sample_per_head,
     top_k_mask,
+    whole_unit_counts,
+    whole_unit_mask,
 )
 
 INF = float("inf")
@@ -145,3 +147,36 @@ def test_ada_blend_keeps_every_head_near_the_uniform_budget() -> None:
     # Always-kept tokens stay kept in the starved head.
     scores[1, 7] = INF
     assert kept(ada_blend_allocation(scores, 4, 0.5)) == [[0, 1, 2, 3, 4, 5], [0, 7]]
+
+
+def test_whole_unit_counts_keep_the_total_and_give_units_by_remainder() -> None:
+    # 8 units of 4 tokens: floors 5 + 1 + 1 = 7; the largest remainder (head 1: 3) gets the last one
+    assert whole_unit_counts([21, 7, 4], 4, [0, 0, 0], 32) == [20, 8, 4]
+    assert whole_unit_counts([16, 8, 8], 8, [0, 0, 0], 32) == [16, 8, 8]  # already whole: unchanged
+    # ties of remainder go to the lower head
+    assert whole_unit_counts([6, 6, 12], 4, [0, 0, 0], 32) == [8, 4, 12]
+
+
+def test_whole_unit_counts_respect_the_always_kept_floor_and_the_limit() -> None:
+    # head 2 must keep 5 (2 units of 4): the surplus unit comes from the smallest remainder above its floor
+    assert whole_unit_counts([14, 14, 4], 4, [0, 0, 5], 32) == [12, 12, 8]
+    assert whole_unit_counts([31, 1, 0], 4, [0, 0, 0], 32) == [32, 0, 0]  # no head past the limit
+    for bad in (([5, 4], 4, [0, 0], 16), ([4, 4], 4, [0, 0], 10)):
+        try:
+            whole_unit_counts(*bad)
+        except ValueError as exc:
+            assert "multiples of 4" in str(exc)
+        else:
+            raise AssertionError(f"{bad} accepted")
+
+
+def test_whole_unit_mask_keeps_each_heads_top_tokens() -> None:
+    torch.manual_seed(0)
+    scores = torch.rand(3, 32)
+    scores[:, :2] = INF  # always kept
+    keep = ada_allocation(scores, 8, 0.2)
+    aligned = whole_unit_mask(scores, keep, 4)
+    counts = aligned.sum(dim=1)
+    assert int(counts.sum()) == 24 and bool((counts % 4 == 0).all()) and bool(aligned[:, :2].all())
+    assert torch.equal(aligned, top_k_mask(scores, counts))
+    assert (counts - keep.sum(dim=1)).abs().max() < 4  # moved by less than one unit per head

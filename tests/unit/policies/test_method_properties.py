@@ -54,3 +54,24 @@ def test_method_info_carries_the_same_properties() -> None:
             method_needs_o_proj(info.name),
             method_implies_decode_cap(info.name),
         )
+
+
+def test_the_methods_that_keep_a_context_keep_whole_blocks_in_every_head() -> None:
+    """``kept_context_form``: uniform top-k methods as they are, Ada-KV with head budgets in whole blocks;
+    per-layer budgets (PyramidKV), CriticalKV's and NaCl's selections and decode-time methods keep none."""
+    unit, n = 16, 256
+    keeping = []
+    for name in method_names():
+        if name in ("kvzap", "ada-kvzap"):
+            continue  # need a scorer directory: tests/unit/settings/test_learned_requests.py
+        form = build_policy(name).kept_context_form(unit)
+        if form is None:
+            continue
+        keeping.append(name)
+        layer = random_layer(kv_heads=3, n=n, w=form.query_window(n))
+        kept = form.select(layer, 64)
+        assert kept.total == 3 * 64 and bool((kept.counts % unit == 0).all()), name
+        assert form.name == name
+    assert {"snapkv", "ada-snapkv", "ada-expected-attention", "knorm", "streamingllm"} <= set(keeping)
+    assert not {"pyramidkv", "ada-pyramidkv", "critical-snapkv", "critical-ada-snapkv", "nacl"} & set(keeping)
+    assert build_policy("ada-snapkv").kept_context_form(1).head_unit == 1  # any unit: only whole units

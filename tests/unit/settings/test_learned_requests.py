@@ -1,6 +1,6 @@
-"""Per request with a learned method: HTTP 400 naming calibrate where the served model has no scorer, the
-kept context an ada-kvzap request keeps as kvzap (the served default ada-snapkv stays refused, saying why),
-and chunk by chunk only with a scorer whose heads score alone."""
+"""Per request with a learned method: HTTP 400 naming calibrate where the served model has no scorer, kept
+contexts with Ada-KV's head budgets in whole blocks (the served default ada-snapkv keeps one as ada-kvzap
+where the model has a scorer), and chunk by chunk only with a scorer whose heads score alone."""
 
 from __future__ import annotations
 
@@ -68,26 +68,58 @@ def test_with_a_scorer_a_learned_method_runs_per_request(scorer_dir):
     assert parse_override({"kv_budget": 0.2}, server).method == "ada-kvzap"
 
 
-def test_an_ada_kvzap_request_keeping_a_context_runs_as_kvzap_with_the_servers_scorer(scorer_dir):
+@pytest.fixture
+def served_with_scorer(scorer_dir):
+    """This process serves a model whose scorer is ``scorer_dir`` (its fingerprint matches)."""
+    model = SimpleNamespace(
+        architectures=["random"],
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        num_hidden_layers=LAYERS,
+        hidden_size=HEADS * DIM,
+        head_dim=DIM,
+        vocab_size=0,
+    )
+    assert served_scorer.serve_model(model, "random-model", scorer_dir) is None
+    yield scorer_dir
+    served_scorer.forget_served_model()
+
+
+def test_an_ada_kvzap_request_keeping_a_context_keeps_head_budgets_in_whole_blocks(scorer_dir):
     server = EvictionConfig("ada-kvzap", 64, {"scorer": scorer_dir, "window": 16, "alpha": 0.3})
     settings = RequestSettings(server, BS, LAYERS)
     keep = settings.resolve({"kv_context": "keep"})
-    assert keep.method == "kvzap" and keep.keeps_context
-    assert keep.policy.scorer == scorer_dir and keep.policy.window == 16  # alpha is Ada-KV's: not taken
-    assert len(set(keep.plan_for(1000).layer_budgets)) == 1  # one count for every head and layer
-    asked_as_kvzap = settings.resolve({"kv_eviction": "kvzap", "kv_context": "keep"})
-    assert asked_as_kvzap.identity == keep.identity  # the same kept set: one entry serves both
-    assert settings.resolve({"kv_budget": 0.5}).method == "ada-kvzap"  # without keep: Ada-KV
+    assert keep.method == "ada-kvzap" and keep.keeps_context and keep.policy.name == "ada-kvzap"
+    assert keep.policy.head_unit == BS and keep.policy.alpha == 0.3 and keep.policy.inner.window == 16
+    assert len(set(keep.plan_for(1000).layer_budgets)) == 1  # one budget per layer, split among the heads
+    uniform = settings.resolve({"kv_eviction": "kvzap", "kv_context": "keep"})
+    assert uniform.method == "kvzap" and uniform.identity != keep.identity  # other kept sets, other entries
+    assert settings.resolve({"kv_budget": 0.5}).policy.head_unit == 1  # without keep: Ada-KV as always
 
 
-def test_the_served_default_keeping_a_context_stays_refused_naming_why_and_the_learned_methods():
+def test_the_served_default_keeps_a_context_as_ada_kvzap_where_the_model_has_a_scorer(served_with_scorer):
+    settings = RequestSettings(DEFAULT_SERVER, BS, LAYERS)
+    keep = settings.resolve({"kv_context": "keep"})
+    assert keep.method == "ada-kvzap" and keep.policy.head_unit == BS
+    assert keep.policy.inner.window == 8  # the server's window, which ada-kvzap accepts too
+    asked = settings.resolve({"kv_eviction": "ada-kvzap", "kv_context": "keep"})
+    assert asked.method == "ada-kvzap" and asked.policy.head_unit == BS
+    assert settings.resolve({"kv_budget": 0.5}).method == "ada-snapkv"  # without keep: the default
+
+
+def test_without_a_scorer_the_served_default_keeps_a_context_as_itself(served_without_scorer):
+    keep = RequestSettings(DEFAULT_SERVER, BS, LAYERS).resolve({"kv_context": "keep"})
+    assert keep.method == "ada-snapkv" and keep.policy.head_unit == BS
+
+
+def test_a_method_with_budgets_per_layer_keeping_a_context_is_refused_naming_the_ones_that_can():
     with pytest.raises(EvictionConfigError) as raised:
-        parse_override({"kv_context": "keep"}, DEFAULT_SERVER)
+        parse_override({"kv_context": "keep", "kv_eviction": "pyramidkv"}, DEFAULT_SERVER)
     message = str(raised.value)
-    assert "kv_eviction='ada-snapkv': a kept context needs a method that keeps the same count" in message
-    valid = message.split("valid: ")[1].split(" (")[0].split(", ")
-    assert {"snapkv", "kvzap", "ada-kvzap"} <= set(valid) and "ada-snapkv" not in valid
-    assert "ada-snapkv is not switched to snapkv" in message and "Kept contexts" in message
+    assert "kv_eviction='pyramidkv': a kept context needs a method whose heads keep whole blocks" in message
+    valid = message.split("valid: ")[1].split(", ")
+    assert {"snapkv", "kvzap", "ada-kvzap", "ada-snapkv"} <= set(valid)
+    assert not {"pyramidkv", "ada-pyramidkv"} & set(valid) and "\n" not in message
 
 
 def test_chunk_by_chunk_needs_a_scorer_whose_heads_score_alone(scorer_dir, tmp_path):

@@ -79,8 +79,9 @@ def test_valid_overrides(extra_args, expected):
         ({"kv_prefill": "streamed"}, "kv_prefill='streamed' is not valid; valid: chunked, whole"),
         ({"kv_prefill": True}, "kv_prefill=True is not valid; valid: chunked, whole"),
         ({"kv_eviction": "snapkv", "kv_context": "share"}, "kv_context='share' is not valid; valid: keep"),
-        ({"kv_context": "keep"}, "kv_context='keep' with kv_eviction='ada-snapkv': a kept context needs a "
-         "method that keeps the same count in every head and layer; valid: "),
+        ({"kv_eviction": "ada-pyramidkv", "kv_context": "keep"}, "kv_context='keep' with "
+         "kv_eviction='ada-pyramidkv': a kept context needs a method whose heads keep whole blocks and one "
+         "budget per layer; valid: "),
         ({"kv_eviction": "none", "kv_context": "keep"}, "kv_context='keep' with kv_eviction='none'"),
         ({"kv_eviction": "snapkv", "kv_context": "keep", "kv_prefill": "chunked"}, "set kv_prefill='whole'"),
         ({"kv_question_echo": -1}, "kv_question_echo=-1 is not valid; valid: an integer >= 0"),
@@ -134,14 +135,14 @@ def test_a_server_with_a_decode_cap_refuses_chunked_prompts():
         parse_override({"kv_prefill": "chunked"}, capped)
 
 
-def test_a_kept_context_needs_equal_counts_and_a_server_without_a_decode_cap():
+def test_a_kept_context_needs_whole_block_counts_and_a_server_without_a_decode_cap():
     from vllm_kvevict.settings.decode_config import DecodeConfig
 
     with pytest.raises(EvictionConfigError) as raised:
-        parse_override({"kv_context": "keep"}, SERVER)
+        parse_override({"kv_context": "keep", "kv_eviction": "pyramidkv"}, SERVER)
     valid = str(raised.value).split("valid: ")[1].split(", ")
-    assert {"snapkv", "knorm", "keydiff", "streamingllm", "expected-attention"} <= set(valid)
-    assert not {"ada-snapkv", "pyramidkv", "critical-snapkv", "nacl"} & set(valid)
+    assert {"snapkv", "knorm", "keydiff", "streamingllm", "expected-attention", "ada-snapkv"} <= set(valid)
+    assert not {"pyramidkv", "ada-pyramidkv", "critical-snapkv", "nacl"} & set(valid)
     capped = EvictionConfig("snapkv", 64, decode=DecodeConfig("roco", 256))
     with pytest.raises(EvictionConfigError, match="decode-time cap"):
         parse_override({"kv_context": "keep"}, capped)
