@@ -1,12 +1,14 @@
 """A document compressed once and asked several questions (``"kv_context": "keep"``, docs/usage.md).
 
-    python examples/kept_context.py [--base-url http://127.0.0.1:8000/v1] [--method snapkv]
+    python examples/kept_context.py [--base-url http://127.0.0.1:8000/v1] [--method ada-kvzap]
 
-A kept context needs a method that keeps the same count in every head and layer: snapkv, streamingllm, h2o,
-knorm, keydiff or expected-attention. The default ada-snapkv cannot keep one: asking it is answered with
-HTTP 400 naming those methods, shown first. Then the document alone is sent once (it becomes the kept
-context), and two questions that start with it read it instead of computing the document again. Prompts go
-as token ids (from the server's ``/tokenize``): a reader's prompt must start with the creator's tokens.
+A kept context needs a method whose heads keep whole blocks with one budget per layer: the uniform top-k
+methods (snapkv, knorm, keydiff, expected-attention, streamingllm, kvzap) and the Ada-KV ones. The served
+default ada-snapkv keeps one as ada-kvzap, the learned question-agnostic scorer, where one ships for the
+model. PyramidKV, whose layers keep different budgets, cannot: asking it is answered with HTTP 400 naming
+the methods that can, shown first. Then the document alone is sent once (it becomes the kept context), and
+two questions that start with it read it instead of computing the document again. Prompts go as token ids
+(from the server's ``/tokenize``): a reader's prompt must start with the creator's tokens.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def kept_contexts(metrics_url: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"))
-    parser.add_argument("--method", default="snapkv", help="a method that can keep a context")
+    parser.add_argument("--method", default="", help="a method that keeps contexts (default: the server's)")
     parser.add_argument("--budget", type=float, default=0.25)
     args = parser.parse_args()
 
@@ -64,15 +66,19 @@ def main() -> None:
         ]
 
     document = token_ids(DOCUMENT)
-    try:  # the server's own method (ada-snapkv by default)
+    try:
+        pyramid = {"kv_eviction": "pyramidkv", "kv_context": "keep"}
         client.completions.create(
-            model=model, prompt=document, max_tokens=1, extra_body={"vllm_xargs": {"kv_context": "keep"}}
+            model=model, prompt=document, max_tokens=1, extra_body={"vllm_xargs": pyramid}
         )
-        print("the server's method kept the context")
+        print("pyramidkv kept the context")
     except BadRequestError as exc:
-        print(f"the server's method cannot keep a context, HTTP {exc.status_code}: {exc.body['message']}")
+        print(f"pyramidkv cannot keep a context, HTTP {exc.status_code}: {exc.body['message']}")
 
-    keep = {"vllm_xargs": {"kv_eviction": args.method, "kv_budget": args.budget, "kv_context": "keep"}}
+    settings = {"kv_budget": args.budget, "kv_context": "keep"}
+    if args.method:
+        settings["kv_eviction"] = args.method
+    keep = {"vllm_xargs": settings}
     before = kept_contexts(f"{root}/metrics")
     client.completions.create(model=model, prompt=document, max_tokens=1, extra_body=keep)  # the creator
     for question in QUESTIONS:
@@ -82,8 +88,8 @@ def main() -> None:
         print(f"{' '.join(question.split())} {answer.choices[0].text!r}")
     after = kept_contexts(f"{root}/metrics")
     print(
-        f"{len(document)}-token document, {args.method} at {args.budget}: contexts kept "
-        f"{after['kept'] - before['kept']:g}, read {after['read'] - before['read']:g}"
+        f"{len(document)}-token document, {args.method or 'the server method'} at {args.budget}: "
+        f"contexts kept {after['kept'] - before['kept']:g}, read {after['read'] - before['read']:g}"
     )
 
 

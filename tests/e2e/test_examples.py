@@ -81,15 +81,16 @@ def test_per_request_settings_are_served_refused_and_counted_by_method(run):
     assert counts["skipped"].get("none", 0) >= 1  # kept whole
 
 
-def test_kept_context_is_refused_for_the_default_and_read_by_both_questions(run):
+def test_kept_context_is_kept_by_the_default_and_read_by_both_questions(run):
     outputs, _ = run
     text = outputs["kept_context.py"]
     assert (
-        "the server's method cannot keep a context, HTTP 400: vllm_xargs.kv_context='keep' with "
-        "kv_eviction='ada-snapkv': a kept context needs a method that keeps the same count" in text
+        "pyramidkv cannot keep a context, HTTP 400: vllm_xargs.kv_context='keep' with "
+        "kv_eviction='pyramidkv': a kept context needs a method whose heads keep whole blocks" in text
     )
     assert len(re.findall(r"^Q: .+ A: Shelf \d+ holds (['\"]).+\1$", text, re.M)) == 2, text
-    found = re.search(r"(\d+)-token document, snapkv at 0.25: contexts kept (\d+), read (\d+)", text)
+    found = re.search(r"(\d+)-token document, the server method at 0.25: contexts kept (\d+), read (\d+)",
+                      text)
     assert found, text
     assert int(found.group(1)) > 256  # 25 % of it is more than the window of 32: a compacted context
     assert (int(found.group(2)), int(found.group(3))) == (1, 2)  # one creator, two readers

@@ -6,7 +6,7 @@ Two servers, one after the other (prefix caching on; the worker saves what each 
 
 - the shipped scorer (no ``--kv-eviction-config``: the packaged scorer of the bundled model): it answers,
   compacts each request to its plan and frees the blocks; a context kept by one request (``kv_context:
-  "keep"``, run as ``kvzap``: the same scores with every head the same count) is read by the next; a request
+  "keep"``, Ada-KV's head budgets in whole blocks) is read by the next; a request
   asking for per-chunk eviction is served, because the shipped scorer scores each head from its own head's
   features alone (``kvzap.scores_each_head_alone``; a scorer reading every head is refused per chunk,
   checked in ``tests/unit/settings/test_learned_requests.py`` and
@@ -170,13 +170,15 @@ def test_ada_kvzap_answers_compacts_to_its_plan_and_frees_blocks(shipped: Served
     assert "vllm_kvevict/scorers/smollm2-135m-instruct-" in shipped.log
 
 
-def test_a_context_kept_as_kvzap_is_read_by_the_next_request(shipped: Served):
+def test_a_context_kept_with_ada_kv_is_read_by_the_next_request(shipped: Served):
     assert shipped.contexts["creator"] == {"kept": 1.0, "read": 0.0}
-    assert shipped.compacted["creator"].get("kvzap") == 1.0  # ada-kvzap keeping a context runs as kvzap
+    assert shipped.compacted["creator"].get("ada-kvzap") == 2.0  # the story, then the creator (Ada-KV)
     context_len = BLOCK_SIZE * (1500 // BLOCK_SIZE)
     creator = shipped.dumps["creator"]
     assert creator["prompt_len"] == context_len
-    assert len({int(c) for counts in creator["counts"] for c in counts}) == 1  # every head and layer alike
+    totals = {int(counts.sum()) for counts in creator["counts"]}
+    assert len(totals) == 1  # every layer the same total, each head whole blocks
+    assert all(bool((counts % BLOCK_SIZE == 0).all()) for counts in creator["counts"])
     assert shipped.contexts["reader"] == {"kept": 1.0, "read": 1.0}
     assert shipped.hits["reader"] == context_len  # vLLM's prefix cache served the kept blocks
     assert shipped.completion_tokens["reader"] == 16
