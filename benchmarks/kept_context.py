@@ -1,8 +1,8 @@
 """A compressed document asked many questions (``vllm_xargs.kv_context: "keep"``): one prefill instead of one
 per question, and the answers of HF's question-agnostic run over the same document.
 
-One document (essay prose, ``--tokens`` long, eight keyed 7-digit needles at evenly spread depths) and eight
-questions, one per needle. Servers, one after the other, same KV pool:
+Per ``--seeds`` seed one document (essay prose, ``--tokens`` long, eight keyed 7-digit needles at evenly
+spread depths) and eight questions, one per needle. Servers, one after the other, same KV pool:
 
 - vanilla vLLM at its defaults (prefix caching on): the eight questions in order; the first computes the
   document, the others find it in the prefix cache (full KV);
@@ -19,7 +19,7 @@ as ``ada-kvzap`` with the packaged scorer; Ada-KV's head budgets in whole blocks
 ``accounting.plan_request`` of that length), each question run on the compressed cache, greedy. Prints one
 table per setting; ``--out`` saves everything as JSON.
 
-    python -m benchmarks.kept_context --tokens 7000 --setting snapkv:0.25 --setting snapkv:0.1 \
+    python -m benchmarks.kept_context --tokens 7000 --seeds 0,1,2 --setting snapkv:0.25 --setting snapkv:0.1 \
         --setting expected-attention:0.25 --setting expected-attention:0.1 --per-question \
         --out docs/results/2026-11-27-kept-context/kept_context.json
 """
@@ -97,35 +97,43 @@ def stream_ttft(client, model: str, prompt: list[int], xargs: dict | None, salt:
     return first, text
 
 
-def served_runs(model_dir: Path, document: Document, settings: list[tuple[str, float]], per_question: bool):
+def served_runs(
+    model_dir: Path, documents: list[Document], settings: list[tuple[str, float]], per_question: bool
+) -> list[dict]:
+    """Per document: vanilla's answers and TTFTs, then each setting's creator and readers (one server each
+    for all documents; a document's entries are its own: its tokens differ)."""
     from openai import OpenAI
 
-    runs: dict = {"vanilla": [], "settings": {}}
+    runs: list[dict] = [{"vanilla": [], "settings": {}} for _ in documents]
     with VLLMServer(model_dir, extra_args=SERVER_ARGS, enforce_eager=True) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
-        for question in document.questions:
-            runs["vanilla"].append(
-                stream_ttft(client, server.served_model_name, document.ids + question, None)
-            )
+        for document, run in zip(documents, runs, strict=True):
+            for question in document.questions:
+                run["vanilla"].append(
+                    stream_ttft(client, server.served_model_name, document.ids + question, None)
+                )
     evicting = (*SERVER_ARGS, "--kv-eviction", "snapkv", "--kv-budget", "0.25")
     with VLLMServer(model_dir, extra_args=evicting, enforce_eager=True) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
         model = server.served_model_name
-        for method, fraction in settings:
-            keep = {"kv_eviction": method, "kv_budget": fraction, "kv_context": "keep"}
-            label = f"{method}:{fraction}"
-            run = {"creator": stream_ttft(client, model, document.ids, keep)}
-            run["readers"] = [stream_ttft(client, model, document.ids + q, keep) for q in document.questions]
-            run["contexts"] = {
-                s[0]["event"]: s[1] for s in server.metric_samples("vllm_kvevict_kept_contexts_total")
-            }
-            if per_question:
-                own = {"kv_eviction": method, "kv_budget": fraction}
-                run["per_question"] = [
-                    stream_ttft(client, model, document.ids + q, own, salt=f"{label}-{i}")
-                    for i, q in enumerate(document.questions)
+        for document, runs_of_document in zip(documents, runs, strict=True):
+            for method, fraction in settings:
+                keep = {"kv_eviction": method, "kv_budget": fraction, "kv_context": "keep"}
+                label = f"{method}:{fraction}"
+                run = {"creator": stream_ttft(client, model, document.ids, keep)}
+                run["readers"] = [
+                    stream_ttft(client, model, document.ids + q, keep) for q in document.questions
                 ]
-            runs["settings"][label] = run
+                run["contexts"] = {
+                    s[0]["event"]: s[1] for s in server.metric_samples("vllm_kvevict_kept_contexts_total")
+                }
+                if per_question:
+                    own = {"kv_eviction": method, "kv_budget": fraction}
+                    run["per_question"] = [
+                        stream_ttft(client, model, document.ids + q, own, salt=f"{label}-{i}")
+                        for i, q in enumerate(document.questions)
+                    ]
+                runs_of_document["settings"][label] = run
     return runs
 
 
@@ -214,10 +222,30 @@ def report(document: Document, runs: dict, hf: dict[str, list[str]]) -> str:
     return "\n".join(lines)
 
 
+def totals(documents: list[Document], runs: list[dict], hf: list[dict[str, list[str]]]) -> str:
+    """One line per setting: correct answers over every document, readers and HF, against vanilla's."""
+    asked = NEEDLES * len(documents)
+    pairs = list(zip(documents, runs, strict=True))
+    vanilla = sum(correct([o for _, o in r["vanilla"]], d.answers) for d, r in pairs)
+    lines = [f"\n{len(documents)} documents, {asked} questions: vanilla {vanilla}/{asked}"]
+    for label in runs[0]["settings"]:
+        readers = sum(
+            correct([o for _, o in r["settings"][label]["readers"]], d.answers)
+            for d, r in pairs
+        )
+        line = f"{label}: readers {readers}/{asked} ({readers / max(vanilla, 1):.2f}x vanilla)"
+        if hf and label in hf[0]:
+            agnostic = sum(correct(h[label], d.answers) for d, h in zip(documents, hf, strict=True))
+            line += f", HF question-agnostic {agnostic}/{asked}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=7000)
     parser.add_argument("--setting", action="append", default=None, help="METHOD:FRACTION (repeatable)")
+    parser.add_argument("--seeds", default="0", help="comma list: a document per seed")
     parser.add_argument("--per-question", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--out", type=Path)
@@ -226,13 +254,21 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     model_dir = prepared_model_dir()
-    document = build_document(AutoTokenizer.from_pretrained(str(model_dir)), args.tokens)
-    runs = served_runs(model_dir, document, settings, args.per_question)
-    hf = {} if args.no_hf else hf_agnostic(model_dir, document, settings)
-    print(report(document, runs, hf))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    documents = [build_document(tokenizer, args.tokens, seed) for seed in seeds]
+    runs = served_runs(model_dir, documents, settings, args.per_question)
+    hf = [] if args.no_hf else [hf_agnostic(model_dir, document, settings) for document in documents]
+    for index, (document, run) in enumerate(zip(documents, runs, strict=True)):
+        print(f"\n## document of seed {seeds[index]}")
+        print(report(document, run, hf[index] if hf else {}))
+    print(totals(documents, runs, hf))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"tokens": len(document.ids), "answers": document.answers, "runs": runs, "hf": hf}
+        record = [
+            {"seed": seed, "tokens": len(d.ids), "answers": d.answers, "runs": r, "hf": hf[i] if hf else {}}
+            for i, (seed, d, r) in enumerate(zip(seeds, documents, runs, strict=True))
+        ]
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 

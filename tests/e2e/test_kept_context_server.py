@@ -50,6 +50,7 @@ KEEP = {"kv_context": "keep", "kv_budget": 0.1}  # the server's method; 10 %: th
 KEEP_ADA = {**KEEP, "kv_eviction": "ada-snapkv"}  # kept as ada-kvzap: ragged heads, whole blocks
 NEW_TOKENS = 128
 CONTEXTS = "vllm_kvevict_kept_contexts_total"
+COMPACTED = "vllm_kvevict_requests_compacted_total"
 HITS = "vllm:prefix_cache_hits_total"
 
 
@@ -64,6 +65,7 @@ class Served:
     answers: dict[str, str]
     hits: dict[str, float]  # prefix-cache hit tokens each request added
     contexts: dict[str, dict[str, float]]  # kept/read counters after each request
+    compacted: dict[str, float]  # compacted requests by method, at the end
     kept: list[tuple[torch.Tensor, torch.Tensor]]  # the creator's kept entries per layer
     ada_kept: list[tuple[torch.Tensor, torch.Tensor]]  # the Ada-KV creator's
     context_len: int
@@ -122,6 +124,7 @@ def served(model_dir, tmp_path_factory) -> Served:
         except BadRequestError as exc:
             refusal = str(exc)
         usage = server.wait_for_metric("vllm:kv_cache_usage_perc", 0.0)
+        compacted = {labels["method"]: value for labels, value in server.metric_samples(COMPACTED)}
     tokens, logprobs = tokens_and_logprobs(reader.choices[0].logprobs)
     ada_tokens, ada_logprobs = tokens_and_logprobs(ada_reader.choices[0].logprobs)
     # in the order written: the creator, the salted request (no entry of its salt: its own context, question
@@ -140,6 +143,7 @@ def served(model_dir, tmp_path_factory) -> Served:
         answers=answers,
         hits=hits,
         contexts=contexts,
+        compacted=compacted,
         kept=list(zip(record["indices"], record["counts"], strict=True)),
         ada_kept=list(zip(ada_record["indices"], ada_record["counts"], strict=True)),
         context_len=context_len,
@@ -159,6 +163,8 @@ def test_readers_start_from_the_kept_context_and_nothing_else_finds_it(served: S
     assert served.hits["salted"] == 0
     assert served.contexts["ada creator"] == {"kept": 3.0, "read": 2.0}  # another method: its own entry
     assert served.contexts["ada A"] == {"kept": 3.0, "read": 3.0}
+    # the creators: two snapkv (the entry, the salted one) and the default's, kept as the learned method
+    assert served.compacted == {"snapkv": 2.0, "ada-kvzap": 1.0}
     assert served.hits["ada A"] == served.context_len
     assert "kv_context='keep' with kv_eviction='pyramidkv'" in served.refusal
     assert "ada-snapkv" in served.refusal.split("valid: ")[1]
