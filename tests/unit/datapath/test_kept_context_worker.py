@@ -9,7 +9,7 @@ import pytest
 import torch
 from simulated_engine import BS, LAYERS, SimulatedEngine
 
-from vllm_kvevict.layout.context_reuse import context_len, entry_blocks, keeps_entry
+from vllm_kvevict.layout.context_reuse import EntryCounts, context_len, entry_blocks, keeps_entry
 from vllm_kvevict.settings.config import EvictionConfig
 
 PROMPT = 410  # not block-aligned: the context is its first 400 tokens
@@ -121,3 +121,15 @@ def test_dropping_requests_leaves_no_context_state():
     engine.worker.drop(["creator", "reader"])
     assert not engine.worker.context_lens and not engine.worker.context_readers
     assert not engine.worker.shared_tokens and not engine.worker.requests
+
+
+def test_a_reader_of_ragged_counts_the_worker_never_recorded_stops_loudly():
+    """Every Ada-KV entry's counts are recorded by the worker that compacted its creator; a reader whose
+    first entry block has none would read the wrong entries, so it raises instead."""
+    counts = EntryCounts()
+    counts.record(7, [[32, 64], [64, 32]])
+    assert counts.counts_of(7) == [[32, 64], [64, 32]]
+    counts.record(7, [[48, 48], [48, 48]])  # the block went to a later creator
+    assert counts.counts_of(7) == [[48, 48], [48, 48]]
+    with pytest.raises(RuntimeError, match="no kept context with ragged counts starts at block 8"):
+        counts.counts_of(8)
