@@ -138,23 +138,26 @@ def served_runs(
 
 
 def hf_agnostic(
-    model_dir: Path, document: Document, settings: list[tuple[str, float]]
-) -> dict[str, list[str]]:
-    """Per setting, HF's greedy answers to each question over the document compressed alone."""
-    from vllm_kvevict.hf_reference import (
-        context_layers,
-        decode_with_kept,
-        kept_per_layer,
-        load_reference_model,
-        prefill,
-    )
-    from vllm_kvevict.layout.accounting import plan_request
+    model_dir: Path, documents: list[Document], settings: list[tuple[str, float]]
+) -> list[dict[str, list[str]]]:
+    """Per document and setting, HF's greedy answers to each question over the document compressed alone."""
+    from vllm_kvevict.hf_reference import load_reference_model
     from vllm_kvevict.policies import served_scorer
-    from vllm_kvevict.policies.registry import build_policy
-    from vllm_kvevict.settings.learned_methods import kept_context_method
 
     model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
     served_scorer.serve_model(model.config, model_dir.name)  # the packaged scorer, as the server finds it
+    return [hf_agnostic_document(model, tokenizer, document, settings) for document in documents]
+
+
+def hf_agnostic_document(
+    model, tokenizer, document: Document, settings: list[tuple[str, float]]
+) -> dict[str, list[str]]:
+    """Per setting, HF's greedy answers to each question of ``document`` over it compressed alone."""
+    from vllm_kvevict.hf_reference import context_layers, decode_with_kept, kept_per_layer, prefill
+    from vllm_kvevict.layout.accounting import plan_request
+    from vllm_kvevict.policies.registry import build_policy
+    from vllm_kvevict.settings.learned_methods import kept_context_method
+
     prompt = prefill(model, torch.tensor(document.ids), query_window=None)
     context_len = BLOCK_SIZE * (len(document.ids) // BLOCK_SIZE)
     layers = context_layers(prompt, context_len, None)
@@ -258,7 +261,7 @@ def main() -> None:
     seeds = [int(seed) for seed in args.seeds.split(",")]
     documents = [build_document(tokenizer, args.tokens, seed) for seed in seeds]
     runs = served_runs(model_dir, documents, settings, args.per_question)
-    hf = [] if args.no_hf else [hf_agnostic(model_dir, document, settings) for document in documents]
+    hf = [] if args.no_hf else hf_agnostic(model_dir, documents, settings)
     for index, (document, run) in enumerate(zip(documents, runs, strict=True)):
         print(f"\n## document of seed {seeds[index]}")
         print(report(document, run, hf[index] if hf else {}))

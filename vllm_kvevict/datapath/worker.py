@@ -303,14 +303,15 @@ class EvictionWorker:
             entry = self.context_readers.pop(req_id, None)
             if entry is None:
                 continue
-            per_layer = [[entry.per_head] * self.num_kv_heads]
             if req_id in self.ragged_readers:
                 self.ragged_readers.discard(req_id)
-                per_layer = self.entry_counts.counts_of(int(block_table[slot, entry.reader_first]))
                 self.tables.split()
-            tables: dict[tuple[int, ...], TableRows] = {}  # layers with the same counts share one
+                per_group = self.entry_counts.counts_of(int(block_table[slot, entry.reader_first]))
+            else:
+                per_group = [[entry.per_head] * self.num_kv_heads] * store.num_groups
+            tables: dict[tuple[int, ...], TableRows] = {}  # groups with the same counts share one
             for group in range(store.num_groups):
-                counts = tuple(per_layer[group if len(per_layer) > 1 else 0])
+                counts = tuple(per_group[group])
                 if counts not in tables:
                     tables[counts] = store.assign(
                         host_to_device(np.array(counts), store.device),
