@@ -279,10 +279,21 @@ class ChunkEviction:
             rope_inv_freq=self.rope_inv_freq,
             query_statistics=self.statistics[r.req_id][layer_idx] if r.req_id in self.statistics else None,
         )
-        choice = PrefillChoice(policy, layer, min(budget, scored - r.shared), r.shared, uniform=not r.final)
+        adaptive = r.final and plan.adaptive  # the scores set the count, under the budget (accounting.py)
+        budget = min(budget, scored - r.shared)
+        choice = PrefillChoice(policy, layer, budget, r.shared, uniform=not r.final, exact=not adaptive)
         first_block = first_kept_block(plan, r.shared, r.seq_len, r.spare)
         num_blocks = cdiv(r.seq_len, self.shape.block_size) + r.spare
-        target = LayerTarget(r.slot, r.req_id, block_row, first_block, num_blocks, r.trailing, r.shared)
+        target = LayerTarget(
+            r.slot,
+            r.req_id,
+            block_row,
+            first_block,
+            num_blocks,
+            r.trailing,
+            r.shared,
+            adaptive_prompt=plan.prompt_len if adaptive else 0,
+        )
         result = evict_layer(layer_idx, held.held, choice, target, tables, timer)
         kept = result.held_positions(held.held)
         self._commit(layer_idx, r, kept.indices)

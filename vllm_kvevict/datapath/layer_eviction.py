@@ -7,6 +7,7 @@ differ only in where the policy, its budget and the held entries come from (``La
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from vllm_kvevict.datapath.kept_selection import LayerChoice, kept_or_newest
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import Placement, place, subblock_slots
 from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.layout.accounting import first_block_for_bound, layer_kept_bound
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import shared_blocks
 from vllm_kvevict.layout.subblock_store import TableRows
@@ -90,7 +92,11 @@ def held_in_store(
 class LayerTarget:
     """Where one request's kept entries go: its block-table row [W], the first block whose sub-blocks take
     them, the blocks it keeps, ``trailing`` entries per head kept whole after the chosen ones and ``shared``
-    leading entries per head of a prefix other requests share (kept where they are)."""
+    leading entries per head of a prefix other requests share (kept where they are).
+
+    ``adaptive_prompt``: the prompt length P of an adaptive plan (0: none). The layer's kept count is then
+    set by its scores, and its entries start at the first block its own bound leaves (``for_kept``), at or
+    after ``first_block`` (the ceiling's, where the request's pool starts: ``pool_block``)."""
 
     slot: int
     req_id: str
@@ -99,6 +105,17 @@ class LayerTarget:
     num_blocks: int
     trailing: int = 0
     shared: int = 0
+    adaptive_prompt: int = 0
+    pool_block: int = -1
+
+    def for_kept(self, total: int, heads: int, block_size: int) -> LayerTarget:
+        """This target once the layer's heads keep ``total`` entries: for an adaptive plan its entries start
+        at the first block of the layer's bound (``accounting.layer_kept_bound``), itself otherwise."""
+        if not self.adaptive_prompt:
+            return self
+        bound = layer_kept_bound(self.adaptive_prompt, total, heads, block_size)
+        first = max(self.first_block, first_block_for_bound(self.adaptive_prompt, bound, block_size))
+        return dataclasses.replace(self, first_block=first, pool_block=self.first_block)
 
 
 @dataclass(frozen=True)
@@ -160,10 +177,16 @@ class LayerTables:
         return table
 
     def commit(self, layer_idx: int, target: LayerTarget) -> None:
-        """After the last layer of a group, the group's table becomes the request's rows."""
+        """After the last layer of a group, the group's table becomes the request's rows. A layer of an
+        adaptive plan whose entries start after the request's pool block counts the blocks between as taken
+        (its growth continues after its own entries; every layer's pool starts at the same block)."""
         if self.tables.last_layer_of_group(layer_idx):
             table, _ = self._pending.pop((target.req_id, self.tables.group_of(layer_idx)))
-            self.tables.commit(layer_idx, target.slot, table, target.first_block)
+            first = target.first_block
+            if 0 <= target.pool_block < first:
+                table.cursor = table.cursor + (first - target.pool_block) * self.tables.num_kv_heads
+                first = target.pool_block
+            self.tables.commit(layer_idx, target.slot, table, first)
 
 
 def evict_layer(
@@ -185,6 +208,7 @@ def evict_layer(
     with timer.phase("selection") if timer is not None else contextlib.nullcontext():
         kept = kept_or_newest(choice, valid, target.req_id, layer_idx)
     total = heads * choice.budget if choice.exact else int(kept.counts.sum())  # host-known when exact
+    target = target.for_kept(total, heads, tables.tables.block_size)
     counts = kept.counts.to(device=held.slots.device, dtype=torch.int64)
     table = tables.table_for(layer_idx, target, counts, total, getattr(choice.policy, "name", "?"))
     placed = place(kept, target.trailing, scored, total + heads * target.trailing, held.slots.device)

@@ -59,8 +59,12 @@ def guarded_select(policy: EvictionPolicy, layer: LayerKV, budget: int, fixed: i
             kept = KeptTokens(indices=kept.indices, counts=kept.counts + 1)
         return kept
 
+    at_most = bool(getattr(policy, "adapts_kept_count", False))
     return guarded(
-        policy, select, lambda kept: accounting_problem(kept, layer, budget, fixed), poison=injected == "nan"
+        policy,
+        select,
+        lambda kept: accounting_problem(kept, layer, budget, fixed, at_most),
+        poison=injected == "nan",
     )
 
 
@@ -95,16 +99,22 @@ def fault(policy: object, reason: str, message: str) -> PolicyFault:
     return PolicyFault(reason, message)
 
 
-def accounting_problem(kept: KeptTokens, layer: LayerKV, budget: int, fixed: int = 0) -> str | None:
+def accounting_problem(
+    kept: KeptTokens, layer: LayerKV, budget: int, fixed: int = 0, at_most: bool = False
+) -> str | None:
     """Why ``kept`` cannot be written into the blocks the scheduler leaves, or None when it can (kept
-    indices must lie in ``[fixed, n)``: the shared prefix is not the request's to place)."""
+    indices must lie in ``[fixed, n)``: the shared prefix is not the request's to place). ``at_most``: the
+    policy's scores set the count (an adaptive plan), at most H x ``budget``."""
     heads, n = layer.num_kv_heads, layer.num_tokens - fixed
     counts, indices = kept.counts, kept.indices
     if tuple(counts.shape) != (heads,) or indices.dim() != 2 or indices.shape[0] != heads:
         return f"counts {tuple(counts.shape)} / indices {tuple(indices.shape)} are not per KV head ({heads})"
     most = min(n, indices.shape[1])
-    if int(counts.sum()) != heads * budget or int(counts.min()) < 0 or int(counts.max()) > most:
-        return f"kept {counts.tolist()} tokens per head; needs {budget} per head on average, <= {n} each"
+    total = int(counts.sum())
+    wrong_total = total > heads * budget if at_most else total != heads * budget
+    if wrong_total or int(counts.min()) < 0 or int(counts.max()) > most:
+        needs = f"at most {budget}" if at_most else str(budget)
+        return f"kept {counts.tolist()} tokens per head; needs {needs} per head on average, <= {n} each"
     valid = torch.arange(indices.shape[1], device=indices.device) < counts[:, None]
     chosen = indices[valid]
     if chosen.numel() and (int(chosen.min()) < fixed or int(chosen.max()) >= fixed + n):

@@ -79,7 +79,10 @@ class PromptEviction:
                 self._slot_mapping, req.q_start, req.q_len, self.shape.num_kv_heads, self.shape.block_size
             )
             choice = PrefillChoice(
-                policy, self._layer(req, layer_idx, query, key, value), self._budget(req, layer_idx)
+                policy,
+                self._layer(req, layer_idx, query, key, value),
+                self._budget(req, layer_idx),
+                exact=not plan.adaptive,
             )
             first_block = first_kept_block(plan, 0, req.seq_len, req.spare)
             num_blocks = cdiv(req.seq_len, self.shape.block_size) + req.spare
@@ -90,6 +93,7 @@ class PromptEviction:
                 first_block,
                 num_blocks,
                 req.q_len - req.prompt_len,
+                adaptive_prompt=plan.prompt_len if plan.adaptive else 0,
             )
             result = evict_layer(layer_idx, held, choice, target, self._tables, self.timer)
             moves.append(result.moves)

@@ -15,7 +15,7 @@ import torch
 
 from vllm_kvevict import metrics
 from vllm_kvevict.datapath.step_inputs import StepRequest
-from vllm_kvevict.layout.accounting import RequestPlan
+from vllm_kvevict.layout.accounting import RequestPlan, adaptive_kept_bound, with_kept_bound
 from vllm_kvevict.policies.base import KeptTokens
 
 #: When set, the worker saves each compacted request's kept indices per layer/head there (off by default).
@@ -52,6 +52,9 @@ class EvictionRecords:
         self.prompt_counts: dict[str, list[list[int]]] = {}
         self._slot_ids: list[str] | None = None
         self.chunk_history: dict[str, list] = {}  # req -> held sets after each chunk (debug dump only)
+        #: req -> kept bound B'_r of an adaptive plan compacted in this process, until the runner's output of
+        #: the step carries it to the scheduler (``take_kept_bounds``)
+        self.kept_bounds: dict[str, int] = {}
         dump = os.environ.get(DEBUG_DUMP_ENV)
         self.dump_dir = Path(dump) if dump else None
 
@@ -68,6 +71,7 @@ class EvictionRecords:
         self.prompt_counts.pop(req_id, None)
         self.kept_tokens.pop(req_id, None)
         self.chunk_history.pop(req_id, None)
+        self.kept_bounds.pop(req_id, None)
         self.kept_by_slot[slot] = np.nan
 
     def drop(self, req_id: str) -> None:
@@ -75,6 +79,7 @@ class EvictionRecords:
         self.prompt_counts.pop(req_id, None)
         self.kept_tokens.pop(req_id, None)
         self.chunk_history.pop(req_id, None)
+        self.kept_bounds.pop(req_id, None)
         self._slot_ids = None
 
     def _set_kept(self, req_id: str, slot: int, kept: float) -> None:
@@ -90,9 +95,25 @@ class EvictionRecords:
             generated = req.seq_len - req.prompt_len
             kept = float(req.plan.kept_length(generated) - generated)
         self._set_kept(req.req_id, req.index, kept)
-        self.requests[req.req_id] = req.plan
+        plan = self._kept_plan(req.req_id, req.plan, kept_per_head)
         self.prompt_counts[req.req_id] = kept_per_head
-        metrics.record_kept_per_head(req.policy.name, req.prompt_len, kept_per_head, req.plan.blocks_to_free)
+        metrics.record_kept_per_head(req.policy.name, req.prompt_len, kept_per_head, plan.blocks_to_free)
+
+    def _kept_plan(self, req_id: str, plan: RequestPlan, kept_per_head: list[list[int]]) -> RequestPlan:
+        """The plan a compacted request holds blocks by: an adaptive plan takes the bound of its largest
+        layer (noted for the scheduler, ``take_kept_bounds``), any other is itself."""
+        if plan.adaptive:
+            bound = adaptive_kept_bound(plan, [sum(layer) for layer in kept_per_head], self.num_kv_heads)
+            plan = with_kept_bound(plan, bound)
+            self.kept_bounds[req_id] = bound
+        self.requests[req_id] = plan
+        return plan
+
+    def take_kept_bounds(self) -> dict[str, int]:
+        """Kept bounds of adaptive plans compacted since the last call (the step's report to the
+        scheduler)."""
+        bounds, self.kept_bounds = self.kept_bounds, {}
+        return bounds
 
     def chunk_evicted(
         self,
@@ -117,7 +138,7 @@ class EvictionRecords:
         self._set_kept(
             req.req_id, req.index, sum(map(sum, prompt_counts)) / (len(prompt_counts) * self.num_kv_heads)
         )
-        self.requests[req.req_id] = plan
+        plan = self._kept_plan(req.req_id, plan, prompt_counts)
         self.prompt_counts[req.req_id] = prompt_counts
         metrics.record_kept_per_head(method, plan.prompt_len, prompt_counts, plan.blocks_to_free)
         if self.dump_dir is not None:

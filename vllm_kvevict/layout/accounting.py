@@ -44,6 +44,14 @@ count follows the prompt length instead of I: ``O(n) = min(bs·floor((n - h(n))/
 method's floor) and every arrived token of the window. n - h(n) never decreases (slope 1 - r' before the
 window, 0 inside it), so O is non-decreasing; a(n) lies in [h(n), h(n) + bs) and the worker keeps the
 arrived part of the window whole among them.
+
+A kept count set by the scores (``EvictionPolicy.adapts_kept_count``: KVzap's threshold) uses the plan as a
+ceiling. Layer l keeps k_l <= H·B' entries, which fit the blocks a plan of bound B'_l = align(ceil(k_l/H))
+keeps (the rule above with B'_l for B'), so the worker writes them from that plan's first kept block. The
+request then needs only the blocks of its largest layer: the worker reports B'_r = max_l B'_l after the step
+(``adaptive_kept_bound``), and the scheduler frees the leading blocks of ``with_kept_bound(plan, B'_r)`` from
+then on, a superset of the ceiling's; until the report arrives it holds the ceiling's, which the worker never
+writes outside of. Such a request never reads or publishes prefix-cache blocks (``adaptive``).
 """
 
 from __future__ import annotations
@@ -117,6 +125,8 @@ class RequestPlan:
         tokens before them at r' = (B' - w)/(P - w) (FastKVzip's rule; ``chunk_budget`` is then 0); 0: none.
     trailing_floor: under a trailing window, what each head holds of the tokens before it at least (the
         between-chunks selection's minimum budget).
+    adaptive: the policy's scores set each layer's kept count under ``kept_bound`` (a ceiling): the worker
+        reports the request's bound after compacting and the scheduler then frees more (module docstring).
     """
 
     prompt_len: int
@@ -131,6 +141,7 @@ class RequestPlan:
     chunk_stride: int = 0
     trailing_window: int = 0
     trailing_floor: int = 0
+    adaptive: bool = False
 
     @property
     def evicts_between_chunks(self) -> bool:
@@ -311,7 +322,45 @@ def plan_request(
         # Only one block's worth to evict: the rule keeps it as headroom, so eviction would lose tokens and
         # free nothing. Such a request stays whole.
         return RequestPlan(prompt_len, block_size, (prompt_len,) * num_layers, prompt_len, 0, False)
-    return RequestPlan(prompt_len, block_size, layer_budgets, kept_bound, blocks_to_free, True)
+    adaptive = policy.adapts_kept_count
+    return RequestPlan(
+        prompt_len, block_size, layer_budgets, kept_bound, blocks_to_free, True, adaptive=adaptive
+    )
+
+
+def layer_kept_bound(prompt_len: int, kept_entries: int, num_kv_heads: int, block_size: int) -> int:
+    """B'_l of a layer whose heads keep ``kept_entries`` in all under an adaptive plan: the aligned bound of
+    their per-head average (the module docstring)."""
+    return align_budget(prompt_len, max(1, cdiv(kept_entries, num_kv_heads)), block_size)
+
+
+def first_block_for_bound(prompt_len: int, kept_bound: int, block_size: int) -> int:
+    """The leading blocks a plan of bound ``kept_bound`` frees: its kept entries start at that block."""
+    return max(0, (prompt_len - kept_bound) // block_size - 1)
+
+
+def adaptive_kept_bound(plan: RequestPlan, kept_per_layer: list[int], num_kv_heads: int) -> int:
+    """B'_r of an adaptive plan's request whose layers kept ``kept_per_layer`` entries (all heads): the
+    largest layer's bound, never above the ceiling ``plan.kept_bound``."""
+    bounds = [layer_kept_bound(plan.prompt_len, k, num_kv_heads, plan.block_size) for k in kept_per_layer]
+    return min(max(bounds), plan.kept_bound)
+
+
+def with_kept_bound(plan: RequestPlan, kept_bound: int) -> RequestPlan:
+    """An adaptive ``plan`` once its request reported ``kept_bound`` (<= the ceiling, aligned): the scheduler
+    frees the leading blocks this bound leaves."""
+    if not plan.adaptive or not plan.compacts:
+        raise ValueError("only an adaptive plan that compacts takes a reported kept bound")
+    if kept_bound > plan.kept_bound or (plan.prompt_len - kept_bound) % plan.block_size:
+        raise ValueError(
+            f"kept_bound={kept_bound}: a reported bound must be <= the ceiling {plan.kept_bound} with "
+            f"prompt_len - bound a multiple of {plan.block_size}"
+        )
+    blocks_to_free = first_block_for_bound(plan.prompt_len, kept_bound, plan.block_size)
+    layer_budgets = tuple(min(b, kept_bound) for b in plan.layer_budgets)
+    return dataclasses.replace(
+        plan, kept_bound=kept_bound, blocks_to_free=blocks_to_free, layer_budgets=layer_budgets
+    )
 
 
 def request_planner(

@@ -177,6 +177,12 @@ class EvictionPolicy(ABC):
         """Smallest per-head budget ``select`` accepts below n (tokens the method always keeps)."""
         return 0
 
+    @property
+    def adapts_kept_count(self) -> bool:
+        """True when the scores set how many entries a layer keeps, at most H x its budget (which is then a
+        ceiling; KVzap's threshold): ``select`` may keep fewer and the layers differ."""
+        return False
+
     def query_window(self, num_tokens: int) -> int:
         """How many trailing prompt queries ``select`` needs in ``LayerKV.queries`` (0: none)."""
         return 0
@@ -296,7 +302,11 @@ class RecentWindowPolicy(EvictionPolicy):
 def keeps_equal_counts(policy: EvictionPolicy | None) -> bool:
     """True when every head of every layer keeps the same count (uniform top-k per head with the default
     per-layer budget): one sub-block table then serves all of a request's layers."""
-    return isinstance(policy, ScoredPolicy) and type(policy).layer_budget is EvictionPolicy.layer_budget
+    return (
+        isinstance(policy, ScoredPolicy)
+        and type(policy).layer_budget is EvictionPolicy.layer_budget
+        and not policy.adapts_kept_count
+    )
 
 
 def shifted(kept: KeptTokens, offset: int) -> KeptTokens:

@@ -44,8 +44,9 @@ class KVzap(ScoredPolicy):
         serves (``served_scorer``: the server's, or the packaged one fitted on the served model).
     threshold: None keeps the budget (top-``budget`` per head); a number keeps every entry whose score is
         above it (kvpress's ``DMSPress``/``ThresholdPress``), so the kept count adapts per head, layer and
-        prompt and the budget is not used. Only the HF runner evicts so: the server's block accounting
-        needs a count known before the scores (``vllm_adapter/learned_scorer.py`` refuses it there).
+        prompt, with the budget as a ceiling: a layer keeps at most H x budget entries (its best-scoring
+        ones above the threshold). The server sizes a request's blocks by the ceiling and frees what its
+        largest layer does not need once the worker reports it (``layout/accounting.py``).
     There is no ``span_after``: a token that took its neighbours' scores would score differently after a
     neighbour was evicted between chunks, and per-chunk eviction would no longer keep what whole-prompt
     eviction keeps.
@@ -113,15 +114,33 @@ class KVzap(ScoredPolicy):
         scores[:, forced] = float("inf")
         return scores
 
+    @property
+    def adapts_kept_count(self) -> bool:
+        return self.threshold is not None
+
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         if self.threshold is None:
             return super().select(layer, budget)
-        return KeptTokens.from_mask(self.score(layer, budget) > self.threshold)
+        return KeptTokens.from_mask(self._above_threshold(self.score(layer, budget), budget))
 
     def select_after(self, layer: LayerKV, budget: int, fixed: int) -> KeptTokens:
         if self.threshold is None or fixed <= 0:
             return super().select_after(layer, budget, fixed)
-        return shifted(KeptTokens.from_mask(self.score(layer, budget)[:, fixed:] > self.threshold), fixed)
+        scores = self.score(layer, budget)[:, fixed:]
+        return shifted(KeptTokens.from_mask(self._above_threshold(scores, budget)), fixed)
+
+    def _above_threshold(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """[H, n] bool: entries scoring above the threshold, at most H x ``budget`` of them (the layer's
+        best; forced entries score inf and come first)."""
+        assert self.threshold is not None
+        above = scores > self.threshold
+        ceiling = scores.shape[0] * budget
+        if ceiling >= scores.numel():
+            return above
+        flat = torch.where(above, scores, float("-inf")).reshape(-1)
+        best = torch.zeros_like(above).reshape(-1)
+        best[flat.topk(ceiling).indices] = True
+        return above & best.reshape(above.shape)
 
     def with_fixed_budget(self, method: str) -> KVzap:
         """Itself, for a method that allocates a budget (Ada-KV); ValueError when a threshold is set."""

@@ -10,7 +10,8 @@
   shares the entry with ``ada-kvzap`` keepers. Without a scorer it keeps the context as itself.
 - Per-chunk eviction scores held entries again after every head kept its own: it needs a scorer whose heads
   score alone (``kvzap.scores_each_head_alone``); with any other the request is refused (400), the server at
-  start-up.
+  start-up. The threshold mode evicts whole prompts only (a count set by the scores cannot be held between
+  chunks by a budget).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def chunked_problem(method: str, policy: EvictionPolicy) -> str | None:
     learned = learned_part(policy)
     if learned is None:
         return None
+    if learned.threshold is not None:
+        return (
+            f"{method} with prefill=chunked and threshold={learned.threshold}: between chunks every head "
+            "holds a count the budget sets, and a threshold keeps what the whole prompt's scores decide; "
+            "evict whole prompts (prefill: whole) or drop the threshold"
+        )
     directory = learned.scorer or served_scorer.served_scorer_dir()
     if directory is None or scores_each_head_alone(served_scorer.load_scorer(str(directory))):
         return None

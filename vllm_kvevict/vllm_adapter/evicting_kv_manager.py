@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict import metrics
-from vllm_kvevict.layout.accounting import RequestPlan, cdiv
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv, with_kept_bound
 from vllm_kvevict.layout.context_reuse import context_plan, entry_blocks, keeps_entry
 from vllm_kvevict.layout.shared_prefix import (
     freed_range,
@@ -76,6 +76,8 @@ class EvictingAttentionManager(FullAttentionManager):
         self.context_requests: dict[str, str] = {}
         self.pending_contexts: dict[str, bytes] = {}
         self.contexts = KeptContexts(self.block_pool, block_size, self.kv_cache_group_id)
+        # Adaptive plans (accounting.py): request -> the kept bound its worker reported after compacting.
+        self.kept_bounds: dict[str, int] = {}
         self.num_layers = num_layers
         metrics.start_kept_contexts()
         vllm_config = get_current_vllm_config_or_none()
@@ -130,12 +132,33 @@ class EvictingAttentionManager(FullAttentionManager):
             metrics.record_context_read()  # once: the request now holds the entry's blocks
 
     def request_plan(self, request_id: str, num_prompt_tokens: int) -> RequestPlan:
-        """The plan of one request's private part: its own setting when it has one, else the server's."""
+        """The plan of one request's private part: its own setting when it has one, else the server's; an
+        adaptive plan with the kept bound its worker reported, once it has."""
         planner = self.request_planners.get(request_id, self.plan_for)
         shared = self.shared_tokens.get(request_id, 0)
         if request_id in self.context_requests:
             return context_plan(planner, num_prompt_tokens, shared, self.block_size, self.num_layers)
-        return private_plan(planner, num_prompt_tokens, shared, self.settings.server.min_freed_share)
+        plan = private_plan(planner, num_prompt_tokens, shared, self.settings.server.min_freed_share)
+        bound = self.kept_bounds.get(request_id)
+        return plan if bound is None else with_kept_bound(plan, bound)
+
+    def note_kept_bounds(self, bounds: dict[str, int]) -> None:
+        """Kept bounds the workers reported for requests of adaptive plans compacted in the step just
+        processed (``runner_hooks.update_from_output``): from the next ``remove_skipped_blocks`` the request
+        frees the leading blocks its bound leaves. A report for a request that no longer holds its blocks
+        (preempted or finished since) is stale and dropped; one its plan cannot take is logged and dropped
+        (the request keeps the ceiling's blocks, which always suffice)."""
+        for request_id, bound in bounds.items():
+            prompt_len = self.prompt_lens.get(request_id)
+            if request_id not in self.req_to_blocks or prompt_len is None:
+                continue
+            self.kept_bounds.pop(request_id, None)  # a recomputed request reports again
+            try:
+                with_kept_bound(self.request_plan(request_id, prompt_len), bound)
+            except ValueError as exc:
+                logger.warning("kv-eviction: request %s reported kept bound %s: %s", request_id, bound, exc)
+                continue
+            self.kept_bounds[request_id] = bound
 
     def kept_context_hit(self, request: Any) -> tuple[list[Any], int] | None:
         """(blocks, computed tokens) a kv_context request starts from — ``[null] × (C/bs - m)`` and an entry's
@@ -314,6 +337,7 @@ class EvictingAttentionManager(FullAttentionManager):
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
+        self.kept_bounds.pop(request_id, None)
         self.request_planners.pop(request_id, None)
         self.shared_tokens.pop(request_id, None)
         self.context_requests.pop(request_id, None)

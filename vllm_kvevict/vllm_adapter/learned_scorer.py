@@ -5,7 +5,8 @@ Every vLLM process (API server, EngineCore, workers) runs it with its config thr
 (``plugin.install_eviction_if_configured``): it records the served model and its scorer
 (``policies/served_scorer.py``) so all of them resolve a policy without a scorer directory alike, and it
 refuses, in one line before any weight loads, a server whose method needs a scorer the model has none of,
-that asks for the threshold mode, or that scores held entries again (chunk by chunk, or decode-time caps)
+that asks for the threshold mode where it cannot be served (several workers, a decode-time cap, per-chunk
+eviction), or that scores held entries again (chunk by chunk, or decode-time caps)
 with a scorer whose heads do not score alone: after per-head eviction one cache row holds different tokens
 in different heads.
 """
@@ -22,14 +23,6 @@ from vllm_kvevict.settings.learned_methods import chunked_problem
 
 logger = logging.getLogger("vllm.kvevict")
 _announced: set[tuple[str, str]] = set()
-
-#: Why the server refuses the threshold mode (the HF runner evicts with it).
-THRESHOLD_REFUSAL = (
-    "the scheduler sizes each request's blocks from its prompt length alone (layout/accounting.py), before "
-    "any worker has scored an entry, and a threshold keeps a count only the scores decide; give the server a "
-    "budget (--kv-budget), the HF runner measures the threshold mode"
-)
-
 
 def learned_scorer_refusal(vllm_config: Any) -> str | None:
     """One refusal line for a server whose learned method cannot run, else None (also with eviction off).
@@ -49,7 +42,9 @@ def learned_scorer_refusal(vllm_config: Any) -> str | None:
     if served is None:
         return None  # a request may still ask for kvzap: it is refused per request (HTTP 400)
     if learned is not None and learned.threshold is not None:
-        return f"kv eviction refused: {config.method} with threshold={learned.threshold}: {THRESHOLD_REFUSAL}"
+        refusal = threshold_problem(config.method, learned.threshold, decode is not None, vllm_config)
+        if refusal is not None:
+            return f"kv eviction refused: {refusal}"
     if problem is not None:
         decode_flag = f"--kv-decode-eviction {decode.method if decode is not None else ''}"
         flag = f"--kv-eviction {config.method}" if learned is not None else decode_flag
@@ -63,6 +58,27 @@ def learned_scorer_refusal(vllm_config: Any) -> str | None:
         announce(f"decode {decode.method}", decoding)
     if learned is not None:
         announce(config.method, learned)
+    return None
+
+
+def threshold_problem(method: str, threshold: float, decode_cap: bool, vllm_config: Any) -> str | None:
+    """Why the threshold mode (a kept count the scores set, the budget its ceiling) cannot be served with
+    this configuration, else None: the worker reports each request's kept bound on the step's output,
+    which reaches the scheduler from one worker only, and a decode-time cap re-scores down to a count the
+    budget sets."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    workers = getattr(parallel, "tensor_parallel_size", 1) * getattr(parallel, "pipeline_parallel_size", 1)
+    if workers > 1:
+        return (
+            f"{method} with threshold={threshold}: each of the {workers} workers keeps its own heads' "
+            "count and only one worker's report reaches the scheduler; serve it on one GPU (tensor and "
+            "pipeline parallel size 1) or give a fixed budget (drop the threshold)"
+        )
+    if decode_cap:
+        return (
+            f"{method} with threshold={threshold} and a decode-time method: a decode cap re-scores down to a "
+            "count its budget sets from the prompt length; drop --kv-decode-eviction or the threshold"
+        )
     return None
 
 

@@ -51,6 +51,36 @@ def execute_model(original, runner, scheduler_output, *args: Any, **kwargs: Any)
         metrics.set_worker_requests(len(worker.requests))
 
 
+#: attribute of a ModelRunnerOutput carrying {request id: kept bound} of adaptive plans compacted in its step
+KEPT_BOUNDS = "kvevict_kept_bounds"
+
+
+def sample_tokens(original, runner, *args: Any, **kwargs: Any):
+    """The step's output, carrying the kept bounds of adaptive plans the worker compacted in it (the one
+    message from worker to scheduler, ``layout/accounting.py``)."""
+    output = original(runner, *args, **kwargs)
+    worker = runner_worker(runner)
+    if worker is None:
+        return output
+    bounds = worker.records.take_kept_bounds()
+    if bounds:
+        # An async output holds the ModelRunnerOutput the scheduler will get (vLLM 0.32.0's attribute).
+        target = getattr(output, "_model_runner_output", output)
+        setattr(target, KEPT_BOUNDS, {**getattr(target, KEPT_BOUNDS, {}), **bounds})
+    return output
+
+
+def update_from_output(original, scheduler, scheduler_output, model_runner_output, *args: Any, **kwargs: Any):
+    """Hand the evicting managers the kept bounds the step's output carries before vLLM processes it."""
+    bounds = getattr(model_runner_output, KEPT_BOUNDS, None)
+    if bounds:
+        for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+            note = getattr(manager, "note_kept_bounds", None)
+            if note is not None:
+                note(bounds)
+    return original(scheduler, scheduler_output, model_runner_output, *args, **kwargs)
+
+
 def get_kv_cache_spec(original, runner, *args: Any, **kwargs: Any):
     from vllm.config import set_current_vllm_config
 

@@ -76,6 +76,13 @@ def install_eviction_hooks() -> None:
     # updated and before attention metadata is built, the one point where request ids, prompt lengths and
     # computed token counts of this step are known in batch order.
     _wrap(GPUModelRunner, "_prepare_inputs", runner_hooks.prepare_inputs, _EVICTION_MARK)
+    # Wraps GPUModelRunner.sample_tokens (vLLM 0.32.0; CPUModelRunner inherits it) and
+    # Scheduler.update_from_output (vLLM 0.32.0): the step's ModelRunnerOutput is the one object that goes
+    # from the worker to the scheduler. An adaptive plan (KVzap's threshold) keeps a count only the worker's
+    # scores decide, so the worker puts each such request's kept bound on it and the scheduler hands it to
+    # the evicting manager before processing the step (layout/accounting.py).
+    _wrap(GPUModelRunner, "sample_tokens", runner_hooks.sample_tokens, _EVICTION_MARK)
+    _wrap(Scheduler, "update_from_output", runner_hooks.update_from_output, _EVICTION_MARK)
     # Wraps GPUModelRunner.get_kv_cache_spec (vLLM 0.32.0): the worker calls it outside
     # set_current_vllm_config, but the backend's customize_spec reads the eviction config from the current
     # config to publish the evicting spec (without it the scheduler would never free a block); its result

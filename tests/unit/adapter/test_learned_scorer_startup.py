@@ -1,7 +1,7 @@
 """A server with a learned method (prefill or decode-time) is refused when vLLM builds its engine config
 (before any weight loads), in one line naming ``vllm-kvevict calibrate``, unless the bundled model has a
-scorer that fits it; the threshold mode, and a chunked prefill or a decode-time cap with a scorer that reads
-every head, are refused there too. Each engine config is built by real vLLM in a fresh interpreter
+scorer that fits it; the threshold mode where it cannot be served (per chunk, with a decode-time cap), and a
+chunked prefill or a decode-time cap with a scorer that reads every head, are refused there too. Each engine config is built by real vLLM in a fresh interpreter
 (``test_plugin.run_scenario``)."""
 
 from __future__ import annotations
@@ -25,6 +25,18 @@ def startups(model_dir, tmp_path_factory) -> dict:
         "none_ships": {"method": "ada-kvzap", "budget": 64},
         "other_model": {"method": "kvzap", "budget": 64, "params": {"scorer": str(other)}},
         "threshold": {"method": "kvzap", "budget": 64, "params": {"scorer": str(fitting), "threshold": 0.0}},
+        "threshold_chunked": {
+            "method": "kvzap",
+            "budget": 64,
+            "prefill": "chunked",
+            "params": {"scorer": str(fitting), "threshold": 0.0},
+        },
+        "threshold_decode": {
+            "method": "kvzap",
+            "budget": 64,
+            "params": {"scorer": str(fitting), "threshold": 0.0},
+            "decode": {"method": "kvzap", "budget": 48},
+        },
         "mixed_chunked": {
             "method": "kvzap",
             "budget": 64,
@@ -82,10 +94,15 @@ def test_a_scorer_fitted_on_another_model_is_refused_naming_the_differing_fields
     assert "\n" not in error
 
 
-def test_the_threshold_mode_is_refused_saying_why(startups):
-    error = startups["threshold"]["error"]
-    assert error.startswith("kv eviction refused: kvzap with threshold=0.0: the scheduler sizes each request")
-    assert "layout/accounting.py" in error and "\n" not in error
+def test_the_threshold_mode_serves_whole_prompts_and_is_refused_where_it_cannot_be_served(startups):
+    assert startups["threshold"]["error"] is None
+    assert startups["threshold"]["state"]["cpu_attn"] == EVICTING_CPU_ATTN
+    chunked = startups["threshold_chunked"]["error"]
+    assert chunked.startswith("kv eviction refused: kvzap with prefill=chunked and threshold=0.0: ")
+    assert "prefill: whole" in chunked and "\n" not in chunked
+    decode = startups["threshold_decode"]["error"]
+    assert decode.startswith("kv eviction refused: kvzap with threshold=0.0 and a decode-time method: ")
+    assert "--kv-decode-eviction" in decode and "\n" not in decode
 
 
 def test_a_chunked_prefill_with_a_scorer_reading_every_head_is_refused(startups):
@@ -121,3 +138,15 @@ def test_a_decode_caps_own_scorer_of_another_model_is_refused(startups):
 def test_a_decode_cap_with_a_scorer_that_fits_serves(startups):
     assert startups["decode_fitting"]["error"] is None
     assert startups["decode_fitting"]["state"]["cpu_attn"] == EVICTING_CPU_ATTN
+
+
+def test_the_threshold_mode_is_refused_on_several_workers_in_one_line():
+    from types import SimpleNamespace
+
+    from vllm_kvevict.vllm_adapter.learned_scorer import threshold_problem
+
+    one = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    two = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+    assert threshold_problem("kvzap", 0.0, False, one) is None
+    error = threshold_problem("kvzap", 0.0, False, two)
+    assert error is not None and "each of the 2 workers" in error and "\n" not in error

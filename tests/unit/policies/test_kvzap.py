@@ -73,12 +73,26 @@ def test_the_threshold_mode_keeps_every_entry_scoring_above_it_so_counts_adapt_p
     layer = random_layer(kv_heads=3, n=N, w=1, seed=5)
     raw = scorer_scores(layer)
     tau = float(raw.median())
-    kept = build_policy("kvzap", window=8, sinks=2, threshold=tau).select(layer, BUDGET)
+    kept = build_policy("kvzap", window=8, sinks=2, threshold=tau).select(layer, N)  # a ceiling of n
     expected = raw > tau
     expected[:, :2] = True
     expected[:, N - 8 :] = True
     assert torch.equal(kept.to_mask(N), expected)
-    assert len(set(kept.counts.tolist())) > 1 and kept.total != 3 * BUDGET  # the budget is not used
+    assert len(set(kept.counts.tolist())) > 1 and kept.total < 3 * N  # the scores set the counts
+
+
+def test_the_budget_is_the_threshold_modes_ceiling_over_the_layer() -> None:
+    layer = random_layer(kv_heads=3, n=N, w=1, seed=5)
+    policy = build_policy("kvzap", window=8, sinks=2, threshold=float(scorer_scores(layer).median()))
+    above = policy.select(layer, N).to_mask(N)
+    ceiling = above.sum() // 2 // 3
+    kept = policy.select(layer, int(ceiling))
+    assert kept.total == 3 * ceiling and len(set(kept.counts.tolist())) > 1  # ragged under the ceiling
+    mask = kept.to_mask(N)
+    scores = policy.score(layer, int(ceiling))
+    assert bool((mask <= above).all())  # nothing below the threshold
+    assert float(scores[above & ~mask].max()) <= float(scores[mask].min())  # the layer's best of the rest
+    assert policy.adapts_kept_count and not build_policy("kvzap").adapts_kept_count
 
 
 def test_ada_kvzap_refuses_the_threshold_mode_naming_kvzap() -> None:
