@@ -1,8 +1,8 @@
 """A server with a learned method (prefill or decode-time) is refused when vLLM builds its engine config
 (before any weight loads), in one line naming ``vllm-kvevict calibrate``, unless the bundled model has a
 scorer that fits it; the threshold mode where it cannot be served (per chunk, with a decode-time cap), and a
-chunked prefill or a decode-time cap with a scorer that reads every head, are refused there too. Each engine config is built by real vLLM in a fresh interpreter
-(``test_plugin.run_scenario``)."""
+chunked prefill or a decode-time cap with a scorer that reads every head, are refused there too. Each engine
+config is built by real vLLM in a fresh interpreter (``test_plugin.run_scenario``)."""
 
 from __future__ import annotations
 

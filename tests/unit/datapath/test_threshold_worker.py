@@ -24,7 +24,8 @@ class TokenKeyedEngine(SimulatedEngine):
         super().__init__(config)
         g = torch.Generator().manual_seed(3)
         self.token_keys = [
-            torch.randn(PROMPT + DECODE, HEADS, 8, generator=g) * (50 + 150 * layer) for layer in range(LAYERS)
+            torch.randn(PROMPT + DECODE, HEADS, 8, generator=g) * (50 + 150 * layer)
+            for layer in range(LAYERS)
         ]
 
     def tokens(self, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,116 @@
+"""KVzap's threshold mode served by a real ``vllm serve`` of the bundled model (``--kv-eviction kvzap
+--kv-budget 0.5 --kv-eviction-config '{"threshold": 1.0}'``, the packaged scorer), through HTTP and the
+``openai`` client: the budget is a ceiling, each layer keeps what its scores put above the threshold, and the
+scheduler frees the blocks the request's largest layer leaves once the worker has reported it.
+
+One prompt computed in one step (whole-prompt compaction) and one in vLLM chunks of 512 (compacted after its
+last chunk). While each decodes, the scheduler's saved-blocks gauge is read: it must reach the blocks the
+worker's kept counts leave (more than the ceiling's), and every block must come back at the end. These tests
+check the mechanics, never the answers' quality."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from request_bodies import client_of, ignore_eos_body
+
+from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
+from vllm_kvevict.layout.accounting import (
+    adaptive_kept_bound,
+    first_block_for_bound,
+    plan_request,
+    with_kept_bound,
+)
+from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.server_process import VLLMServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+BLOCK_SIZE, CEILING, THRESHOLD, LAYERS, HEADS = 32, 0.5, 1.0, 30, 3  # SmolLM2-135M
+SAVED = "vllm_kvevict_kv_blocks_saved"
+USAGE = "vllm:kv_cache_usage_perc"
+PROMPTS = {"one-step": 480, "chunked": 1400}
+DECODE = 96
+
+
+def saved_blocks(server: VLLMServer) -> float:
+    """The scheduler's saved-blocks gauge (absent until the first compacted request sets it: 0)."""
+    return sum(value for _, value in server.metric_samples(SAVED))
+
+
+def saved_while_decoding(server: VLLMServer, prompt: list[int]) -> tuple[str, int, float]:
+    """(answer, completion tokens, the largest saved-blocks value read while the request ran)."""
+    result: dict = {}
+
+    def ask() -> None:
+        result["r"] = client_of(server, timeout_s=900).completions.create(
+            model=server.served_model_name,
+            prompt=prompt,
+            max_tokens=DECODE,
+            temperature=0,
+            extra_body=ignore_eos_body(None),
+        )
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    largest = 0.0
+    while thread.is_alive():
+        largest = max(largest, saved_blocks(server))
+        time.sleep(0.05)
+    thread.join()
+    reply = result["r"]
+    return reply.choices[0].text, reply.usage.completion_tokens, largest
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    text = "In the harbour town the ferry left at seven and the market opened at nine. " * 120
+    dump_dir = tmp_path_factory.mktemp("threshold")
+    args = ("--kv-eviction", "kvzap", "--kv-budget", str(CEILING), "--block-size", str(BLOCK_SIZE),
+            "--kv-eviction-config", json.dumps({"threshold": THRESHOLD}), "--max-model-len", "2048",
+            "--max-num-batched-tokens", "512")  # fmt: skip
+    runs: dict = {}
+    with VLLMServer(model_dir, extra_args=args, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
+        for label, length in PROMPTS.items():
+            before = set(dump_dir.glob("*.pt"))
+            answer, tokens, saved = saved_while_decoding(server, tokenizer(text)["input_ids"][:length])
+            (dump,) = set(dump_dir.glob("*.pt")) - before
+            runs[label] = {"answer": answer, "tokens": tokens, "saved": saved, "dump": torch.load(dump)}
+        runs["usage"] = server.wait_for_metric(USAGE, 0.0)
+        runs["saved_after"] = saved_blocks(server)
+    return runs
+
+
+@pytest.mark.parametrize("label", list(PROMPTS))
+def test_the_threshold_sets_each_layers_count_under_the_ceiling(served: dict, label: str) -> None:
+    run = served[label]
+    assert run["tokens"] == DECODE and run["answer"].strip()
+    dump = run["dump"]
+    assert dump["prompt_len"] == PROMPTS[label]
+    ceiling = plan_request(PROMPTS[label], CEILING, BLOCK_SIZE, build_policy("kvzap", threshold=0.0), LAYERS)
+    totals = [int(counts.sum()) for counts in dump["counts"]]
+    assert max(totals) <= HEADS * ceiling.kept_bound
+    assert len(set(totals)) > 1  # the scores, not the budget, set each layer's count
+    assert any(len(set(counts.tolist())) > 1 for counts in dump["counts"])  # and each head's
+
+
+@pytest.mark.parametrize("label", list(PROMPTS))
+def test_the_scheduler_frees_the_blocks_the_largest_layer_leaves(served: dict, label: str) -> None:
+    run, prompt_len = served[label], PROMPTS[label]
+    ceiling = plan_request(prompt_len, CEILING, BLOCK_SIZE, build_policy("kvzap", threshold=0.0), LAYERS)
+    totals = [int(counts.sum()) for counts in run["dump"]["counts"]]
+    reported = with_kept_bound(ceiling, adaptive_kept_bound(ceiling, totals, HEADS))
+    assert reported.blocks_to_free == first_block_for_bound(prompt_len, reported.kept_bound, BLOCK_SIZE)
+    assert reported.blocks_to_free > ceiling.blocks_to_free
+    assert run["saved"] == reported.blocks_to_free  # what the scheduler freed, read while it decoded
+
+
+def test_every_block_comes_back(served: dict) -> None:
+    assert served["usage"] == 0.0 and served["saved_after"] == 0.0
