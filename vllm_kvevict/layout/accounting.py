@@ -1,6 +1,7 @@
 """The block accounting rule shared by the scheduler (which frees blocks) and the workers (which compact).
 
-Both sides compute the same plan from the prompt length alone, so no message ever crosses between them.
+Both sides compute the same plan from the prompt length alone, so no message crosses between them (one
+exception, a kept count set by the scores, is at the end).
 
 Let P be the prompt length, bs the block size and B the average kept tokens per KV head. Round B up to
 B' in [B, B + bs) so that P - B' is a multiple of bs (the extra tokens are kept, not wasted). Every layer

@@ -5,7 +5,9 @@ The worker compacts each layer's kept entries into the blocks the accounting rul
 (``vllm_kvevict.layout.accounting``); this manager frees the others through vLLM's own
 ``_remove_blocks_in_range`` (``vllm_private.remove_blocks_in_range``; the in-tree RSWAManager frees a middle
 gap the same way). Both sides derive the plan from the prompt length and the request's sampling parameters
-(per-request ``vllm_xargs``, ``request_settings.py``), so no message crosses between them.
+(per-request ``vllm_xargs``, ``request_settings.py``), so no message crosses between them, except for an
+adaptive plan (KVzap's threshold): its worker reports the request's kept bound on the step's output, and
+the manager frees the blocks that bound leaves from then on (``note_kept_bounds``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,85 @@
+"""KVzap's threshold mode through the server: answers and the blocks a request holds, beside a fixed budget
+and vanilla vLLM, on the eval suite's prompts.
+
+For vanilla and each ``--setting LABEL=ARGS`` (``vllm serve`` eviction flags, e.g.
+``tau0=--kv-eviction kvzap --kv-budget 0.5 --kv-eviction-config {"threshold":0}``) one server is started
+(eager, block size 32, the same KV pool), ``vllm-kvevict eval --base-url`` answers the prompts, and the
+server's counters give the blocks freed per compacted request. Printed per setting: mean score, its ratio to
+vanilla's, and the share of a prompt's blocks a request holds after its prompt (1 - freed / prompt blocks).
+
+    python -m benchmarks.threshold_served --tasks niah_single_essay,niah_single_noise --samples 2 \
+        --setting 'tau0=--kv-eviction kvzap --kv-budget 0.5 --kv-eviction-config {"threshold":0}' \
+        --out docs/results/2026-11-29-threshold-served
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm_kvevict.cli.prepare_model import prepared_model_dir
+from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.server_process import VLLMServer
+
+BLOCK_SIZE = 32
+FREED = "vllm_kvevict_blocks_freed_total"
+COMPACTED = "vllm_kvevict_requests_compacted_total"
+
+
+def counter(server: VLLMServer, name: str) -> float:
+    return sum(value for _, value in server.metric_samples(name))
+
+
+def run_setting(model_dir: Path, label: str, flags: list[str], args: argparse.Namespace) -> dict:
+    """One server: its eval results file, mean score and blocks freed per compacted request."""
+    output = args.out / f"{label}.jsonl"
+    server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", "8192", *flags)
+    with VLLMServer(model_dir, extra_args=server_args, log_path=args.out / f"{label}.log") as server:
+        command = [sys.executable, "-m", "vllm_kvevict.cli.main", "eval", "--base-url", server.base_url,
+                   "--tasks", args.tasks, "--lengths", args.lengths, "--samples", str(args.samples),
+                   "--concurrency", "1", "--output", str(output), "--no-progress"]  # fmt: skip
+        subprocess.run(command, check=True)
+        freed, compacted = counter(server, FREED), counter(server, COMPACTED)
+    rows = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
+    prompt_blocks = sum(cdiv(row["served_prompt_tokens"], BLOCK_SIZE) for row in rows) / len(rows)
+    return {
+        "label": label,
+        "flags": flags,
+        "score": sum(row["score"] for row in rows) / len(rows),
+        "prompts": len(rows),
+        "compacted": compacted,
+        "freed_per_request": freed / compacted if compacted else 0.0,
+        "held_share": 1.0 - (freed / compacted / prompt_blocks if compacted else 0.0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", required=True)
+    parser.add_argument("--lengths", default="4096")
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--setting", action="append", default=[], help="LABEL=vllm serve eviction flags")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = prepared_model_dir()
+    settings = [("vanilla", [])] + [
+        (label, shlex.split(flags)) for label, _, flags in (s.partition("=") for s in args.setting)
+    ]
+    results = [run_setting(model_dir, label, flags, args) for label, flags in settings]
+    base = results[0]["score"]
+    print("| setting | score | x vanilla | blocks held after the prompt (share) | compacted |")
+    print("|---|---:|---:|---:|---:|")
+    for r in results:
+        ratio = r["score"] / base if base else float("nan")
+        held, compacted = r["held_share"], r["compacted"]
+        print(f"| {r['label']} | {r['score']:.3f} | {ratio:.2f} | {held:.3f} | {compacted:g} |")
+    (args.out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
