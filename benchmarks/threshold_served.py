@@ -1,14 +1,14 @@
 """KVzap's threshold mode through the server: answers and the blocks a request holds, beside a fixed budget
 and vanilla vLLM, on the eval suite's prompts.
 
-For vanilla and each ``--setting LABEL=ARGS`` (``vllm serve`` eviction flags, e.g.
-``tau0=--kv-eviction kvzap --kv-budget 0.5 --kv-eviction-config {"threshold":0}``) one server is started
+For vanilla and each ``--setting`` (a JSON object: ``label``, ``method``, ``budget`` and optional ``config``,
+the ``--kv-eviction-config`` object) one server is started
 (eager, block size 32, the same KV pool), ``vllm-kvevict eval --base-url`` answers the prompts, and the
 server's counters give the blocks freed per compacted request. Printed per setting: mean score, its ratio to
 vanilla's, and the share of a prompt's blocks a request holds after its prompt (1 - freed / prompt blocks).
 
     python -m benchmarks.threshold_served --tasks niah_single_essay,niah_single_noise --samples 2 \
-        --setting 'tau0=--kv-eviction kvzap --kv-budget 0.5 --kv-eviction-config {"threshold":0}' \
+        --setting '{"label": "tau0", "method": "kvzap", "budget": 0.5, "config": {"threshold": 0}}' \
         --out docs/results/2026-11-29-threshold-served
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,14 @@ COMPACTED = "vllm_kvevict_requests_compacted_total"
 
 def counter(server: VLLMServer, name: str) -> float:
     return sum(value for _, value in server.metric_samples(name))
+
+
+def eviction_flags(setting: dict) -> list[str]:
+    """``vllm serve`` flags of one ``--setting`` object."""
+    flags = ["--kv-eviction", setting["method"], "--kv-budget", str(setting["budget"])]
+    if setting.get("config"):
+        flags += ["--kv-eviction-config", json.dumps(setting["config"])]
+    return flags
 
 
 def run_setting(model_dir: Path, label: str, flags: list[str], args: argparse.Namespace) -> dict:
@@ -62,14 +69,12 @@ def main() -> None:
     parser.add_argument("--tasks", required=True)
     parser.add_argument("--lengths", default="4096")
     parser.add_argument("--samples", type=int, default=2)
-    parser.add_argument("--setting", action="append", default=[], help="LABEL=vllm serve eviction flags")
+    parser.add_argument("--setting", action="append", default=[], type=json.loads, help="JSON object")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = prepared_model_dir()
-    settings = [("vanilla", [])] + [
-        (label, shlex.split(flags)) for label, _, flags in (s.partition("=") for s in args.setting)
-    ]
+    settings = [("vanilla", [])] + [(setting["label"], eviction_flags(setting)) for setting in args.setting]
     results = [run_setting(model_dir, label, flags, args) for label, flags in settings]
     base = results[0]["score"]
     print("| setting | score | x vanilla | blocks held after the prompt (share) | compacted |")
