@@ -22,6 +22,7 @@ from vllm_kvevict.calibration.config import CalibrationConfig, FitConfig
 from vllm_kvevict.calibration.corpus import calibration_contexts
 from vllm_kvevict.calibration.fit import FITTERS, HEAD_MODES, predict
 from vllm_kvevict.calibration.metrics import held_out_fit
+from vllm_kvevict.calibration.score_levels import score_levels
 from vllm_kvevict.calibration.targets import ContextSample, context_sample
 from vllm_kvevict.policies.surrogate_scorer import (
     FEATURE_SETS,
@@ -215,7 +216,9 @@ def calibrate(
             "metrics": "R^2 of log KVzip+ scores per head; top25: overlap of predicted and KVzip+ top-25 % "
             "per context and head; means over layers",
         }
-        final = SurrogateScorer(ScorerSpec(**{**scorer.spec.__dict__, "fit": fit}), scorer.layers)
+        levels = score_levels(scorer, ((s.keys, s.values) for s in samples))
+        spec = ScorerSpec(**{**scorer.spec.__dict__, "fit": fit, "score_levels": levels})
+        final = SurrogateScorer(spec, scorer.layers)
         final.save(out / kind, dtype=getattr(torch, config.dtype))
         written[kind] = {"dir": str(out / kind), "held_out": shipped}
     report = {

@@ -34,6 +34,9 @@ from vllm_kvevict.policies.base import (
 from vllm_kvevict.policies.key_scored import sinks_and_recent
 from vllm_kvevict.policies.surrogate_scorer import SurrogateScorer
 
+#: how a threshold is compared (``KVzap.threshold_scope``)
+THRESHOLD_SCOPES = ("global", "layer")
+
 
 @dataclass
 class KVzap(ScoredPolicy):
@@ -47,6 +50,10 @@ class KVzap(ScoredPolicy):
         prompt, with the budget as a ceiling: a layer keeps at most H x budget entries (its best-scoring
         ones above the threshold). The server sizes a request's blocks by the ceiling and frees what its
         largest layer does not need once the worker reports it (``layout/accounting.py``).
+    threshold_scope: ``"global"`` compares the predicted scores themselves with the threshold (kvpress's
+        rule); ``"layer"`` compares each layer's scores standardised by that layer's level on calibration
+        text (``ScorerSpec.score_levels``: (score - mean) / std), so one threshold keeps a similar share in
+        every layer on average while the count still adapts per head and prompt.
     There is no ``span_after``: a token that took its neighbours' scores would score differently after a
     neighbour was evicted between chunks, and per-chunk eviction would no longer keep what whole-prompt
     eviction keeps.
@@ -59,6 +66,7 @@ class KVzap(ScoredPolicy):
     window: int = 32
     sinks: int = 4
     threshold: float | None = None
+    threshold_scope: str = "global"
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -74,6 +82,13 @@ class KVzap(ScoredPolicy):
                 f"{owner}: threshold={threshold!r} is not valid; give a number (keep entries scoring above "
                 "it) or leave it unset (keep the budget)"
             )
+        if self.threshold_scope not in THRESHOLD_SCOPES:
+            raise ValueError(
+                f"{owner}: threshold_scope={self.threshold_scope!r} is not valid; valid: "
+                f"{', '.join(THRESHOLD_SCOPES)}"
+            )
+        if self.threshold_scope != "global" and threshold is None:
+            raise ValueError(f"{owner}: threshold_scope={self.threshold_scope!r} needs a threshold")
 
     @property
     def min_budget(self) -> int:
@@ -121,19 +136,23 @@ class KVzap(ScoredPolicy):
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         if self.threshold is None:
             return super().select(layer, budget)
-        return KeptTokens.from_mask(self._above_threshold(self.score(layer, budget), budget))
+        return KeptTokens.from_mask(self._above_threshold(layer, self.score(layer, budget), budget))
 
     def select_after(self, layer: LayerKV, budget: int, fixed: int) -> KeptTokens:
         if self.threshold is None or fixed <= 0:
             return super().select_after(layer, budget, fixed)
         scores = self.score(layer, budget)[:, fixed:]
-        return shifted(KeptTokens.from_mask(self._above_threshold(scores, budget)), fixed)
+        return shifted(KeptTokens.from_mask(self._above_threshold(layer, scores, budget)), fixed)
 
-    def _above_threshold(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        """[H, n] bool: entries scoring above the threshold, at most H x ``budget`` of them (the layer's
-        best; forced entries score inf and come first)."""
+    def _above_threshold(self, layer: LayerKV, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """[H, n] bool: entries scoring above the threshold (``threshold_scope``), at most H x ``budget`` of
+        them (the layer's best; forced entries score inf and come first)."""
         assert self.threshold is not None
-        above = scores > self.threshold
+        threshold = self.threshold
+        if self.threshold_scope == "layer":  # (score - mean) / std > t  <=>  score > mean + t * std
+            mean, std = self.learned_scorer(layer).spec.layer_level(layer.layer_idx)
+            threshold = mean + self.threshold * std
+        above = scores > threshold
         ceiling = scores.shape[0] * budget
         if ceiling >= scores.numel():
             return above

@@ -120,6 +120,9 @@ class ScorerSpec:
     target: str = "log KVzip+ score"
     fit: dict = field(default_factory=dict)  # held-out metrics and how they were measured
     format: int = FORMAT_VERSION
+    #: per layer, the mean and standard deviation of the scorer's own predictions over calibration text
+    #: (``{"mean": [L], "std": [L], ...}``; ``calibration/score_levels.py``); empty when not measured
+    score_levels: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -141,6 +144,16 @@ class ScorerSpec:
             raise ValueError(
                 f"scorer format {self.format} is not readable; this version reads {FORMAT_VERSION}"
             )
+
+    def layer_level(self, layer_idx: int) -> tuple[float, float]:
+        """(mean, std) of layer ``layer_idx``'s predicted scores on calibration text; ValueError when the
+        scorer has none (fitted before they were recorded)."""
+        if not self.score_levels:
+            raise ValueError(
+                f"the scorer of {self.model_name} records no per-layer score levels; rerun `vllm-kvevict "
+                "calibrate MODEL --out DIR` or `python -m vllm_kvevict.calibration.score_levels MODEL DIR`"
+            )
+        return float(self.score_levels["mean"][layer_idx]), float(self.score_levels["std"][layer_idx])
 
     @property
     def input_dim(self) -> int:

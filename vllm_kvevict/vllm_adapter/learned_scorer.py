@@ -49,6 +49,12 @@ def learned_scorer_refusal(vllm_config: Any) -> str | None:
         decode_flag = f"--kv-decode-eviction {decode.method if decode is not None else ''}"
         flag = f"--kv-eviction {config.method}" if learned is not None else decode_flag
         return f"kv eviction refused: {flag}: {problem}"
+    if learned is not None and learned.threshold_scope == "layer":
+        directory = str(learned.scorer or served_scorer.served_scorer_dir())
+        try:
+            served_scorer.load_scorer(directory).spec.layer_level(0)
+        except ValueError as exc:
+            return f"kv eviction refused: {config.method} with threshold_scope=layer: {exc}"
     if learned is not None and config.chunked and (chunked := chunked_problem(config.method, learned)):
         return f"kv eviction refused: {chunked}"
     if decoding is not None and decode is not None:

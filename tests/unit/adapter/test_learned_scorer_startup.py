@@ -25,6 +25,11 @@ def startups(model_dir, tmp_path_factory) -> dict:
         "none_ships": {"method": "ada-kvzap", "budget": 64},
         "other_model": {"method": "kvzap", "budget": 64, "params": {"scorer": str(other)}},
         "threshold": {"method": "kvzap", "budget": 64, "params": {"scorer": str(fitting), "threshold": 0.0}},
+        "threshold_layer": {
+            "method": "kvzap",
+            "budget": 64,
+            "params": {"scorer": str(fitting), "threshold": 0.5, "threshold_scope": "layer"},
+        },
         "threshold_chunked": {
             "method": "kvzap",
             "budget": 64,
@@ -97,6 +102,9 @@ def test_a_scorer_fitted_on_another_model_is_refused_naming_the_differing_fields
 def test_the_threshold_mode_serves_whole_prompts_and_is_refused_where_it_cannot_be_served(startups):
     assert startups["threshold"]["error"] is None
     assert startups["threshold"]["state"]["cpu_attn"] == EVICTING_CPU_ATTN
+    layer = startups["threshold_layer"]["error"]  # the random scorer records no score levels
+    assert layer.startswith("kv eviction refused: kvzap with threshold_scope=layer: the scorer of ")
+    assert "score_levels MODEL DIR" in layer and "\n" not in layer
     chunked = startups["threshold_chunked"]["error"]
     assert chunked.startswith("kv eviction refused: kvzap with prefill=chunked and threshold=0.0: ")
     assert "prefill: whole" in chunked and "\n" not in chunked

@@ -230,3 +230,33 @@ def test_serve_model_finds_no_scorer_for_an_unknown_model_and_names_calibrate() 
     finally:
         served_scorer.forget_served_model()
     assert served_scorer.served_scorer_problem() is None
+
+
+def test_a_layer_scoped_threshold_compares_scores_standardised_by_the_layers_level(tmp_path) -> None:
+    from vllm_kvevict.policies.surrogate_scorer import SurrogateScorer
+
+    layer = random_layer(kv_heads=3, n=N, w=1, seed=5, layer_idx=1)
+    base = scorer_shaped_like(layer)
+    layers = layer.num_layers
+    levels = {"mean": [0.3 * i for i in range(layers)], "std": [1.0 + 0.5 * i for i in range(layers)]}
+    SurrogateScorer(dataclasses.replace(base.spec, score_levels=levels), base.layers).save(tmp_path)
+    policy = build_policy(
+        "kvzap", scorer=str(tmp_path), window=8, sinks=2, threshold=0.5, threshold_scope="layer"
+    )
+    kept = policy.select(layer, N)
+    raw = scorer_scores(layer)
+    expected = (raw - levels["mean"][1]) / levels["std"][1] > 0.5
+    expected[:, :2] = True
+    expected[:, N - 8 :] = True
+    assert torch.equal(kept.to_mask(N), expected)
+    assert not torch.equal(expected, raw > 0.5)  # the layer's level moved the threshold
+
+
+def test_a_layer_scoped_threshold_needs_a_threshold_and_a_scorer_with_levels() -> None:
+    with pytest.raises(ValueError, match="threshold_scope='layer' needs a threshold"):
+        build_policy("kvzap", threshold_scope="layer")
+    with pytest.raises(ValueError, match="threshold_scope='head' is not valid; valid: global, layer"):
+        build_policy("kvzap", threshold=0.0, threshold_scope="head")
+    policy = build_policy("kvzap", window=8, sinks=2, threshold=0.0, threshold_scope="layer")
+    with pytest.raises(ValueError, match="records no per-layer score levels.*score_levels MODEL DIR"):
+        policy.select(random_layer(kv_heads=3, n=N, w=1), N)  # the random scorer has none

@@ -43,9 +43,12 @@ _METHODS: dict[str, tuple[_Builder, str]] = {
     "h2o": (DecodeH2O, "heavy hitters by accumulated attention, plus recent"),
     "streamingllm": (DecodeStreamingLLM, "first entries (attention sinks) plus the most recent ones"),
     "snapkv": (DecodeSnapKV, "attention of the last window queries, pooled; keeps the window"),
-    "kvzap": (DecodeForm(KVzap, dropped=("threshold",)), "the learned scorer's score of each held entry"),
+    "kvzap": (
+        DecodeForm(KVzap, dropped=("threshold", "threshold_scope")),
+        "the learned scorer's score of each held entry",
+    ),
     "ada-kvzap": (
-        DecodeForm(KVzap, True, ("threshold",)),
+        DecodeForm(KVzap, True, ("threshold", "threshold_scope")),
         "kvzap's scores, caps split across heads (Ada-KV)",
     ),
 }
