@@ -71,11 +71,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--setting", action="append", default=[], type=json.loads, help="JSON object")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vanilla", type=Path, help="a summary.json whose vanilla row to reuse (no server)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = prepared_model_dir()
-    settings = [("vanilla", [])] + [(setting["label"], eviction_flags(setting)) for setting in args.setting]
-    results = [run_setting(model_dir, label, flags, args) for label, flags in settings]
+    settings = [(setting["label"], eviction_flags(setting)) for setting in args.setting]
+    if args.vanilla is None:
+        results = [run_setting(model_dir, "vanilla", [], args)]
+    else:
+        results = [row for row in json.loads(args.vanilla.read_text()) if row["label"] == "vanilla"]
+    results += [run_setting(model_dir, label, flags, args) for label, flags in settings]
     base = results[0]["score"]
     print("| setting | score | x vanilla | blocks held after the prompt (share) | compacted |")
     print("|---|---:|---:|---:|---:|")

@@ -216,8 +216,8 @@ def whole_unit_counts(counts: list[int], unit: int, floors: list[int], limit: in
 def whole_unit_mask(scores: torch.Tensor, keep: torch.Tensor, unit: int) -> torch.Tensor:
     """``keep`` ([kv_heads, n] bool, a layer's ragged selection by ``scores`` [kv_heads, n]) with every head's
     count moved to a multiple of ``unit`` (``whole_unit_counts``), each head keeping its top tokens by
-    ``scores``. n and the kept total must be multiples of ``unit``. Returns [kv_heads, n] bool."""
-    counts = whole_unit_counts(
-        keep.sum(dim=1).tolist(), unit, always_kept_mask(scores).sum(dim=1).tolist(), scores.shape[1]
-    )
+    ``scores``. n and the kept total must be multiples of ``unit``. Returns [kv_heads, n] bool (one read of
+    the counts to the host per layer)."""
+    kept, floors = torch.stack([keep.sum(dim=1), always_kept_mask(scores).sum(dim=1)]).tolist()
+    counts = whole_unit_counts(kept, unit, floors, scores.shape[1])
     return top_k_mask(scores, torch.tensor(counts, device=scores.device))

@@ -40,36 +40,32 @@ def threshold_config(tau: float) -> EvictionConfig:
     )
 
 
-def expected_kept(engine: TokenKeyedEngine, layer: int) -> list[list[int]]:
-    """What the policy keeps of the prompt in ``layer``, per head (the rows as the engine wrote them)."""
-    positions = torch.arange(PROMPT)
-    _, key, value = engine.tokens(positions, layer)
-    view = LayerKV(
+def prompt_layer(engine: TokenKeyedEngine, layer: int) -> LayerKV:
+    """The prompt's rows in ``layer`` as the engine writes them, as a policy reads them (no queries)."""
+    _, key, value = engine.tokens(torch.arange(PROMPT), layer)
+    return LayerKV(
         keys=key.transpose(0, 1),
         values=value.transpose(0, 1),
         queries=torch.zeros(HEADS, 0, key.shape[2]),
         layer_idx=layer,
         num_layers=LAYERS,
     )
-    kept = engine.worker.policy.select(view, BUDGET)
+
+
+def expected_kept(engine: TokenKeyedEngine, layer: int) -> list[list[int]]:
+    """What the policy keeps of the prompt in ``layer``, per head."""
+    kept = engine.worker.policy.select(prompt_layer(engine, layer), BUDGET)
     return [kept.head(h).tolist() for h in range(HEADS)]
 
 
 def threshold_between_layers(engine: TokenKeyedEngine) -> float:
     """The largest of the layers' 75th score percentiles: every layer keeps at most about a quarter of its
     entries (below the ceiling), and the layers, whose scores differ in level, keep different counts."""
-    levels = []
-    for layer in range(LAYERS):
-        _, key, value = engine.tokens(torch.arange(PROMPT), layer)
-        view = LayerKV(
-            keys=key.transpose(0, 1),
-            values=value.transpose(0, 1),
-            queries=torch.zeros(HEADS, 0, key.shape[2]),
-            layer_idx=layer,
-            num_layers=LAYERS,
-        )
-        levels.append(float(engine.worker.policy.entry_scores(view).flatten().quantile(0.75)))
-    return max(levels)
+    policy = engine.worker.policy
+    return max(
+        float(policy.entry_scores(prompt_layer(engine, layer)).flatten().quantile(0.75))
+        for layer in range(LAYERS)
+    )
 
 
 @pytest.fixture
