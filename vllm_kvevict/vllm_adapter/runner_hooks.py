@@ -64,9 +64,14 @@ def sample_tokens(original, runner, *args: Any, **kwargs: Any):
         return output
     bounds = worker.records.take_kept_bounds()
     if bounds:
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
         # An async output holds the ModelRunnerOutput the scheduler will get (vLLM 0.32.0's attribute).
         target = getattr(output, "_model_runner_output", output)
-        setattr(target, KEPT_BOUNDS, {**getattr(target, KEPT_BOUNDS, {}), **bounds})
+        if target is None or target is EMPTY_MODEL_RUNNER_OUTPUT:
+            worker.records.kept_bounds.update(bounds)  # a shared constant: the next output carries them
+        else:
+            setattr(target, KEPT_BOUNDS, {**getattr(target, KEPT_BOUNDS, {}), **bounds})
     return output
 
 
