@@ -40,6 +40,15 @@ from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.request_settings import RequestSettings, decode_policy
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextRead:
+    """A request that starts from a kept context: where the entry lies, and whether its creator kept ragged
+    counts (Ada-KV: per layer and head, looked up in ``EntryCounts`` by the entry's first block)."""
+
+    entry: EntryBlocks
+    ragged: bool
+
+
 class EvictionWorker:
     """The one owner of eviction state in a worker process."""
 
@@ -83,11 +92,10 @@ class EvictionWorker:
         # Kept contexts (layout/context_reuse.py): creator -> its context length (its prompt as eviction
         # sees it); reader -> the entry it starts from, until its tables are set up.
         self.context_lens: dict[str, int] = {}
-        self.context_readers: dict[str, EntryBlocks] = {}
+        self.context_readers: dict[str, ContextRead] = {}
         # Ada-KV's kept contexts: head counts differ by layer and head. Creators whose counts are still to
-        # be recorded, readers that look them up, the counts by entry block.
+        # be recorded, and the counts by entry block (a reader looks them up: ``ContextRead.ragged``).
         self.ragged_creators: set[str] = set()
-        self.ragged_readers: set[str] = set()
         self.entry_counts = EntryCounts()
         self._block_table: torch.Tensor | None = None  # this step's (for the creators' entry blocks)
         #: echoed tokens per question span (config ``question_echo``; 0: off unless a request asks) and the
@@ -144,9 +152,7 @@ class EvictionWorker:
             context = setting.plan_for(shared)
             if not keeps_entry(context):
                 raise RuntimeError(f"request {req_id} starts from a kept context its setting cannot leave")
-            self.context_readers[req_id] = entry_blocks(context)
-            if ragged:
-                self.ragged_readers.add(req_id)
+            self.context_readers[req_id] = ContextRead(entry_blocks(context), ragged)
             return
         prompt_len = int(inputs.prompt_lens[slot])
         plan = context_plan(setting.plan_for, prompt_len, 0, self.block_size, self.num_layers)
@@ -195,7 +201,6 @@ class EvictionWorker:
             self.context_lens.pop(req_id, None)
             self.context_readers.pop(req_id, None)
             self.ragged_creators.discard(req_id)
-            self.ragged_readers.discard(req_id)
             self.records.drop(req_id)
             self.tables.forget(req_id)
             self.chunks.drop(req_id)
@@ -300,11 +305,11 @@ class EvictionWorker:
         store = self.tables.store
         assert store is not None
         for slot, req_id in enumerate(req_ids):
-            entry = self.context_readers.pop(req_id, None)
-            if entry is None:
+            read = self.context_readers.pop(req_id, None)
+            if read is None:
                 continue
-            if req_id in self.ragged_readers:
-                self.ragged_readers.discard(req_id)
+            entry = read.entry
+            if read.ragged:
                 self.tables.split()
                 per_group = self.entry_counts.counts_of(int(block_table[slot, entry.reader_first]))
             else:
