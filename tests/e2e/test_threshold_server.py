@@ -1,7 +1,8 @@
 """KVzap's threshold mode served by a real ``vllm serve`` of the bundled model (``--kv-eviction kvzap
---kv-budget 0.5 --kv-eviction-config '{"threshold": 1.0}'``, the packaged scorer), through HTTP and the
-``openai`` client: the budget is a ceiling, each layer keeps what its scores put above the threshold, and the
-scheduler frees the blocks the request's largest layer leaves once the worker has reported it.
+--kv-budget 0.5 --kv-eviction-config '{"threshold": 1.0, "threshold_scope": "layer"}'``, the packaged
+scorer and its per-layer score levels), through HTTP and the ``openai`` client: the budget is a ceiling,
+each layer keeps what its scores put above the threshold, and the scheduler frees the blocks the request's
+largest layer leaves once the worker has reported it.
 
 One prompt computed in one step (whole-prompt compaction) and one in vLLM chunks of 512 (compacted after its
 last chunk). While each decodes, the scheduler's saved-blocks gauge is read: it must reach the blocks the
@@ -74,7 +75,8 @@ def served(model_dir, tmp_path_factory) -> dict:
     text = "In the harbour town the ferry left at seven and the market opened at nine. " * 120
     dump_dir = tmp_path_factory.mktemp("threshold")
     args = ("--kv-eviction", "kvzap", "--kv-budget", str(CEILING), "--block-size", str(BLOCK_SIZE),
-            "--kv-eviction-config", json.dumps({"threshold": THRESHOLD}), "--max-model-len", "2048",
+            "--kv-eviction-config", json.dumps({"threshold": THRESHOLD, "threshold_scope": "layer"}),
+            "--max-model-len", "2048",
             "--max-num-batched-tokens", "512")  # fmt: skip
     runs: dict = {}
     with VLLMServer(model_dir, extra_args=args, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
