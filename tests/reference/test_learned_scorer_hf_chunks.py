@@ -76,7 +76,9 @@ def test_chunk_by_chunk_keeps_what_the_whole_prompt_keeps(tiny_model, scorer_dir
 
 def test_the_threshold_mode_keeps_an_adaptive_count_through_the_hf_runner(tiny_model, scorer_dir):
     """kvzap with ``threshold``: each head of each layer keeps its entries scoring above it (sinks and the
-    window too), so the counts differ per head and layer, and the HF runner generates over those sets."""
+    window too), so the counts differ per head and layer, and the HF runner generates over those sets. The
+    budget is the mode's ceiling: the whole prompt here (as the grid's threshold rows run), so the threshold
+    alone decides."""
     from vllm_kvevict.hf_reference.capture import capture_layers
     from vllm_kvevict.hf_reference.eviction import kept_per_layer
     from vllm_kvevict.hf_reference.generation import generate_with_kept
@@ -87,7 +89,7 @@ def test_the_threshold_mode_keeps_an_adaptive_count_through_the_hf_runner(tiny_m
     scores = torch.cat([plain.entry_scores(layer).flatten() for layer in layers])
     tau = float(scores.quantile(0.7))  # about 30 % kept, set by the scores, not by a budget
     policy = build_policy("kvzap", scorer=scorer_dir, window=8, sinks=2, threshold=tau)
-    kept = kept_per_layer(policy, layers, BUDGET)
+    kept = kept_per_layer(policy, layers, N)
     counts = [c for k in kept for c in k.counts.tolist()]
     assert len(set(counts)) > 1 and all(10 <= c < N for c in counts)
     for layer, chosen in zip(layers, kept, strict=True):
