@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from vllm_kvevict.calibration.corpus import calibration_contexts
+from vllm_kvevict.hf_reference.capture import prefill
 from vllm_kvevict.hf_reference.kvzip import chat_template_parts, encode
 from vllm_kvevict.policies.surrogate_scorer import SPEC_FILE, SurrogateScorer
 
@@ -52,16 +53,15 @@ def score_levels(
 
 def prefill_rows(model, tokenizer, context_ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer keys/values [H, c, D] of a context wrapped as a chat user turn (as ``calibrate`` wraps it),
-    from one plain prefill: the context's own tokens only."""
+    from one plain prefill (``hf_reference.capture.prefill``, the cache as it holds them): the context's own
+    tokens only."""
     prefix_text, _ = chat_template_parts(tokenizer)
     prefix = encode(tokenizer, prefix_text)
-    ids = torch.cat([prefix, torch.tensor(context_ids, dtype=torch.int64)])[None]
+    ids = torch.cat([prefix, torch.tensor(context_ids, dtype=torch.int64)])
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        prompt = prefill(model, ids, capture=False)
     start = prefix.shape[0]
-    keys = [layer.keys[0, :, start:].float() for layer in cache.layers]
-    values = [layer.values[0, :, start:].float() for layer in cache.layers]
-    return keys, values
+    return [k[0, :, start:].float() for k in prompt.keys], [v[0, :, start:].float() for v in prompt.values]
 
 
 def measure(model, tokenizer, directory: Path) -> dict:
@@ -84,14 +84,13 @@ def measure(model, tokenizer, directory: Path) -> dict:
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm_kvevict.hf_reference.model import load_reference_model
 
     parser = argparse.ArgumentParser(description="per-layer score levels of learned scorers")
     parser.add_argument("model")
     parser.add_argument("directories", nargs="+", type=Path)
     args = parser.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model, tokenizer = load_reference_model(args.model)
     for directory in args.directories:
         levels = measure(model, tokenizer, directory)
         print(f"{directory}: {levels['contexts']} contexts, {levels['tokens']} tokens; mean per layer "

@@ -79,10 +79,8 @@ def update_from_output(original, scheduler, scheduler_output, model_runner_outpu
     """Hand the evicting managers the kept bounds the step's output carries before vLLM processes it."""
     bounds = getattr(model_runner_output, KEPT_BOUNDS, None)
     if bounds:
-        for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
-            note = getattr(manager, "note_kept_bounds", None)
-            if note is not None:
-                note(bounds)
+        for note in _manager_methods(scheduler, "note_kept_bounds"):
+            note(bounds)
     return original(scheduler, scheduler_output, model_runner_output, *args, **kwargs)
 
 
@@ -200,7 +198,7 @@ def free_request(original, manager, request, *args: Any, **kwargs: Any) -> None:
 
 def scheduler_init(original, scheduler, *args: Any, **kwargs: Any) -> None:
     original(scheduler, *args, **kwargs)
-    if _chunk_strides(scheduler) and not scheduler.has_mamba_layers:
+    if _manager_methods(scheduler, "chunk_stride_of") and not scheduler.has_mamba_layers:
         scheduler.need_mamba_block_aligned_split = True  # every prefill chunk passes split_prefill_chunk
 
 
@@ -222,17 +220,18 @@ def split_prefill_chunk(
     prompt_len = request.num_prompt_tokens
     if start >= prompt_len:
         return num_new_tokens
-    stride = max((stride_of(request) for stride_of in _chunk_strides(scheduler)), default=0)
+    strides = _manager_methods(scheduler, "chunk_stride_of")
+    stride = max((stride_of(request) for stride_of in strides), default=0)
     if not stride:
         return num_new_tokens
     stop = (start // stride + 1) * stride
     return min(num_new_tokens, stop - start) if stop < prompt_len else num_new_tokens
 
 
-def _chunk_strides(scheduler) -> list:
-    """The evicting managers' ``chunk_stride_of`` (empty without eviction)."""
+def _manager_methods(scheduler, name: str) -> list:
+    """The evicting managers' method ``name`` (e.g. ``chunk_stride_of``), bound; empty without eviction."""
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    return [m.chunk_stride_of for m in managers if hasattr(m, "chunk_stride_of")]
+    return [getattr(m, name) for m in managers if hasattr(m, name)]
 
 
 #: attribute holding a copy of an o_proj weight taken before the platform repacked it.
