@@ -14,7 +14,14 @@ plans it (``layout.accounting``, 32-token blocks):
   per chunk (``chunked``: the prompt prefilled in ``--chunk``-token chunks with the server's per-chunk rule,
   intermediate budget ``--chunk-budget``, the default ``between`` rule), and, for each ``--thresholds`` tau,
   ``kvzap <label> tau=<tau>`` (whole; the kept count set by the scores, its realised share of the prompt
-  in the row's ``kept_share``; listed under fraction 1.0).
+  in the row's ``kept_share``; listed under fraction 1.0);
+- with ``--global-rows``: ``kvzip+ global`` and ``kvzap <label> global``, the same scores ranked across all
+  layers and heads at once (kvpress's KVzip default, ``layerwise=False``), as many entries in all as the
+  per-layer plan keeps. The server cannot hold such a kept set in fewer blocks than its largest layer's
+  (``largest_layer_share``); the rows say what a per-layer block budget would buy.
+
+``--only REGEX`` computes and decodes only the variants whose label matches (another run's rows of the same
+prompts can live in another ``--out`` file).
 
 Each kept set is decoded greedily (masks, true positions) and scored like ``eval``; rows go to a JSON-lines
 file (a prompt already there is skipped) and a markdown table of mean scores is printed.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -49,6 +57,7 @@ from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # no
 from vllm_kvevict.policies.adakv import AdaKV  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
 from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN  # noqa: E402
+from vllm_kvevict.policies.kept_masks import top_k_mask  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 from vllm_kvevict.settings.config import DEFAULT_CHUNK_BUDGET, DEFAULT_ECHO_WIDTH  # noqa: E402
 from vllm_kvevict.settings.parsers import parse_chunk_budget  # noqa: E402
@@ -67,6 +76,14 @@ def largest_layer_share(kept: list[KeptTokens], num_tokens: int) -> float:
     return max(float(layer.counts.float().mean()) for layer in kept) / max(1, num_tokens)
 
 
+def global_kept(scores: list[torch.Tensor], total: int) -> list[KeptTokens]:
+    """The ``total`` highest of every layer's scores [kv_heads, n] ranked together (``+inf`` always kept):
+    one kept set per layer, its heads' counts whatever the ranking gives them."""
+    stacked = torch.stack([layer_scores.float() for layer_scores in scores])
+    keep = top_k_mask(stacked.reshape(1, -1), min(total, stacked.numel())).reshape(stacked.shape)
+    return [KeptTokens.from_mask(layer_keep) for layer_keep in keep]
+
+
 def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> list[dict]:
     """Every row of one prompt (see the module docstring), decoded and scored."""
     ids = torch.tensor(sample.token_ids)
@@ -74,20 +91,38 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
     num_layers = model.config.num_hidden_layers
     fractions = [float(f) for f in args.fractions.split(",")]
     whole = prefill(model, ids, query_window=QUERY_WINDOW)
-    runs: list[tuple[str, float, object, list[KeptTokens]]] = [
-        ("full-cache", 1.0, whole, [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers])
-    ]
+    runs: list[tuple[str, float, object, list[KeptTokens]]] = []
+    only = re.compile(args.only)
+
+    def wanted(label: str) -> bool:
+        return only.search(label) is not None
+
+    if wanted("full-cache"):
+        everything = [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers]
+        runs.append(("full-cache", 1.0, whole, everything))
 
     def whole_rows(label: str, policy) -> None:
+        if not wanted(label):
+            return
         for fraction in fractions:
             plan = plan_request(n, fraction, BLOCK_SIZE, policy, num_layers)
             budgets = [min(budget, n) for budget in plan.layer_budgets]
             kept = [policy.select(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
             runs.append((label, fraction, whole, kept))
 
+    def global_rows(label: str, policy) -> None:
+        if not (args.global_rows and wanted(label)):
+            return
+        for fraction in fractions:
+            plan = plan_request(n, fraction, BLOCK_SIZE, policy, num_layers)
+            budgets = [min(budget, n) for budget in plan.layer_budgets]
+            total = sum(b * layer.num_kv_heads for b, layer in zip(budgets, whole.layers, strict=True))
+            scores = [policy.score(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
+            runs.append((label, fraction, whole, global_kept(scores, total)))
+
     default = build_policy("ada-snapkv")
     head = head_tokens(sample.token_ids, tokenizer, DEFAULT_ECHO_WIDTH)
-    if head:
+    if head and wanted("ada-snapkv whole echo"):
         echoed = echo_policy(default, len(head))
         layers = probed_layers(whole.layers, echo_queries(model, whole, head), window=default.query_window(n))
         for fraction in fractions:
@@ -95,18 +130,22 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
             budgets = [min(budget, n) for budget in plan.layer_budgets]
             kept = [echoed.select(layer, b) for layer, b in zip(layers, budgets, strict=True)]
             runs.append(("ada-snapkv whole echo", fraction, whole, kept))
-    if not args.no_kvzip:
+    if not args.no_kvzip and any(wanted(f"{kind} {how}") for kind in ("kvzip+", "ada-kvzip+")
+                                 for how in ("whole", "global")):
         start = user_turn_start(sample.token_ids, chat_marks(tokenizer).user_header) or 0
         scores = kvzip_scores(model, tokenizer, ids, context_start=start, plus=True).scores.clone()
         scores[:, :, :start] = float("inf")  # the template's system turn and user header: always kept
         whole_rows("kvzip+ whole", KVzipPolicy(scores))
         whole_rows("ada-kvzip+ whole", AdaKV(KVzipPolicy(scores)))
+        global_rows("kvzip+ global", KVzipPolicy(scores))
     chunk_budget = parse_chunk_budget(args.chunk_budget)
     for label, directory in scorers.items():
         for method in args.learned_methods.split(","):
             policy = build_policy(method, scorer=directory)
             whole_rows(f"{method} {label} whole", policy)
-            if method not in args.chunked_methods.split(","):
+            if method == "kvzap":
+                global_rows(f"kvzap {label} global", policy)
+            if method not in args.chunked_methods.split(",") or not wanted(f"{method} {label} chunked"):
                 continue
             for fraction in fractions:
                 plan = with_chunk_budget(
@@ -115,7 +154,7 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
                 chunked = chunked_prefill(model, ids, policy, plan, args.chunk, DEFAULT_BETWEEN)
                 runs.append((f"{method} {label} chunked", fraction, chunked.prompt, chunked.kept))
         for tau in args.thresholds.split(","):
-            if not tau:
+            if not tau or not wanted(f"kvzap {label} tau={tau}"):
                 continue
             policy = build_policy("kvzap", scorer=directory, threshold=float(tau))
             kept = [policy.select(layer, n) for layer in whole.layers]
@@ -159,6 +198,10 @@ def main() -> None:
         "--chunked-methods", default="kvzap,ada-kvzap", help="per-chunk rows of these methods ('' for none)"
     )
     parser.add_argument("--no-kvzip", action="store_true", help="no KVzip rows (they cost a second pass)")
+    parser.add_argument(
+        "--global-rows", action="store_true", help="also rank KVzip+ and kvzap across all layers at once"
+    )
+    parser.add_argument("--only", default="", help="regex: only the variants whose label matches")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--out", type=Path, required=True, help="JSON lines; prompts already there are skipped"
