@@ -72,10 +72,15 @@ def read_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 
-def run_samples(args: argparse.Namespace, rows_for: Callable[..., list[dict]]) -> list[dict]:
+def run_samples(
+    args: argparse.Namespace,
+    rows_for: Callable[..., list[dict]],
+    describe: Callable[[dict], str] = lambda r: f"{r['variant']}@{r['fraction']}={r['score']:.2f}",
+) -> list[dict]:
     """Every sample of ``args.tasks`` × ``args.lengths`` × ``args.samples`` (seed ``args.seed``) not yet in
     ``args.out``: ``rows_for(model, tokenizer, sample)`` decoded and scored, appended to ``args.out`` as JSON
-    lines as each prompt finishes. Returns every record of the file."""
+    lines as each prompt finishes, each row printed as ``describe`` writes it. Returns every record of the
+    file."""
     from vllm_kvevict.cli.prepare_model import prepared_model_dir
     from vllm_kvevict.evaluation.generate import generate_samples
     from vllm_kvevict.hf_reference import load_reference_model
@@ -95,7 +100,7 @@ def run_samples(args: argparse.Namespace, rows_for: Callable[..., list[dict]]) -
             for row in rows:
                 out.write(json.dumps(row) + "\n")
         records += rows
-        scores = " ".join(f"{r['variant']}@{r['fraction']}={r['score']:.2f}" for r in rows)
+        scores = " ".join(describe(r) for r in rows)
         print(f"{sample.id}: {time.time() - started:.0f}s {scores}", flush=True)
     return records
 
