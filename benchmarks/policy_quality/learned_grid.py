@@ -76,9 +76,10 @@ def largest_layer_share(kept: list[KeptTokens], num_tokens: int) -> float:
     return max(float(layer.counts.float().mean()) for layer in kept) / max(1, num_tokens)
 
 
-def global_kept(scores: list[torch.Tensor], total: int) -> list[KeptTokens]:
+def kept_across_layers(scores: list[torch.Tensor], total: int) -> list[KeptTokens]:
     """The ``total`` highest of every layer's scores [kv_heads, n] ranked together (``+inf`` always kept):
-    one kept set per layer, its heads' counts whatever the ranking gives them."""
+    one kept set per layer, its heads' counts whatever the ranking gives them. ``kvzip.global_kept`` with an
+    exact count (the plan's) instead of a compression ratio, for any policy's scores."""
     stacked = torch.stack([layer_scores.float() for layer_scores in scores])
     keep = top_k_mask(stacked.reshape(1, -1), min(total, stacked.numel())).reshape(stacked.shape)
     return [KeptTokens.from_mask(layer_keep) for layer_keep in keep]
@@ -118,7 +119,7 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
             budgets = [min(budget, n) for budget in plan.layer_budgets]
             total = sum(b * layer.num_kv_heads for b, layer in zip(budgets, whole.layers, strict=True))
             scores = [policy.score(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
-            runs.append((label, fraction, whole, global_kept(scores, total)))
+            runs.append((label, fraction, whole, kept_across_layers(scores, total)))
 
     default = build_policy("ada-snapkv")
     head = head_tokens(sample.token_ids, tokenizer, DEFAULT_ECHO_WIDTH)
