@@ -1,0 +1,57 @@
+"""The ranking helpers of the HF runner's question-agnostic benchmarks: where an answer ranks per head
+(``needle_ranks``) and the kept set of scores ranked across layers (``learned_grid --global-rows``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CharTokenizer:
+    """One id per character (ord), enough for finding an answer's tokens in a prompt."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_answer_positions_finds_the_answer_with_or_without_its_space() -> None:
+    from benchmarks.policy_quality.needle_ranks import answer_positions
+
+    tokenizer = CharTokenizer()
+    prompt = tokenizer.encode("the number is 4271.")
+    assert answer_positions(prompt, ["4271"], tokenizer) == [13, 14, 15, 16, 17]  # " 4271" first
+    assert answer_positions(tokenizer.encode("x:4271"), ["4271"], tokenizer) == [2, 3, 4, 5]
+    assert answer_positions(prompt, ["9999", "number"], tokenizer) == list(range(3, 10))
+    assert answer_positions(prompt, ["9999"], tokenizer) == []
+
+
+def test_rank_shares_count_the_tokens_strictly_above() -> None:
+    from benchmarks.policy_quality.needle_ranks import rank_shares
+
+    scores = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0], [1.0, float("inf"), 1.0, 2.0, 0.0]])
+    shares = rank_shares(scores, [0, 4])
+    assert torch.allclose(shares, torch.tensor([[0.0, 0.8], [0.4, 0.8]]))
+
+
+def test_top_quarter_overlap_of_equal_and_opposite_rankings() -> None:
+    from benchmarks.policy_quality.needle_ranks import top_quarter_overlap
+
+    target = torch.arange(16.0).repeat(2, 1)
+    assert top_quarter_overlap(target, target, start=0) == 1.0
+    assert top_quarter_overlap(-target, target, start=0) == 0.0
+    # from ``start`` on only: the first 8 tokens do not count
+    shifted = torch.cat([torch.full((2, 8), 100.0), torch.arange(8.0).repeat(2, 1)], dim=1)
+    assert top_quarter_overlap(shifted, shifted, start=8) == 1.0
+
+
+def test_kept_across_layers_keeps_the_total_best_and_every_always_kept_entry() -> None:
+    from benchmarks.policy_quality.learned_grid import kept_across_layers
+
+    inf = float("inf")
+    layer0 = torch.tensor([[inf, 0.1, 0.2, 0.3], [inf, 9.0, 8.0, 0.0]])
+    layer1 = torch.tensor([[inf, 7.0, 0.4, 6.0], [inf, 0.5, 0.6, 0.7]])
+    kept = kept_across_layers([layer0, layer1], total=8)
+    assert sum(layer.total for layer in kept) == 8
+    assert kept[0].head(0).tolist() == [0]
+    assert kept[0].head(1).tolist() == [0, 1, 2]
+    assert kept[1].head(0).tolist() == [0, 1, 3]
+    assert kept[1].head(1).tolist() == [0]
