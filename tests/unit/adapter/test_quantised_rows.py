@@ -233,7 +233,11 @@ def test_vllms_attention_over_a_compacted_fp8_cache_equals_torch_over_the_dequan
         queries = query[0].view(HEADS, GROUP, DIM)[head].float()
         weights = torch.softmax(queries @ keys.T * DIM**-0.5, dim=-1)
         expected.append(weights @ values)
+    # vLLM's amx kernel (bf16 tiles) lands further from the float32 reference than the vec one: on an Intel
+    # Xeon with AMX its largest error here was 0.032 (outputs up to 0.51), 28 of 576 elements above 0.01;
+    # an entry read from the wrong slot moves an output by the order of the output itself.
+    tolerance = 4e-2 if isa == "amx" else 2e-2
     torch.testing.assert_close(
-        out.view(HEADS, GROUP, DIM).float(), torch.stack(expected), atol=2e-2, rtol=2e-2
+        out.view(HEADS, GROUP, DIM).float(), torch.stack(expected), atol=tolerance, rtol=2e-2
     )
     worker.end_step()
