@@ -131,8 +131,8 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
             budgets = [min(budget, n) for budget in plan.layer_budgets]
             kept = [echoed.select(layer, b) for layer, b in zip(layers, budgets, strict=True)]
             runs.append(("ada-snapkv whole echo", fraction, whole, kept))
-    if not args.no_kvzip and any(wanted(f"{kind} {how}") for kind in ("kvzip+", "ada-kvzip+")
-                                 for how in ("whole", "global")):
+    kvzip_labels = ("kvzip+ whole", "ada-kvzip+ whole", "kvzip+ global")
+    if not args.no_kvzip and any(wanted(label) for label in kvzip_labels):
         start = user_turn_start(sample.token_ids, chat_marks(tokenizer).user_header) or 0
         scores = kvzip_scores(model, tokenizer, ids, context_start=start, plus=True).scores.clone()
         scores[:, :, :start] = float("inf")  # the template's system turn and user header: always kept

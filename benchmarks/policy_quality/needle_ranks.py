@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sweep import QUERY_WINDOW, run_samples  # noqa: E402
 
+from vllm_kvevict.calibration.metrics import top_overlap  # noqa: E402
 from vllm_kvevict.datapath.chat_marks import chat_marks  # noqa: E402
 from vllm_kvevict.datapath.question_echo import user_turn_start  # noqa: E402
 from vllm_kvevict.hf_reference import prefill  # noqa: E402
@@ -64,13 +65,8 @@ def rank_shares(scores: torch.Tensor, positions: list[int]) -> torch.Tensor:
 
 def top_quarter_overlap(predicted: torch.Tensor, target: torch.Tensor, start: int) -> float:
     """Mean over heads of the share of ``target``'s top quarter of tokens [start, n) that ``predicted``'s
-    top quarter holds; predicted, target: [heads, n]."""
-    predicted, target = predicted[:, start:].float(), target[:, start:].float()
-    k = max(1, target.shape[-1] // 4)
-    mask = torch.zeros_like(target, dtype=torch.bool)
-    mine = mask.clone().scatter_(1, predicted.topk(k, dim=1).indices, True)
-    theirs = mask.scatter_(1, target.topk(k, dim=1).indices, True)
-    return float((mine & theirs).sum(dim=1).float().mean() / k)
+    top quarter holds; predicted, target: [heads, n]. The calibration's held-out measure (``top_overlap``)."""
+    return float(top_overlap(predicted[:, start:].float().T, target[:, start:].float().T).mean())
 
 
 def rows_for_prompt(model, tokenizer, sample, scorer: str) -> list[dict]:
@@ -81,9 +77,10 @@ def rows_for_prompt(model, tokenizer, sample, scorer: str) -> list[dict]:
     if not positions:
         print(f"{sample.id}: answer not in the prompt, skipped", flush=True)
         return []
-    whole = prefill(model, torch.tensor(ids), query_window=QUERY_WINDOW)
+    prompt = torch.tensor(ids)
+    whole = prefill(model, prompt, query_window=QUERY_WINDOW)
     start = user_turn_start(ids, chat_marks(tokenizer).user_header) or 0
-    target = kvzip_scores(model, tokenizer, torch.tensor(ids), context_start=start, plus=True).scores
+    target = kvzip_scores(model, tokenizer, prompt, context_start=start, plus=True).scores
     learned = build_policy("kvzap", scorer=scorer)
     default = build_policy("ada-snapkv").inner
     head = head_tokens(ids, tokenizer, DEFAULT_ECHO_WIDTH)
