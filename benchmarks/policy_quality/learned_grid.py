@@ -102,12 +102,16 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
         everything = [KeptTokens.everything(layer.num_kv_heads, n) for layer in whole.layers]
         runs.append(("full-cache", 1.0, whole, everything))
 
+    def layer_budgets(policy, fraction: float) -> list[int]:
+        """Each layer's budget in the server's plan for ``fraction`` of the prompt, at most n."""
+        plan = plan_request(n, fraction, BLOCK_SIZE, policy, num_layers)
+        return [min(budget, n) for budget in plan.layer_budgets]
+
     def whole_rows(label: str, policy) -> None:
         if not wanted(label):
             return
         for fraction in fractions:
-            plan = plan_request(n, fraction, BLOCK_SIZE, policy, num_layers)
-            budgets = [min(budget, n) for budget in plan.layer_budgets]
+            budgets = layer_budgets(policy, fraction)
             kept = [policy.select(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
             runs.append((label, fraction, whole, kept))
 
@@ -115,8 +119,7 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
         if not (args.global_rows and wanted(label)):
             return
         for fraction in fractions:
-            plan = plan_request(n, fraction, BLOCK_SIZE, policy, num_layers)
-            budgets = [min(budget, n) for budget in plan.layer_budgets]
+            budgets = layer_budgets(policy, fraction)
             total = sum(b * layer.num_kv_heads for b, layer in zip(budgets, whole.layers, strict=True))
             scores = [policy.score(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
             runs.append((label, fraction, whole, kept_across_layers(scores, total)))
@@ -127,8 +130,7 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
         echoed = echo_policy(default, len(head))
         layers = probed_layers(whole.layers, echo_queries(model, whole, head), window=default.query_window(n))
         for fraction in fractions:
-            plan = plan_request(n, fraction, BLOCK_SIZE, default, num_layers)
-            budgets = [min(budget, n) for budget in plan.layer_budgets]
+            budgets = layer_budgets(default, fraction)
             kept = [echoed.select(layer, b) for layer, b in zip(layers, budgets, strict=True)]
             runs.append(("ada-snapkv whole echo", fraction, whole, kept))
     kvzip_labels = ("kvzip+ whole", "ada-kvzip+ whole", "kvzip+ global")
