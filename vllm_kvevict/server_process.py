@@ -27,6 +27,9 @@ HOST = "127.0.0.1"
 # Between free_port() and vLLM binding it (tens of seconds of imports) another process may take the port.
 PORT_ATTEMPTS = 3
 ADDRESS_IN_USE = "Address already in use"
+#: What vLLM 0.32's API server logs once it holds its port, right before it serves HTTP
+#: (``build_and_serve`` in ``vllm/entrypoints/launchers/api_server/entry.py``; it binds in ``setup_server``).
+STARTED_LINE = "Starting vLLM server on {url}"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 
@@ -189,7 +192,8 @@ class VLLMServer:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> VLLMServer:
-        """Launch the server and block until ``/health`` is 200; raise :class:`ServerStartError` otherwise.
+        """Launch the server and block until ``/health`` is 200 and its log says it serves on its port;
+        raise :class:`ServerStartError` otherwise.
 
         If the port was chosen here and another process took it before vLLM bound it, retry on a new port.
         """
@@ -244,7 +248,9 @@ class VLLMServer:
                     f"`vllm serve` exited with code {code} before becoming healthy (log {self.log_path}):\n"
                     + self.log_tail()
                 )
-            if self._health_ok():
+            # /health alone is not enough: until this server fails to bind a port another server took
+            # between free_port() and the bind, that other server answers it.
+            if self._health_ok() and self._serving_here():
                 return
             time.sleep(0.5)
         raise ServerStartError(
@@ -258,6 +264,15 @@ class VLLMServer:
                 return response.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
+
+    def _serving_here(self) -> bool:
+        """Whether this server's own log says it bound its port and serves HTTP on it."""
+        assert self.log_path is not None
+        try:
+            log = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        return STARTED_LINE.format(url=self.root_url) in log
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGINT the process group, SIGKILL it after ``timeout_s``; returns the server's exit code."""

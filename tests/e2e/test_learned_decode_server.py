@@ -9,6 +9,7 @@ answer's quality is not checked.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,15 @@ FALLBACKS = "vllm_kvevict_policy_fallbacks_total"
 
 def kvzap_total(server: VLLMServer, name: str) -> float:
     return sum(value for labels, value in server.metric_samples(name) if labels.get("method") == "kvzap")
+
+
+def finished_dumps(dump_dir: Path, timeout_s: float = 60.0) -> list[Path]:
+    """The decode dumps in ``dump_dir``, waiting for the first: the worker saves a request's record in the
+    step that tells it the request finished, which may run after the answer reached the client."""
+    deadline = time.monotonic() + timeout_s
+    while not (dumps := list(dump_dir.glob("*.decode.pt"))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return dumps
 
 
 @dataclass
@@ -68,7 +78,7 @@ def capped(model_dir, tmp_path_factory) -> Capped:
             model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
             extra_body=ignore_eos_body({"kv_budget": WHOLE}),
         )  # fmt: skip
-        dumps = list(dump_dir.glob("*.decode.pt"))
+        dumps = finished_dumps(dump_dir)
         assert len(dumps) == 1, dumps
         return Capped(
             text=result.choices[0].text,

@@ -195,4 +195,7 @@ class EvictionRecords:
         assert self.dump_dir is not None
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in req_id)
-        torch.save(record, self.dump_dir / f"{safe}{suffix}")
+        path = self.dump_dir / f"{safe}{suffix}"
+        partial = path.with_name(path.name + ".partial")  # a reader globbing for the suffix never sees half
+        torch.save(record, partial)
+        partial.replace(path)
