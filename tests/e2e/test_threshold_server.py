@@ -84,7 +84,8 @@ def served(model_dir, tmp_path_factory) -> dict:
             before = set(dump_dir.glob("*.pt"))
             answer, tokens, saved = saved_while_decoding(server, tokenizer(text)["input_ids"][:length])
             (dump,) = set(dump_dir.glob("*.pt")) - before
-            runs[label] = {"answer": answer, "tokens": tokens, "saved": saved, "dump": torch.load(dump)}
+            runs[label] = {"answer": answer, "tokens": tokens, "saved": saved, "dump": torch.load(dump),
+                           "log": server.log_tail(40)}
         runs["usage"] = server.wait_for_metric(USAGE, 0.0)
         runs["saved_after"] = saved_blocks(server)
     return runs
@@ -111,7 +112,8 @@ def test_the_scheduler_frees_the_blocks_the_largest_layer_leaves(served: dict, l
     reported = with_kept_bound(ceiling, adaptive_kept_bound(ceiling, totals, HEADS))
     assert reported.blocks_to_free == first_block_for_bound(prompt_len, reported.kept_bound, BLOCK_SIZE)
     assert reported.blocks_to_free > ceiling.blocks_to_free
-    assert run["saved"] == reported.blocks_to_free  # what the scheduler freed, read while it decoded
+    # What the scheduler freed, read while it decoded (the server's log tail says why, if not).
+    assert run["saved"] == reported.blocks_to_free, run["log"]
 
 
 def test_every_block_comes_back(served: dict) -> None:
