@@ -18,7 +18,11 @@ plans it (``layout.accounting``, 32-token blocks):
 - with ``--global-rows``: ``kvzip+ global`` and ``kvzap <label> global``, the same scores ranked across all
   layers and heads at once (kvpress's KVzip default, ``layerwise=False``), as many entries in all as the
   per-layer plan keeps. The server cannot hold such a kept set in fewer blocks than its largest layer's
-  (``largest_layer_share``); the rows say what a per-layer block budget would buy.
+  (``largest_layer_share``); the rows say what a per-layer block budget would buy;
+- with ``--level-rows``: ``ada-kvzap <label> levels``, a cross-layer allocation fixed before the prompt: each
+  layer's budget is what one threshold would keep if the layer's predicted scores were normal with the
+  scorer's calibration levels (``score_levels``), the plan's total in all, Ada-KV across heads within the
+  layer. Unlike the global rows it needs no other layer's scores, so a server could apply it layer by layer.
 
 ``--only REGEX`` computes and decodes only the variants whose label matches (another run's rows of the same
 prompts can live in another ``--out`` file).
@@ -59,6 +63,7 @@ from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
 from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN  # noqa: E402
 from vllm_kvevict.policies.kept_masks import top_k_mask  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
+from vllm_kvevict.policies.served_scorer import load_scorer  # noqa: E402
 from vllm_kvevict.settings.config import DEFAULT_CHUNK_BUDGET, DEFAULT_ECHO_WIDTH  # noqa: E402
 from vllm_kvevict.settings.parsers import parse_chunk_budget  # noqa: E402
 
@@ -83,6 +88,31 @@ def kept_across_layers(scores: list[torch.Tensor], total: int) -> list[KeptToken
     stacked = torch.stack([layer_scores.float() for layer_scores in scores])
     keep = top_k_mask(stacked.reshape(1, -1), min(total, stacked.numel())).reshape(stacked.shape)
     return [KeptTokens.from_mask(layer_keep) for layer_keep in keep]
+
+
+def level_budgets(levels: dict, budgets: list[int], num_tokens: int, floor: int) -> list[int]:
+    """Per-layer budgets (per head) summing to ``budgets``' total, each layer's what one threshold would keep
+    if its predicted scores were normal with the scorer's calibration level (``score_levels`` mean and std):
+    a cross-layer allocation known before the prompt, each layer in [``floor``, ``num_tokens``]."""
+    mean = torch.tensor(levels["mean"], dtype=torch.float64)
+    std = torch.tensor(levels["std"], dtype=torch.float64)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    total = sum(budgets)
+
+    def kept(tau: float) -> torch.Tensor:
+        share = 1.0 - normal.cdf((tau - mean) / std)
+        return (num_tokens * share).clamp(min=floor, max=num_tokens)
+
+    low, high = float((mean - 10 * std).min()), float((mean + 10 * std).max())
+    for _ in range(100):  # kept() falls as tau rises
+        tau = (low + high) / 2
+        low, high = (tau, high) if kept(tau).sum() > total else (low, tau)
+    exact = kept(high)
+    rounded = exact.floor().long()
+    remainders = exact - rounded
+    short = max(0, min(total - int(rounded.sum()), len(budgets)))
+    rounded[remainders.argsort(descending=True)[:short]] += 1  # largest remainders, total kept
+    return [int(b) for b in rounded.clamp(max=num_tokens)]
 
 
 def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> list[dict]:
@@ -148,6 +178,12 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
             whole_rows(f"{method} {label} whole", policy)
             if method == "kvzap":
                 global_rows(f"kvzap {label} global", policy)
+            if method == "ada-kvzap" and args.level_rows and wanted(f"ada-kvzap {label} levels"):
+                levels = load_scorer(directory).spec.score_levels
+                for fraction in fractions:
+                    budgets = level_budgets(levels, layer_budgets(policy, fraction), n, policy.min_budget)
+                    kept = [policy.select(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
+                    runs.append((f"ada-kvzap {label} levels", fraction, whole, kept))
             if method not in args.chunked_methods.split(",") or not wanted(f"{method} {label} chunked"):
                 continue
             for fraction in fractions:
@@ -203,6 +239,11 @@ def main() -> None:
     parser.add_argument("--no-kvzip", action="store_true", help="no KVzip rows (they cost a second pass)")
     parser.add_argument(
         "--global-rows", action="store_true", help="also rank KVzip+ and kvzap across all layers at once"
+    )
+    parser.add_argument(
+        "--level-rows",
+        action="store_true",
+        help="also ada-kvzap with per-layer budgets from the scorer's calibration score levels",
     )
     parser.add_argument("--only", default="", help="regex: only the variants whose label matches")
     parser.add_argument("--seed", type=int, default=0)

@@ -55,3 +55,16 @@ def test_kept_across_layers_keeps_the_total_best_and_every_always_kept_entry() -
     assert kept[0].head(1).tolist() == [0, 1, 2]
     assert kept[1].head(0).tolist() == [0, 1, 3]
     assert kept[1].head(1).tolist() == [0]
+
+
+def test_level_budgets_keep_the_plans_total_and_give_higher_levels_more() -> None:
+    from benchmarks.policy_quality.learned_grid import level_budgets
+
+    levels = {"mean": [-6.0, -4.0, -2.0, -4.0], "std": [1.0, 1.0, 1.0, 2.0]}
+    budgets = level_budgets(levels, [300] * 4, num_tokens=1000, floor=36)
+    assert sum(budgets) == 1200 and all(36 <= b <= 1000 for b in budgets)
+    assert budgets[0] < budgets[1] < budgets[2]  # same spread, higher level: more kept
+    assert budgets[3] > budgets[1]  # same level, wider spread: more above a threshold over the level
+    assert level_budgets(levels, [1000] * 4, 1000, 36) == [1000] * 4  # everything kept
+    even = {"mean": [-3.0] * 3, "std": [1.0] * 3}
+    assert level_budgets(even, [100, 200, 300], 1000, 36) == [200, 200, 200]  # equal levels: equal shares
