@@ -1,7 +1,7 @@
-"""The fact the pooled sub-block design rests on (``docs/design_modes.md``, "Per-layer block budgets"):
-vLLM 0.32 keeps every layer's cache in one storage, layer outermost, so the whole allocation viewed as one-head
-sub-blocks ``[L·num_blocks·H, 1, 2·bs, D]`` is a cache vLLM's own CPU kernels read and write like a layer's:
-a head whose sub-blocks lie in four layers' regions attends exactly as from a cache of its own."""
+"""The fact the pooled sub-block design rests on (``docs/design_modes.md``, "Per-layer block budgets"): vLLM
+0.32 keeps every layer's cache in one storage, layer outermost, so the whole allocation viewed as one-head
+sub-blocks ``[L·num_blocks·H, 1, 2·bs, D]`` is a cache vLLM's own CPU kernels read and write like a
+layer's: a head whose sub-blocks lie in four layers' regions attends exactly as from a cache of its own."""
 
 from __future__ import annotations
 
