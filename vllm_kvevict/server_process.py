@@ -153,6 +153,12 @@ class VLLMServer:
             **(dict(env) if env else {}),
             **setup_env,
         }
+        # start() reads vLLM's INFO start line (STARTED_LINE) from the log: vLLM logs at INFO or below.
+        inherited = {**os.environ, **self.env}
+        if inherited.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+            self.env["VLLM_CONFIGURE_LOGGING"] = "1"
+        if inherited.get("VLLM_LOGGING_LEVEL", "INFO").upper() not in ("DEBUG", "INFO"):
+            self.env["VLLM_LOGGING_LEVEL"] = "INFO"
         # Chosen at start() when not given, so that an unstarted launcher leaves no file behind.
         self.log_path: Path | None = Path(log_path) if log_path is not None else None
         self._log_path_chosen_here = False

@@ -89,3 +89,14 @@ def test_a_chosen_port_taken_by_another_server_is_retried_on_a_new_one(tmp_path,
 def test_a_server_on_its_own_port_starts(tmp_path):
     with fake_server(tmp_path, None) as server:
         assert server.is_running() and server._health_ok()
+
+
+def test_vllm_logging_stays_on_at_info_so_the_start_line_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    quiet = fake_server(tmp_path, 1)
+    assert quiet.env["VLLM_CONFIGURE_LOGGING"] == "1"
+    (tmp_path / "config.json").write_text("{}")
+    warning = FakeVLLMServer(tmp_path, env={"VLLM_LOGGING_LEVEL": "warning"}, cpu_setup=False, port=1)
+    assert warning.env["VLLM_LOGGING_LEVEL"] == "INFO"
+    debug = FakeVLLMServer(tmp_path, env={"VLLM_LOGGING_LEVEL": "DEBUG"}, cpu_setup=False, port=1)
+    assert debug.env["VLLM_LOGGING_LEVEL"] == "DEBUG"
