@@ -95,7 +95,6 @@ def test_vllm_logging_stays_on_at_info_so_the_start_line_is_written(tmp_path, mo
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
     quiet = fake_server(tmp_path, 1)
     assert quiet.env["VLLM_CONFIGURE_LOGGING"] == "1"
-    (tmp_path / "config.json").write_text("{}")
     warning = FakeVLLMServer(tmp_path, env={"VLLM_LOGGING_LEVEL": "warning"}, cpu_setup=False, port=1)
     assert warning.env["VLLM_LOGGING_LEVEL"] == "INFO"
     debug = FakeVLLMServer(tmp_path, env={"VLLM_LOGGING_LEVEL": "DEBUG"}, cpu_setup=False, port=1)
