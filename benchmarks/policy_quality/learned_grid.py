@@ -61,7 +61,7 @@ from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # no
 from vllm_kvevict.policies.adakv import AdaKV  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
 from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN  # noqa: E402
-from vllm_kvevict.policies.kept_masks import top_k_mask  # noqa: E402
+from vllm_kvevict.policies.kept_masks import across_layers_mask  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 from vllm_kvevict.policies.served_scorer import load_scorer  # noqa: E402
 from vllm_kvevict.settings.config import DEFAULT_CHUNK_BUDGET, DEFAULT_ECHO_WIDTH  # noqa: E402
@@ -85,8 +85,7 @@ def kept_across_layers(scores: list[torch.Tensor], total: int) -> list[KeptToken
     """The ``total`` highest of every layer's scores [kv_heads, n] ranked together (``+inf`` always kept):
     one kept set per layer, its heads' counts whatever the ranking gives them. ``kvzip.global_kept`` with an
     exact count (the plan's) instead of a compression ratio, for any policy's scores."""
-    stacked = torch.stack([layer_scores.float() for layer_scores in scores])
-    keep = top_k_mask(stacked.reshape(1, -1), min(total, stacked.numel())).reshape(stacked.shape)
+    keep = across_layers_mask(torch.stack([layer_scores.float() for layer_scores in scores]), total)
     return [KeptTokens.from_mask(layer_keep) for layer_keep in keep]
 
 

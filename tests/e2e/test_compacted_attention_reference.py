@@ -85,11 +85,11 @@ def travel_prompt(tokenizer, num_tokens: int, seed: int = 11) -> list[int]:
 
 
 def generate_in_vllm(
-    server: VLLMServer, prompt_ids: list[int], neighbours: list[list[int]]
+    server: VLLMServer, prompt_ids: list[int], neighbours: list[list[int]], new_tokens: int = NEW_TOKENS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's greedy tokens and their log-probabilities for ``prompt_ids``, while ``neighbours`` (other
-    prompts) run in the same batches: a short one from the start, the others arriving mid-decode, so the
-    checked request also decodes in steps where other requests prefill and compact."""
+    """vLLM's ``new_tokens`` greedy tokens and their log-probabilities for ``prompt_ids``, while
+    ``neighbours`` (other prompts) run in the same batches: a short one from the start, the others arriving
+    mid-decode, so the checked request also decodes in steps where other requests prefill and compact."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
@@ -102,7 +102,7 @@ def generate_in_vllm(
         )
 
     with ThreadPoolExecutor(max_workers=1 + len(neighbours)) as pool:
-        checked = pool.submit(complete, prompt_ids, NEW_TOKENS)
+        checked = pool.submit(complete, prompt_ids, new_tokens)
         others = [pool.submit(complete, ids, 48, 3.0 * i) for i, ids in enumerate(neighbours)]
         result = checked.result()
         assert all(o.result().usage.completion_tokens == 48 for o in others)

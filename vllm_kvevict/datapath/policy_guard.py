@@ -22,6 +22,7 @@ import functools
 import json
 import os
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
@@ -32,6 +33,9 @@ from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 FAULT_INJECTION_ENV = "KVEVICT_FAULT_INJECTION"
 INJECTABLE = ("raise", "wrong_counts", "nan")
+
+#: what a guarded call returns (kept entries, or a layer's scores)
+Chosen = TypeVar("Chosen")
 
 
 class PolicyFault(RuntimeError):
@@ -68,12 +72,31 @@ def guarded_select(policy: EvictionPolicy, layer: LayerKV, budget: int, fixed: i
     )
 
 
+def guarded_scores(policy: ScoredPolicy, layer: LayerKV, budget: int) -> torch.Tensor:
+    """``policy.score(layer, budget)`` [H, n] (``+inf``: always kept), NaN-checked and of the layer's shape
+    (a budget pooled across layers ranks the scores themselves); raises :class:`PolicyFault` (counted) on
+    any failure. Fault injection as ``guarded_select`` ("raise", "nan")."""
+    injected = injected_faults().get(layer.num_tokens)
+    shape = (layer.num_kv_heads, layer.num_tokens)
+
+    def score() -> torch.Tensor:
+        if injected == "raise":
+            raise IndexError(f"injected ({FAULT_INJECTION_ENV}) for a {layer.num_tokens}-token prompt")
+        return policy.score(layer, budget)
+
+    def problem(scores: torch.Tensor) -> str | None:
+        found = tuple(scores.shape)
+        return None if found == shape else f"scores of shape {found}, the layer has {shape}"
+
+    return guarded(policy, score, problem, poison=injected == "nan")
+
+
 def guarded(
     policy: object,
-    select: Callable[[], KeptTokens],
-    problem_of: Callable[[KeptTokens], str | None],
+    select: Callable[[], Chosen],
+    problem_of: Callable[[Chosen], str | None],
     poison: bool = False,
-) -> KeptTokens:
+) -> Chosen:
     """The one guard of every mode: ``select()`` with ``policy``'s scorers NaN-checked, its answer checked
     by ``problem_of`` (None: it fits the accounting); raises :class:`PolicyFault` (counted) on any failure."""
     try:

@@ -14,6 +14,7 @@ from vllm_kvevict.datapath.kept_selection import PrefillChoice, select_kept
 from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTables, LayerTarget, evict_layer
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import place
+from vllm_kvevict.datapath.pooled_eviction import PooledPromptEviction
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import cdiv
@@ -21,6 +22,7 @@ from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import KeptTokens, LayerKV
 from vllm_kvevict.policies.decode.decode_policy import gather_padded
+from vllm_kvevict.policies.kvzap import pools_layers
 
 if TYPE_CHECKING:
     from vllm_kvevict.datapath.decode_rescore import DecodeEviction
@@ -59,6 +61,7 @@ class PromptEviction:
         self._tables = layer_tables
         self.cap_starts = cap_starts  # what a decode cap starts from (committed after the step)
         self._kept: dict[str, list[KeptTokens]] = {}  # req -> per layer, until its last layer
+        self.pooled = PooledPromptEviction(shape, tables, block_table, slot_mapping, layer_tables.check)
 
     def compact_layer(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -68,13 +71,16 @@ class PromptEviction:
         the cache's device; only host-known sizes are used to build them."""
         if not self.requests:
             return None
-        moves = []
+        moves: list[Moves | None] = []
         for req in self.requests:
             if req.decode is not None:
                 moves.append(self._compact_with_cap(req, layer_idx, query, key, value))
                 continue
             plan, policy = req.plan, req.policy
             assert plan is not None and policy is not None
+            if pools_layers(policy):
+                moves.append(self._compact_pooled(req, layer_idx, query, key, value))
+                continue
             held = HeldEntries.of_step_rows(
                 self._slot_mapping, req.q_start, req.q_len, self.shape.num_kv_heads, self.shape.block_size
             )
@@ -101,7 +107,23 @@ class PromptEviction:
                 req.req_id, layer_idx, result.kept.indices.to(torch.int64)
             )  # a cap starts here
             self._finish_layer(req, layer_idx, result.kept)
-        return Moves.join(moves)
+        return Moves.join([m for m in moves if m is not None])
+
+    def _compact_pooled(
+        self, req: StepRequest, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> Moves | None:
+        """A request whose blocks are pooled across layers: this layer's scores are stashed; after the last
+        layer every layer is ranked, placed and moved at once (``pooled_eviction.py``)."""
+        with self.timer.phase("selection"):
+            layer = self._layer(req, layer_idx, query, key, value)
+            self.pooled.stash(req, layer, self._budget(req, layer_idx))
+        if layer_idx < self.shape.num_layers - 1:
+            return None
+        with self.timer.phase("selection"):
+            moves, kept = self.pooled.compact(req)
+        for index, layer_kept in enumerate(kept):
+            self._finish_layer(req, index, layer_kept)
+        return moves
 
     @staticmethod
     def _budget(req: StepRequest, layer_idx: int) -> int:

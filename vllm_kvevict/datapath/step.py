@@ -105,6 +105,12 @@ class EvictionStep:
         return self.metadata.split_batch(layer_idx)
 
     @property
+    def pools_layers(self) -> bool:
+        """True when compacted requests' sub-blocks lie in any layer's region: their writes, attention and
+        moves run on the whole allocation (``vllm_adapter/pooled_cache.py``), global sub-block ids."""
+        return self.metadata.tables.layer_blocks > 0
+
+    @property
     def is_mixed(self) -> bool:
         return self.metadata.is_mixed
 

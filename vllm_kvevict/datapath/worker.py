@@ -62,6 +62,7 @@ class EvictionWorker:
         config: EvictionConfig | None = None,
         max_num_seqs: int = 0,
         spare_columns: int = 0,
+        layer_blocks: int = 0,
     ) -> None:
         self.policy = policy
         self.shape = CacheShape(num_layers, num_kv_heads, block_size)
@@ -72,8 +73,14 @@ class EvictionWorker:
         self.block_size = block_size
         server = config if config is not None else EvictionConfig(policy.name, budget)
         # A decode cap re-scores each layer on its own: ragged across layers, one table group per layer.
-        shared = shares_tables(policy) and server.decode is None
-        self.tables = BatchSubBlocks(num_layers, num_kv_heads, block_size, shared, max_num_seqs)
+        # So does a budget pooled across layers, whose store needs the blocks per layer (vLLM's pool size).
+        pooled = server.pools_layers
+        if pooled and layer_blocks <= 0:
+            raise ValueError(f"budget_scope 'model' needs the cache's blocks per layer, got {layer_blocks}")
+        shared = shares_tables(policy) and server.decode is None and not pooled
+        self.tables = BatchSubBlocks(
+            num_layers, num_kv_heads, block_size, shared, max_num_seqs, layer_blocks if pooled else 0
+        )
         self.chunks = ChunkEviction(self.shape, self.tables, server.between_rule)
         self.decode: DecodeEviction | None = None
         if server.decode is not None:

@@ -50,18 +50,28 @@ class BatchSubBlocks:
 
     shared: every layer uses one group of tables (policies whose heads keep equal counts in every layer);
     else one group per layer. ``split`` turns a shared store into per-layer groups (a request with a
-    ragged-head policy arrived).
+    ragged-head policy arrived). layer_blocks: blocks per layer of a pooled store (``SubBlockStore``'s
+    pooled mode: one group per layer, global sub-block ids), 0 for per-layer pools.
     """
 
     def __init__(
-        self, num_layers: int, num_kv_heads: int, block_size: int, shared: bool, capacity: int = 0
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        block_size: int,
+        shared: bool,
+        capacity: int = 0,
+        layer_blocks: int = 0,
     ) -> None:
+        if layer_blocks and shared:
+            raise ValueError("a pooled store (layer_blocks > 0) has one group per layer, never shared")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
         self.shared = shared
         self.store: SubBlockStore | None = None
         self._initial_capacity = capacity
+        self.layer_blocks = layer_blocks
         self._slot_ids: list[str | None] = []  # request id of each slot at the last step
         self._slot_of: dict[str, int] = {}
         self._compacted = np.zeros(0, dtype=bool)  # [S] the slot's request reads sub-block tables
@@ -175,10 +185,19 @@ class BatchSubBlocks:
         )
 
     # ----- compaction -----------------------------------------------------------------------------------
-    def commit(self, layer_idx: int, slot: int, table: TableRows, first_block: int) -> None:
-        """``table`` becomes the rows of ``slot`` for the group of ``layer_idx``."""
+    def commit(
+        self,
+        layer_idx: int,
+        slot: int,
+        table: TableRows,
+        first_block: int,
+        *,
+        pool_cursor: int | torch.Tensor | None = None,
+    ) -> None:
+        """``table`` becomes the rows of ``slot`` for the group of ``layer_idx`` (pool_cursor: pooled mode,
+        see ``SubBlockStore.commit``)."""
         assert self.store is not None
-        self.store.commit(self.group_of(layer_idx), slot, table, first_block)
+        self.store.commit(self.group_of(layer_idx), slot, table, first_block, pool_cursor=pool_cursor)
 
     def mark_compacted(self, slot: int, spare: int = 0) -> None:
         """Every layer of the request in ``slot`` is compacted: from the next step it reads its tables. spare:
@@ -206,6 +225,7 @@ class BatchSubBlocks:
                 width,
                 max(num_reqs, self._initial_capacity),
                 block_table.device,
+                layer_blocks=self.layer_blocks,
             )
         self.store.ensure_capacity(num_reqs, width)
         if len(self._compacted) < self.store.capacity:

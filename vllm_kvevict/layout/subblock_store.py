@@ -16,6 +16,15 @@ pool entries taken. Heads take pool entries in head order, exactly like ``SubBlo
 
 Groups: layers whose heads keep equal counts can share one group (SnapKV-like policies: one group for all
 layers); otherwise each layer is its own group (Ada-KV). No vLLM import.
+
+Pooled mode (``layer_blocks`` = NB > 0, ``docs/design_modes.md``, "Per-layer block budgets"): the L layer
+caches are one array of sub-blocks ``[L*NB*H, ...]``, group g is layer g and every id is global: head h of
+block b of layer g is ``(g*NB + b)*H + h`` (standard rows too). A compacted request has ONE pool shared by
+its layers, counted by ``pool_cursor`` [S]: entry k is layer ``(k // H) % L``, block column ``first_block +
+k // (L*H)``, head slot ``k % H`` (block, then layer, then head), so a layer may hold more sub-blocks than
+another and the request needs the mean over layers, not the largest. ``assign`` takes the entries from
+``pool_start`` on (the request's earlier layers took the ones before); ``grow`` hands entries out by slot,
+then layer, then head, exactly like ``PooledRequestSubBlocks`` in the reference model.
 """
 
 from __future__ import annotations
@@ -33,11 +42,13 @@ class SubBlockPoolExhausted(RuntimeError):
 @dataclass
 class TableRows:
     """A request's table for one group, built at compaction and committed when every layer of the group has
-    been compacted. rows [H, W] int32 sub-block ids, lengths [H] int32, cursor [] int64 pool entries taken."""
+    been compacted. rows [H, W] int32 sub-block ids, lengths [H] int32, cursor [] int64 pool entries taken;
+    pool_start: the pool entry its first sub-block came from (pooled mode; 0 otherwise)."""
 
     rows: torch.Tensor
     lengths: torch.Tensor
     cursor: torch.Tensor
+    pool_start: int | torch.Tensor = 0
 
     def token_slots(self, block_size: int, heads: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """[K] int64 one-head-view slots of token ``index[k]`` of head ``heads[k]`` (both [K] int64)."""
@@ -98,6 +109,8 @@ class SubBlockStore:
     first_block: [S] int32 first kept block of each compacted request (blocks before it were freed).
     tail:        [G, S, H] int32 each head's last used sub-block: a decode token's slot is read from it
                  without gathering rows of the (large, randomly accessed) tables.
+    pool_cursor: [S] int32 pooled mode only (``layer_blocks`` > 0, one group per layer): pool entries taken
+                 by each compacted request over all its layers (``cursor`` then counts each layer's share).
     """
 
     def __init__(
@@ -108,8 +121,15 @@ class SubBlockStore:
         width: int,
         capacity: int,
         device: torch.device | str,
+        layer_blocks: int = 0,
     ) -> None:
+        if layer_blocks < 0 or num_groups < 1:
+            raise ValueError(f"layer_blocks={layer_blocks} must be >= 0 and num_groups={num_groups} >= 1")
         self.num_groups = num_groups
+        self.layer_blocks = layer_blocks
+        self.pooled = layer_blocks > 0
+        # Pool entry k lies in block column first_block + k // span (span: sub-blocks of a block, all layers).
+        self._span = num_kv_heads * (num_groups if self.pooled else 1)
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
         self.device = torch.device(device)
@@ -121,7 +141,11 @@ class SubBlockStore:
         self.cursor = torch.zeros(shape[:2], dtype=torch.int32, device=self.device)
         self.tail = torch.zeros(shape, dtype=torch.int32, device=self.device)
         self.first_block = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self.pool_cursor = torch.zeros(0, dtype=torch.int32, device=self.device)
         self._head_ids = torch.arange(num_kv_heads, dtype=torch.int32, device=self.device)
+        # [G] first global sub-block id of each layer's region (pooled mode; zeros otherwise).
+        stride = layer_blocks * num_kv_heads
+        self._group_base = torch.arange(num_groups, dtype=torch.int32, device=self.device) * stride
         # Power-of-two block sizes (vLLM's usual ones) divide by shifting: integer division is slow on CPU.
         self._shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else None
         self._row_base = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -149,7 +173,10 @@ class SubBlockStore:
         cursor[:, : self.capacity] = self.cursor
         first = torch.zeros(capacity, dtype=torch.int32, device=self.device)
         first[: self.capacity] = self.first_block
+        pool_cursor = torch.zeros(capacity if self.pooled else 0, dtype=torch.int32, device=self.device)
+        pool_cursor[: len(self.pool_cursor)] = self.pool_cursor
         self.tables, self.lengths, self.cursor, self.first_block = tables, lengths, cursor, first
+        self.pool_cursor = pool_cursor
         self.tail = tail
         self.capacity, self.width = capacity, width
         # Flat index of (slot, head, sub-block 0) inside one group's tables, for gathers.
@@ -159,6 +186,8 @@ class SubBlockStore:
 
     def split_groups(self, num_groups: int) -> None:
         """From one group shared by every layer to ``num_groups`` (one per layer), each a copy of it."""
+        if self.pooled:
+            raise ValueError("a pooled store has one group per layer: its groups are never split")
         if self.num_groups == num_groups:
             return
         if self.num_groups != 1:
@@ -207,7 +236,8 @@ class SubBlockStore:
 
     # ----- per step -------------------------------------------------------------------------------------
     def refresh_standard(self, slots: torch.Tensor, block_rows: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Rows of requests in the standard layout: head h of block b is sub-block ``b * H + h``.
+        """Rows of requests in the standard layout: head h of block b is sub-block ``b * H + h`` (pooled
+        mode: ``(g * NB + b) * H + h`` in group g, the layer's own region).
 
         slots [n] int64, block_rows [n, Wb] int32 (their block-table rows), lengths [n] int32."""
         heads = self.num_kv_heads
@@ -215,10 +245,16 @@ class SubBlockStore:
         rows = block_rows[:, None, :].to(torch.int32) * heads + self._head_ids[None, :, None]
         full = torch.zeros((count, heads, self.width), dtype=torch.int32, device=self.device)
         full[:, :, :block_width] = rows
-        self.tables[:, slots] = full[None].expand(self.num_groups, -1, -1, -1)
         self.lengths[:, slots] = lengths[None, :, None].to(torch.int32).expand(self.num_groups, -1, heads)
         last = (self._cdiv(lengths.to(torch.int64)) - 1).clamp(min=0)[:, None, None].expand(-1, heads, 1)
-        self.tail[:, slots] = full.gather(2, last)[None, ..., 0].expand(self.num_groups, -1, -1)
+        tail = full.gather(2, last)[None, ..., 0]
+        if self.pooled:
+            base = self._group_base[:, None, None]
+            self.tables[:, slots] = full[None] + base[..., None]
+            self.tail[:, slots] = tail + base
+        else:
+            self.tables[:, slots] = full[None].expand(self.num_groups, -1, -1, -1)
+            self.tail[:, slots] = tail.expand(self.num_groups, -1, -1)
         self._mark_slots(slots)
 
     def grow(
@@ -242,7 +278,8 @@ class SubBlockStore:
         single_token: no growing row takes more than one token (decode), a cheaper test of who needs one.
         check: the CPU path (tensors on the CPU): only rows that need a sub-block are touched (found with
         ``nonzero``, which would synchronise a GPU) and a dry pool raises ``SubBlockPoolExhausted``; without
-        it every row is updated densely, with no device read.
+        it every row is updated densely, with no device read. Pooled mode: a request's rows take entries of
+        its one pool by group (layer), then head, each row its new sub-blocks one after the other.
         """
         lengths = self.lengths[:, :num_slots]  # [G, R, H]
         added = (q_lens * growing).to(torch.int32)[None, :, None]
@@ -260,28 +297,38 @@ class SubBlockStore:
         """``grow``'s assignment for the few rows that need a sub-block, on CPU: numpy views of the same
         memory, because each torch call costs microseconds of dispatch and this runs dozens of small ones."""
         heads, capacity = self.num_kv_heads, self.capacity
-        need_np = need.numpy().reshape(-1)
-        flat = np.flatnonzero(need_np)  # ascending: by group, then slot, then head
+        if self.pooled:  # one pool per request: rows in slot, then group (layer), then head order
+            need_np = need.numpy().transpose(1, 0, 2).reshape(-1)
+            flat = np.flatnonzero(need_np)
+            slot, rest = np.divmod(flat, self.num_groups * heads)
+            group, head = np.divmod(rest, heads)
+            row = slot * heads + head
+            request, request_cell, cursor = slot, slot, self.pool_cursor.numpy()
+        else:
+            need_np = need.numpy().reshape(-1)
+            flat = np.flatnonzero(need_np)  # ascending: by group, then slot, then head
+            group, row = np.divmod(flat, num_slots * heads)
+            slot, head = np.divmod(row, heads)
+            request, request_cell = flat // heads, group * capacity + slot
+            cursor = self.cursor.numpy().reshape(-1)
         if not len(flat):
             return
-        per_group = num_slots * heads
-        group, row = np.divmod(flat, per_group)
-        slot, head = np.divmod(row, heads)
         count = need_np[flat].astype(np.int64)
         cell = group * capacity * heads + row  # flat index into lengths / tail
         used = -(-self.lengths.numpy().reshape(-1)[cell].astype(np.int64) // self.block_size)
-        # Heads of a request take pool entries in head order: offset = needs of its earlier heads.
-        request = flat // heads
+        # Rows of a request take pool entries in order: offset = needs of its earlier rows.
         taken = np.cumsum(count)
         run_start = np.ones(len(flat), dtype=bool)
         run_start[1:] = request[1:] != request[:-1]
         before_run = np.maximum.accumulate(np.where(run_start, taken - count, 0))
-        cursor = self.cursor.numpy().reshape(-1)
-        request_cell = group * capacity + slot
         pool = cursor[request_cell].astype(np.int64) + taken - count - before_run
         is_pool = compacted.numpy()[slot]
-        starts = np.flatnonzero(run_start)  # one run per (group, request): add its entries to its cursor
+        starts = np.flatnonzero(run_start)  # one run per request: add its entries to its cursor
         cursor[request_cell[starts]] += np.add.reduceat(count * is_pool, starts).astype(cursor.dtype)
+        own = head  # a standard row's head slot (plus its layer's region in pooled mode)
+        if self.pooled:
+            np.add.at(self.cursor.numpy().reshape(-1), group * capacity + slot, count * is_pool)
+            own = head + group * (self.layer_blocks * heads)
         first = self.first_block.numpy()[slot].astype(np.int64)
         rows = block_table.numpy()
         blocks_held = num_blocks.numpy()[slot]
@@ -289,22 +336,33 @@ class SubBlockStore:
         for k in range(max_new):
             if k:
                 keep = count > k
-                group, slot, head, count, used, pool, is_pool, first, cell, blocks_held = (
-                    a[keep] for a in (group, slot, head, count, used, pool, is_pool, first, cell, blocks_held)
+                group, slot, head, own, count, used, pool, is_pool, first, cell, blocks_held = (
+                    a[keep]
+                    for a in (group, slot, head, own, count, used, pool, is_pool, first, cell, blocks_held)
                 )
-            entry = pool + k
-            column = np.where(is_pool, first + entry // heads, used + k)
+            column_in_pool, offset = self._pool_entry(pool + k)
+            column = np.where(is_pool, first + column_in_pool, used + k)
             if (is_pool & (column >= blocks_held)).any():
                 raise SubBlockPoolExhausted(
                     "a compacted request needs a sub-block and has none free; the block accounting rule was "
                     "broken"
                 )
             block = rows[slot, np.minimum(column, rows.shape[1] - 1)].astype(np.int64)
-            subblock = block * heads + np.where(is_pool, entry % heads, head)
+            subblock = block * heads + np.where(is_pool, offset, own)
             column = np.minimum(used + k, self.width - 1)
             tables[cell * self.width + column] = subblock
             tail[cell] = subblock
             self._mirror_cells(num_slots, group, head, slot, column, subblock)
+
+    def _pool_entry(self, entry):
+        """(block column after ``first_block``, offset) of pool entries ``entry`` (numpy or torch integers):
+        the entry is sub-block ``row[first_block + column] * H + offset`` (pooled: offset = layer * NB * H +
+        head slot)."""
+        heads = self.num_kv_heads
+        if not self.pooled:
+            return entry // heads, entry % heads
+        layer = (entry // heads) % self.num_groups
+        return entry // self._span, layer * (self.layer_blocks * heads) + entry % heads
 
     def _mirror_cells(self, num_slots, group, head, slot, column, subblock) -> None:
         """Write cells ``tables[group, slot, head, column] = subblock`` (host arrays) into the head-major
@@ -334,7 +392,16 @@ class SubBlockStore:
         self._mirror.drop()  # written everywhere: the head-major copy is rebuilt
         need = need.to(torch.int32)
         used = self._cdiv(self.lengths[:, :num_slots])
-        pool = self.cursor[:, :num_slots, None] + torch.cumsum(need, 2, dtype=torch.int32) - need
+        own = self._head_ids[None, None, :]
+        if self.pooled:  # entries before a row: its request's earlier rows in slot, group, head order
+            order = need.transpose(0, 1).reshape(num_slots, -1)  # [R, G*H]
+            before = torch.cumsum(order, 1, dtype=torch.int32) - order
+            before = before.view(num_slots, -1, heads).transpose(0, 1)
+            pool = self.pool_cursor[None, :num_slots, None] + before
+            self.pool_cursor[:num_slots] += need.sum((0, 2), dtype=torch.int32) * compacted
+            own = own + self._group_base[:, None, None]
+        else:
+            pool = self.cursor[:, :num_slots, None] + torch.cumsum(need, 2, dtype=torch.int32) - need
         self.cursor[:, :num_slots] += need.sum(2, dtype=torch.int32) * compacted[None, :]
         tables = self.tables[:, :num_slots]
         tail = self.tail[:, :num_slots]
@@ -342,10 +409,10 @@ class SubBlockStore:
         first = self.first_block[None, :num_slots, None]
         is_pool = compacted[None, :, None]
         for k in range(max_new):
-            entry = pool + k
-            column = torch.where(is_pool, first + entry // heads, used + k).clamp(0, rows.shape[2] - 1)
+            column_in_pool, offset = self._pool_entry(pool + k)
+            column = torch.where(is_pool, first + column_in_pool, used + k).clamp(0, rows.shape[2] - 1)
             subblock = torch.gather(rows, 2, column.to(torch.int64)).to(torch.int32) * heads + torch.where(
-                is_pool, entry % heads, self._head_ids[None, None, :]
+                is_pool, offset, own
             )
             subblock = torch.where(need > k, subblock, -1)
             target = (used + k).clamp(max=self.width - 1).to(torch.int64)[..., None]
@@ -401,6 +468,8 @@ class SubBlockStore:
         num_blocks: int,
         check: bool,
         shared_blocks: int = 0,
+        *,
+        pool_start: int | torch.Tensor = 0,
     ) -> TableRows:
         """A request's table whose head h keeps ``counts[h]`` tokens then ``trailing`` more (tokens computed
         after the prompt in the same step), sub-blocks taken in head order from its pool — the assignment
@@ -408,23 +477,36 @@ class SubBlockStore:
         first reads the c leading blocks of its row in the standard layout (a prefix shared through vLLM's
         prefix cache: full, never part of the pool), then its own sub-blocks.
 
+        Pooled mode: the table of one layer, taking pool entries from ``pool_start`` on (int, or a [] int64
+        tensor on the device to avoid a read): the entries the request's earlier layers took in this
+        compaction, i.e. the sum of their tables' ``cursor``; layers are assigned in layer order. No
+        ``shared_blocks``. Elsewhere ``pool_start`` must be 0.
+
         counts [H] int64 on the device; block_row [Wb] its block-table row; total = counts.sum() (host)."""
+        if not self.pooled and not (isinstance(pool_start, int) and pool_start == 0):
+            raise ValueError("pool_start is for a pooled store (layer_blocks > 0) only")
+        if self.pooled and shared_blocks:
+            raise ValueError("a pooled store does not read shared prefix blocks (shared_blocks must be 0)")
         bs, heads = self.block_size, self.num_kv_heads
         counts = counts.to(device=self.device, dtype=torch.int64)
         per_head = (counts + bs - 1) // bs
-        start = torch.cumsum(per_head, 0) - per_head  # first pool entry of each head
+        start = pool_start + torch.cumsum(per_head, 0) - per_head  # first pool entry of each head
         columns = torch.arange(self.width, device=self.device)
         own = columns - shared_blocks  # column of each head's own sub-blocks
         entry = start[:, None] + own[None, :]  # [H, W]
         valid = (own[None, :] >= 0) & (own[None, :] < per_head[:, None])
-        block_col = (first_block + entry // heads).clamp(min=0, max=block_row.numel() - 1)
-        rows = block_row.to(torch.int64)[block_col] * heads + entry % heads
+        column_in_pool, offset = self._pool_entry(entry)
+        block_col = (first_block + column_in_pool).clamp(min=0, max=block_row.numel() - 1)
+        rows = block_row.to(torch.int64)[block_col] * heads + offset
         rows = torch.where(valid, rows, 0)
         if shared_blocks:
             standard = block_row.to(torch.int64)[:shared_blocks][None, :] * heads + self._head_ids[:, None]
             rows[:, :shared_blocks] = standard
-        table = TableRows(rows.to(torch.int32), (counts + shared_blocks * bs).to(torch.int32), per_head.sum())
-        if check and total and int(first_block + (int(table.cursor) - 1) // heads) >= num_blocks:
+        table = TableRows(
+            rows.to(torch.int32), (counts + shared_blocks * bs).to(torch.int32), per_head.sum(), pool_start
+        )
+        last = pool_start + table.cursor - 1  # the table's last pool entry: its block must be held
+        if check and total and int(first_block + self._pool_entry(last)[0]) >= num_blocks:
             raise SubBlockPoolExhausted(
                 "a compacting request's kept tokens do not fit in the blocks it keeps; "
                 "the block accounting rule was broken"
@@ -442,32 +524,47 @@ class SubBlockStore:
         num_blocks: int,
         check: bool,
     ) -> None:
-        """``grow`` for one uncommitted table (trailing tokens of a recomputed request)."""
+        """``grow`` for one uncommitted table (trailing tokens of a recomputed request): its heads take the
+        pool entries after the table's own, in head order."""
         bs, heads = self.block_size, self.num_kv_heads
         before = table.lengths.to(torch.int64)
         after = before + num_tokens
         used = (before + bs - 1) // bs
         need = (after + bs - 1) // bs - used
-        pool = table.cursor + torch.cumsum(need, 0) - need
+        pool = table.pool_start + table.cursor + torch.cumsum(need, 0) - need
         for k in range(-(-num_tokens // bs)):
-            entry = pool + k
-            block_col = first_block + entry // heads
+            column_in_pool, offset = self._pool_entry(pool + k)
+            block_col = first_block + column_in_pool
             if check and bool(((need > k) & (block_col >= num_blocks)).any()):
                 raise SubBlockPoolExhausted(
                     "trailing tokens of a compacting request do not fit in its blocks; "
                     "the block accounting rule was broken"
                 )
-            subblock = (
-                block_row.to(torch.int64)[block_col.clamp(max=block_row.numel() - 1)] * heads + entry % heads
-            )
+            subblock = block_row.to(torch.int64)[block_col.clamp(max=block_row.numel() - 1)] * heads + offset
             target = (used + k).clamp(max=self.width - 1)[:, None]
             current = table.rows.gather(1, target)[:, 0]
             table.rows.scatter_(1, target, torch.where(need > k, subblock, current).to(torch.int32)[:, None])
         table.cursor = table.cursor + need.sum()
         table.lengths = after.to(torch.int32)
 
-    def commit(self, group: int, slot: int, table: TableRows, first_block: int) -> None:
-        """Make ``table`` the rows of ``slot`` for ``group`` (read by the next step's kernels)."""
+    def commit(
+        self,
+        group: int,
+        slot: int,
+        table: TableRows,
+        first_block: int,
+        *,
+        pool_cursor: int | torch.Tensor | None = None,
+    ) -> None:
+        """Make ``table`` the rows of ``slot`` for ``group`` (read by the next step's kernels).
+
+        Pooled mode: the request's shared cursor becomes ``pool_cursor``, the pool entries its layers took
+        (``table.pool_start + table.cursor`` when None: right when the layers are committed in layer order,
+        or at least the last one last). Elsewhere ``pool_cursor`` must be None."""
+        if self.pooled:
+            self.pool_cursor[slot] = table.pool_start + table.cursor if pool_cursor is None else pool_cursor
+        elif pool_cursor is not None:
+            raise ValueError("pool_cursor is for a pooled store (layer_blocks > 0) only")
         self.tables[group, slot] = table.rows
         self.lengths[group, slot] = table.lengths
         last = (self._cdiv(table.lengths.to(torch.int64)) - 1).clamp(min=0)
@@ -479,13 +576,16 @@ class SubBlockStore:
     # ----- requests moving between batch slots ------------------------------------------------------------
     def save(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of the rows of ``slots`` [n] (requests leaving their slot)."""
-        return {
+        saved = {
             "tables": self.tables[:, slots].clone(),
             "lengths": self.lengths[:, slots].clone(),
             "tail": self.tail[:, slots].clone(),
             "cursor": self.cursor[:, slots].clone(),
             "first_block": self.first_block[slots].clone(),
         }
+        if self.pooled:
+            saved["pool_cursor"] = self.pool_cursor[slots].clone()
+        return saved
 
     def restore(self, slots: torch.Tensor, saved: dict[str, torch.Tensor]) -> None:
         """Put rows saved by ``save`` (stacked in the same order as ``slots``) back at ``slots``."""
@@ -494,4 +594,6 @@ class SubBlockStore:
         self.tail[:, slots] = saved["tail"]
         self.cursor[:, slots] = saved["cursor"]
         self.first_block[slots] = saved["first_block"]
+        if self.pooled:
+            self.pool_cursor[slots] = saved["pool_cursor"]
         self._mark_slots(slots)

@@ -221,3 +221,12 @@ def whole_unit_mask(scores: torch.Tensor, keep: torch.Tensor, unit: int) -> torc
     kept, floors = torch.stack([keep.sum(dim=1), always_kept_mask(scores).sum(dim=1)]).tolist()
     counts = whole_unit_counts(kept, unit, floors, scores.shape[1])
     return top_k_mask(scores, torch.tensor(counts, device=scores.device))
+
+
+def across_layers_mask(scores: torch.Tensor, total: int) -> torch.Tensor:
+    """The ``total`` highest scores of every layer and head ranked together (``+inf`` ones first; ties to the
+    lower layer, head, then token): scores [layers, kv_heads, n] -> [layers, kv_heads, n] bool. What a
+    request keeps when its budget is pooled across layers (KVzip's ranking, kvpress ``layerwise=False``,
+    with the plan's exact count instead of a ratio)."""
+    flat = scores.reshape(1, -1)
+    return top_k_mask(flat, min(total, flat.shape[1])).view(scores.shape)

@@ -36,6 +36,8 @@ from vllm_kvevict.policies.surrogate_scorer import SurrogateScorer
 
 #: how a threshold is compared (``KVzap.threshold_scope``)
 THRESHOLD_SCOPES = ("global", "layer")
+#: what one budget is shared by (``KVzap.budget_scope``)
+BUDGET_SCOPES = ("layer", "model")
 
 
 @dataclass
@@ -54,6 +56,11 @@ class KVzap(ScoredPolicy):
         rule); ``"layer"`` compares each layer's scores standardised by that layer's level on calibration
         text (``ScorerSpec.score_levels``: (score - mean) / std), so one threshold keeps a similar share in
         every layer on average while the count still adapts per head and prompt.
+    budget_scope: ``"layer"`` keeps ``budget`` entries per head in every layer; ``"model"`` ranks the entries
+        of every layer and head of a request together and keeps the best ``L x H x budget`` of them
+        (KVzip's ranking), a request's blocks pooled across layers so that it holds about the mean layer's
+        share, not the largest one's (``docs/design_modes.md``, "Per-layer block budgets"). Whole prompts on
+        the CPU backend, fixed budgets only.
     There is no ``span_after``: a token that took its neighbours' scores would score differently after a
     neighbour was evicted between chunks, and per-chunk eviction would no longer keep what whole-prompt
     eviction keeps.
@@ -67,6 +74,7 @@ class KVzap(ScoredPolicy):
     sinks: int = 4
     threshold: float | None = None
     threshold_scope: str = "global"
+    budget_scope: str = "layer"
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -89,6 +97,15 @@ class KVzap(ScoredPolicy):
             )
         if self.threshold_scope != "global" and threshold is None:
             raise ValueError(f"{owner}: threshold_scope={self.threshold_scope!r} needs a threshold")
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise ValueError(
+                f"{owner}: budget_scope={self.budget_scope!r} is not valid; valid: {', '.join(BUDGET_SCOPES)}"
+            )
+        if self.budget_scope == "model" and threshold is not None:
+            raise ValueError(
+                f"{owner}: budget_scope='model' with threshold={threshold}: the pooled ranking keeps a fixed "
+                "count; drop one of them"
+            )
 
     @property
     def min_budget(self) -> int:
@@ -168,7 +185,17 @@ class KVzap(ScoredPolicy):
                 f"{method}: threshold={self.threshold} keeps a count set by the scores, which {method} "
                 "allocates from a budget; use kvzap for the threshold mode"
             )
+        if self.budget_scope != "layer":
+            raise ValueError(
+                f"{method}: budget_scope={self.budget_scope!r} ranks every layer's heads together, which "
+                f"{method} allocates per layer; use kvzap for the pooled ranking"
+            )
         return self
+
+
+def pools_layers(policy: object) -> bool:
+    """True for a policy whose budget is shared by every layer of a request (``budget_scope: "model"``)."""
+    return isinstance(policy, KVzap) and policy.budget_scope == "model"
 
 
 def learned_part(policy: object) -> KVzap | None:

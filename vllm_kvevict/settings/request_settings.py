@@ -101,6 +101,8 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
     """
     if not extra_args or not any(key in extra_args for key in OVERRIDE_KEYS):
         return None
+    if server.pools_layers:
+        check_pooled_override(extra_args, server)
     decode_budget = parse_decode_budget(extra_args, server)
     prefill = parse_prefill(extra_args, server)
     method = extra_args.get(METHOD_KEY, server.method)
@@ -141,6 +143,24 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
     context = parse_context(extra_args, server, method, policy, decode_budget, prefill)
     echo = parse_question_echo(extra_args, method, context)
     return RequestOverride(method, budget, decode_budget, prefill, context, echo)
+
+
+def check_pooled_override(extra_args: Mapping[str, Any], server: EvictionConfig) -> None:
+    """On a server whose requests pool their blocks across layers (``budget_scope: "model"``) a request may
+    set only its budget, or keep its whole cache (``kv_eviction: "none"``): every other setting needs the
+    per-layer store. Raises EvictionConfigError naming the key."""
+    method = extra_args.get(METHOD_KEY, server.method)
+    if method not in (server.method, NO_EVICTION):
+        raise EvictionConfigError(
+            f"vllm_xargs.{METHOD_KEY}={method!r} on a server with budget_scope='model'; valid: "
+            f"{server.method}, {NO_EVICTION}"
+        )
+    for key in OVERRIDE_KEYS:
+        if key not in (METHOD_KEY, BUDGET_KEY) and key in extra_args:
+            raise EvictionConfigError(
+                f"vllm_xargs.{key}={extra_args[key]!r} is not served with budget_scope='model'; valid keys: "
+                f"{METHOD_KEY}, {BUDGET_KEY}"
+            )
 
 
 def parse_question_echo(extra_args: Mapping[str, Any], method: str, context: bool) -> int | None:

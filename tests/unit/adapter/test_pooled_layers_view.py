@@ -63,3 +63,21 @@ def test_a_head_attends_from_other_layers_regions_as_from_its_own_cache(isa: str
     assert written.all()  # every layer's region holds part of the head
     reference = torch.softmax(query.float()[0] @ keys.float()[:, 0].T * DIM**-0.5, -1) @ values.float()[:, 0]
     torch.testing.assert_close(from_pool.float()[0], reference, atol=5e-3, rtol=0)
+
+
+def test_the_pooled_cache_is_every_layer_of_one_storage() -> None:
+    from vllm_kvevict.vllm_adapter.pooled_cache import PooledLayoutError, pooled_cache
+
+    storage = torch.arange(LAYERS * BLOCKS * HEADS * BS * 2 * DIM, dtype=torch.float32)
+    layers = storage.view(LAYERS, BLOCKS, HEADS, BS, 2 * DIM).unbind(0)  # vLLM's per-layer views
+    pooled = pooled_cache(layers[2], 2, LAYERS)
+    assert pooled.shape == (LAYERS * BLOCKS, HEADS, BS, 2 * DIM)
+    assert pooled.data_ptr() == storage.data_ptr()
+    for layer in range(LAYERS):
+        assert torch.equal(pooled[layer * BLOCKS : (layer + 1) * BLOCKS], layers[layer])
+    with pytest.raises(PooledLayoutError, match="starts at element"):
+        pooled_cache(layers[2], 1, LAYERS)  # layer 2's view named as layer 1: not where layer 1 lies
+    with pytest.raises(PooledLayoutError, match="storage of"):
+        pooled_cache(layers[0], 0, LAYERS + 1)  # more layers than the storage holds
+    with pytest.raises(PooledLayoutError, match="not contiguous"):
+        pooled_cache(layers[0].transpose(1, 2), 0, LAYERS)

@@ -13,6 +13,10 @@ share sub-block ids. ``RequestSubBlocks`` is the single owner of a request's tab
 The accounting rule (``layout/accounting.py``) guarantees the pool never runs dry: after t new tokens the
 request holds ``ceil((B' + t)/bs) + 1`` blocks, i.e. ``H * (ceil((B' + t)/bs) + 1)`` sub-blocks, and a
 layer needs ``Σ_h ceil((B_h + t)/bs) < H * ((B' + t)/bs + 1)`` of them when ``Σ_h B_h <= H * B'``.
+
+``PooledRequestSubBlocks`` is the pooled mode (``docs/design_modes.md``, "Per-layer block budgets"): the
+layers' caches form one array of sub-blocks with global ids, and one free list serves every layer, so the
+same rule holds with B' the mean over all layers and heads.
 """
 
 from __future__ import annotations
@@ -33,14 +37,17 @@ class SubBlockTable:
     lengths[h]:   tokens head h holds (kept prompt tokens, then every token that came after).
     """
 
-    def __init__(self, num_kv_heads: int, block_size: int, blocks: Iterable[int]) -> None:
+    def __init__(
+        self, num_kv_heads: int, block_size: int, blocks: Iterable[int], free: deque[int] | None = None
+    ) -> None:
+        """free: the free pool to draw from, shared with other tables (pooled mode); a new one by default."""
         if num_kv_heads < 1 or block_size < 1:
             raise ValueError(f"num_kv_heads={num_kv_heads} and block_size={block_size} must be >= 1")
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
         self.subblocks: list[list[int]] = [[] for _ in range(num_kv_heads)]
         self.lengths: list[int] = [0] * num_kv_heads
-        self._free: deque[int] = deque()
+        self._free: deque[int] = deque() if free is None else free
         self.add_blocks(blocks)
 
     @classmethod
@@ -166,6 +173,89 @@ class RequestSubBlocks:
     def append(self, num_tokens: int) -> dict[int, torch.Tensor]:
         """Grow every table by ``num_tokens``; {id(table): [num_tokens, H] int64 slots}."""
         return {id(table): table.append(num_tokens) for table in self._by_counts.values()}
+
+
+class PooledRequestSubBlocks:
+    """A compacted request's tables in the pooled mode: ONE free list of global sub-block ids shared by the
+    ``SubBlockTable`` of each of its L layers.
+
+    Head h of block b of layer l is global sub-block ``(l * NB + b) * H + h`` (NB = layer_blocks, the blocks
+    of one layer's cache). Each kept block puts its L*H sub-blocks into the free list in layer, then head
+    order (pool entry k: layer ``(k // H) % L``, block ``blocks[k // (L*H)]``, head slot ``k % H``). Layers
+    are compacted in layer order, each taking its heads' sub-blocks in head order (then its trailing tokens',
+    again in head order); every later token grows layer 0's heads, then layer 1's, ... So a layer may hold
+    more sub-blocks than another: the request needs ``Σ_lh ceil((B_lh + t)/bs)`` of its ``L * H * N``.
+
+    layer_tables[l]: layer l's table (global ids), set when layer l is compacted.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        block_size: int,
+        layer_blocks: int,
+        first_block: int,
+        blocks: Sequence[int],
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.layer_blocks = layer_blocks
+        self.first_block = first_block
+        self.blocks: list[int] = []
+        self.layer_tables: list[SubBlockTable | None] = [None] * num_layers
+        self._free: deque[int] = deque()
+        self._add_blocks(blocks)
+
+    def subblock(self, layer: int, block: int, head: int) -> int:
+        """Global id of head ``head`` of block ``block`` of layer ``layer``."""
+        return (layer * self.layer_blocks + block) * self.num_kv_heads + head
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def tables(self) -> list[SubBlockTable]:
+        """The compacted layers' tables, in layer order."""
+        return [table for table in self.layer_tables if table is not None]
+
+    def compact_layer(self, layer_idx: int, counts: Sequence[int], trailing_tokens: int = 0) -> SubBlockTable:
+        """Layer ``layer_idx``'s table: head h keeps ``counts[h]`` prompt tokens then ``trailing_tokens``;
+        the next layer in order (every earlier layer is compacted, no later one)."""
+        if self.layer_tables[layer_idx] is not None or None in self.layer_tables[:layer_idx]:
+            raise RuntimeError(f"layer {layer_idx} is compacted out of layer order")
+        if len(counts) != self.num_kv_heads:
+            raise ValueError(f"counts has {len(counts)} entries, expected {self.num_kv_heads}")
+        table = SubBlockTable(self.num_kv_heads, self.block_size, [], free=self._free)
+        for head, count in enumerate(counts):
+            table._grow(head, int(count))
+        if trailing_tokens:
+            table.append(trailing_tokens)
+        self.layer_tables[layer_idx] = table
+        return table
+
+    def sync_blocks(self, block_row: Sequence[int], num_blocks: int) -> None:
+        """Take the blocks vLLM appended: ``block_row[first_block + len(blocks) : num_blocks]``."""
+        self._add_blocks(block_row[self.first_block + len(self.blocks) : num_blocks])
+
+    def append(self, num_tokens: int) -> list[torch.Tensor]:
+        """Grow every layer (layer order, then head order) by ``num_tokens``; [num_tokens, H] slots each."""
+        return [table.append(num_tokens) for table in self.tables]
+
+    def owned_subblocks(self) -> list[int]:
+        """Every global id this request holds, assigned or free (for leak checks)."""
+        return [sb for table in self.tables for head in table.subblocks for sb in head] + list(self._free)
+
+    def _add_blocks(self, blocks: Iterable[int]) -> None:
+        for block_id in blocks:
+            block = int(block_id)
+            if not 0 <= block < self.layer_blocks:
+                raise ValueError(f"block id {block} outside a layer's {self.layer_blocks} blocks")
+            self.blocks.append(block)
+            for layer in range(self.num_layers):
+                self._free.extend(self.subblock(layer, block, h) for h in range(self.num_kv_heads))
 
 
 def table_of(

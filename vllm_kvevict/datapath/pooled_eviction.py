@@ -1,0 +1,112 @@
+"""Whole-prompt eviction with a request's blocks pooled across layers (``budget_scope: "model"``,
+``docs/design_modes.md``, "Per-layer block budgets").
+
+The entries of every layer and head are ranked together and the best ``H · Σ_l B_l`` kept (the plan's
+total), so a layer that needs more of the prompt keeps more and one that needs less gives its share away;
+the request's kept blocks hold every layer's sub-blocks (``SubBlockStore`` in pooled mode), about the mean
+layer's share instead of the largest one's.
+
+In the compacting step every later layer still writes its prompt into its own region of the request's
+blocks, so no layer's entries can move before the last layer has run: each layer stashes its scores
+``[H, P]`` (``stash``), and after the last layer's attention ``compact`` ranks them all, assigns every
+layer's table from the one pool (layer order, then head order) and returns one ``Moves`` over the whole
+allocation (``vllm_adapter/pooled_cache.py``): sources are read from the cache, all rows gathered before
+any is written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvevict.datapath.cache_shape import CacheShape
+from vllm_kvevict.datapath.kept_selection import log_fallback, newest_entries
+from vllm_kvevict.datapath.layer_eviction import HeldEntries
+from vllm_kvevict.datapath.moves import Moves
+from vllm_kvevict.datapath.placement import place
+from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded_scores, policy_label
+from vllm_kvevict.datapath.step_inputs import StepRequest
+from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.shared_prefix import first_kept_block
+from vllm_kvevict.policies.base import KeptTokens, LayerKV
+from vllm_kvevict.policies.kept_masks import across_layers_mask
+
+
+def kept_across_layers(
+    scores: list[torch.Tensor | None], budgets: tuple[int, ...], heads: int, length: int
+) -> list[KeptTokens]:
+    """Every layer's kept entries of a ``length``-entry prompt: the ``heads · Σ budgets`` best of all layers'
+    scores [heads, length] ranked together (``+inf`` ones first), or, when some layer's scores are missing
+    (its policy failed), each layer's newest ``budgets[l]`` entries per head (the guard's fallback)."""
+    present = [layer for layer in scores if layer is not None]
+    if len(present) < len(scores):
+        every = torch.ones(heads, length, dtype=torch.bool)
+        return [newest_entries(every, budget) for budget in budgets]
+    keep = across_layers_mask(torch.stack(present), heads * sum(budgets))
+    return [KeptTokens.from_mask(layer) for layer in keep]
+
+
+class PooledPromptEviction:
+    """The step's pooled compactions: the stashed scores of each compacting request, by layer."""
+
+    def __init__(
+        self,
+        shape: CacheShape,
+        tables: BatchSubBlocks,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        check: bool,
+    ) -> None:
+        self.shape = shape
+        self.tables = tables
+        self.check = check
+        self._block_table = block_table
+        self._slot_mapping = slot_mapping
+        self._scores: dict[str, list[torch.Tensor | None]] = {}
+
+    def stash(self, req: StepRequest, layer: LayerKV, budget: int) -> None:
+        """Score ``layer`` of ``req`` (its whole prompt, this step's rows) and keep the scores [H, P] until
+        the last layer; a failing policy is logged and counted, and the request keeps each layer's newest
+        entries."""
+        assert req.policy is not None
+        try:
+            scores: torch.Tensor | None = guarded_scores(req.policy, layer, budget).float()
+        except PolicyFault as exc:
+            log_fallback(policy_label(req.policy), req.req_id, layer.layer_idx, str(exc), budget)
+            scores = None
+        self._scores.setdefault(req.req_id, []).append(scores)
+
+    def compact(self, req: StepRequest) -> tuple[Moves, list[KeptTokens]]:
+        """After the last layer: rank every layer's stashed scores of ``req`` together, assign each layer's
+        table from the request's one pool and return the moves over the whole allocation (global one-head
+        slots) with each layer's kept entries."""
+        plan = req.plan
+        assert plan is not None
+        heads, bs = self.shape.num_kv_heads, self.shape.block_size
+        scores = self._scores.pop(req.req_id)
+        if len(scores) != self.shape.num_layers:
+            layers = self.shape.num_layers
+            raise RuntimeError(f"request {req.req_id}: {len(scores)} of {layers} layers were scored")
+        kept = kept_across_layers(scores, plan.layer_budgets, heads, req.prompt_len)
+        store = self.tables.store
+        assert store is not None
+        trailing = req.q_len - req.prompt_len  # tokens computed after the prompt (a recomputed request)
+        first_block = first_kept_block(plan, 0, req.seq_len, req.spare)
+        num_blocks = cdiv(req.seq_len, bs) + req.spare
+        block_row = self._block_table[req.index]
+        held = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
+        region = self.tables.layer_blocks * heads * bs  # one layer's one-head-view slots
+        sources, destinations, taken = [], [], 0
+        for layer_idx, layer_kept in enumerate(kept):
+            counts = layer_kept.counts.to(device=held.slots.device, dtype=torch.int64)
+            total = int(counts.sum())
+            table = store.assign(
+                counts, block_row, first_block, trailing, total, num_blocks=num_blocks, check=self.check,
+                pool_start=taken,
+            )  # fmt: skip
+            placed = place(layer_kept, trailing, req.prompt_len, total + heads * trailing, held.slots.device)
+            sources.append(held.slots[placed.heads, placed.chosen] + layer_idx * region)
+            destinations.append(placed.destinations(table, bs))
+            taken += int(table.cursor)
+            self.tables.commit(layer_idx, req.index, table, first_block, pool_cursor=taken)
+        return Moves(torch.cat(sources), torch.cat(destinations)), kept
