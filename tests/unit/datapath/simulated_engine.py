@@ -63,13 +63,17 @@ class SimulatedEngine:
             config=config,
             max_num_seqs=8,
             spare_columns=spare_columns,
+            layer_blocks=NUM_BLOCKS if config.pools_layers else 0,
         )
         #: request -> spare blocks the simulated scheduler gave it (``spare_columns`` > 0: every request
         #: whose step completes its prompt with nothing after it gets its plan's ``spare_blocks``)
         self.spares: dict[str, int] = {}
         hidden = HEADS * GROUP * DIM  # CriticalKV reads each layer's o_proj [hidden, q_heads * D]
         self.worker.o_proj = {layer: torch.randn(hidden, hidden) for layer in range(LAYERS)}
-        self.caches = [torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM) for _ in range(LAYERS)]
+        # One storage, layer outermost, as vLLM allocates it: ``pooled`` is every layer's cache at once
+        # (block l * NUM_BLOCKS + b is block b of layer l), what a budget pooled across layers addresses.
+        self.pooled = torch.zeros(LAYERS * NUM_BLOCKS, HEADS, BS, 2 * DIM)
+        self.caches = list(self.pooled.view(LAYERS, NUM_BLOCKS, HEADS, BS, 2 * DIM).unbind(0))
         self.rows: dict[str, list[int]] = {}
         self.next_block = 1
         self.generator = torch.Generator().manual_seed(0)
@@ -135,15 +139,16 @@ class SimulatedEngine:
         assert step is not None
         for layer in range(LAYERS):
             cache = self.caches[layer]
+            heads_cache = self.pooled if step.pools_layers else cache  # global sub-block ids when pooled
             query, key, value = self.tokens(positions, layer)
             if step.has_compacted:
-                slots = step.head_batch(layer).slot_mapping
+                slots, target = step.head_batch(layer).slot_mapping, heads_cache
             else:  # vLLM's own write: head h of slot s at ((s // bs) * H + h) * bs + s % bs
                 heads = torch.arange(HEADS)
                 slots = ((slot_mapping // BS)[:, None] * HEADS + heads) * BS + (slot_mapping % BS)[:, None]
-                slots = slots.reshape(-1)
-            self.write(cache, slots, key.reshape(-1, DIM), value.reshape(-1, DIM))
-            step.after_attention(layer, query, key, value, SimulatedRows(cache))
+                slots, target = slots.reshape(-1), cache
+            self.write(target, slots, key.reshape(-1, DIM), value.reshape(-1, DIM))
+            step.after_attention(layer, query, key, value, SimulatedRows(heads_cache))
         worker.end_step()
 
     @staticmethod
@@ -159,8 +164,9 @@ class SimulatedEngine:
     def held(self, req_id: str, layer: int) -> list[list[int]]:
         """Positions each head of ``layer`` reads through its sub-block table, checked to be its own rows."""
         table = layer_table(self.worker, req_id, layer)
-        keys = part_view(self.caches[layer], 0)
-        values = part_view(self.caches[layer], 1)
+        cache = self.pooled if self.worker.tables.layer_blocks else self.caches[layer]
+        keys = part_view(cache, 0)
+        values = part_view(cache, 1)
         held = []
         for head in range(HEADS):
             slots = table.head_slots(head)

@@ -77,3 +77,25 @@ def test_unsupported_engine_features_are_refused(model_dir, setting, named):
         apply_eviction_from_additional_config(args)
     assert "vllm serve: error" not in str(raised.value)
 
+
+
+def test_a_pooled_budget_turns_off_prefix_caching_and_chunked_prefill(model_dir):
+    pooled = {"method": "kvzap", "budget": 0.25, "params": {"budget_scope": "model"}}
+    config = engine_args(model_dir, additional_config={"kv_eviction": pooled}).create_engine_config()
+    assert config.scheduler_config.enable_chunked_prefill is False
+    assert config.cache_config.enable_prefix_caching is False
+
+
+@pytest.mark.parametrize(
+    ("is_cuda", "cache_dtype", "named"),
+    [(True, "auto", "CPU backend only"), (False, "fp8", "--kv-cache-dtype fp8 with budget_scope 'model'")],
+)
+def test_a_pooled_budget_refuses_cuda_and_fp8_caches(model_dir, is_cuda, cache_dtype, named):
+    from vllm_kvevict.vllm_adapter.engine_requirements import (
+        UnsupportedEngineSetting,
+        fit_engine_to_pooled_blocks,
+    )
+
+    args = engine_args(model_dir, kv_cache_dtype=cache_dtype)
+    with pytest.raises(UnsupportedEngineSetting, match=named):
+        fit_engine_to_pooled_blocks(args, is_cuda=is_cuda)

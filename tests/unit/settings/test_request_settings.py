@@ -340,3 +340,13 @@ def test_a_trailing_window_sets_the_plan_of_every_request_that_evicts_per_chunk(
     quarter = settings.resolve({"kv_budget": 0.25}).plan_for(4096)
     assert quarter.trailing_window == 256 and quarter.kept_length_at(512) < 512
     assert settings.resolve({"kv_prefill": "whole"}).plan_for(4096).trailing_window == 0
+
+
+def test_a_pooled_server_takes_a_budget_or_none_per_request():
+    pooled = EvictionConfig("kvzap", 0.25, {"budget_scope": "model"})
+    assert parse_override({"kv_budget": 0.1}, pooled) == RequestOverride("kvzap", 0.1)
+    assert parse_override({"kv_eviction": "none"}, pooled) == RequestOverride("none", None)
+    with pytest.raises(EvictionConfigError, match=r"'snapkv' on a server with .*valid: kvzap, none"):
+        parse_override({"kv_eviction": "snapkv"}, pooled)
+    with pytest.raises(EvictionConfigError, match=r"kv_context='keep' is not served.*valid keys"):
+        parse_override({"kv_context": "keep"}, pooled)
