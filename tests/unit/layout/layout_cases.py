@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import random
 
+import torch
+
 
 def ragged_counts(total: int, heads: int, cap: int, rng: random.Random) -> list[int]:
     """A random split of ``total`` kept tokens over ``heads`` heads, each <= cap (Ada-KV-like)."""
@@ -15,3 +17,11 @@ def ragged_counts(total: int, heads: int, cap: int, rng: random.Random) -> list[
             break
         counts[h] += min(cap - counts[h], total - sum(counts))
     return counts
+
+
+def block_table_of(rows: dict[str, list[int]], req_ids: list[str], width: int) -> torch.Tensor:
+    """[R, width] int32 vLLM block table of ``req_ids`` in batch order from their block rows (0-padded)."""
+    table = torch.zeros(len(req_ids), width, dtype=torch.int32)
+    for i, req_id in enumerate(req_ids):
+        table[i, : len(rows[req_id])] = torch.tensor(rows[req_id])
+    return table

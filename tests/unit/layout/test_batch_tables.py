@@ -16,7 +16,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from layout_cases import ragged_counts
+from layout_cases import block_table_of, ragged_counts
 
 from tests.unit.layout.subblock_reference import RequestSubBlocks, SubBlockPoolExhausted
 from vllm_kvevict.layout.accounting import cdiv, plan_request
@@ -39,10 +39,7 @@ class Simulation:
         self.width = 64
 
     def block_table(self, req_ids: list[str]) -> torch.Tensor:
-        table = torch.zeros(len(req_ids), self.width, dtype=torch.int32)
-        for i, req_id in enumerate(req_ids):
-            table[i, : len(self.rows[req_id])] = torch.tensor(self.rows[req_id])
-        return table
+        return block_table_of(self.rows, req_ids, self.width)
 
     def prefill(
         self, req_ids: list[str], prompts: list[int], budget: int | float, method: str, trailing: int = 0

@@ -17,7 +17,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from layout_cases import ragged_counts
+from layout_cases import block_table_of, ragged_counts
 
 from tests.unit.layout.subblock_reference import PooledRequestSubBlocks, SubBlockPoolExhausted
 from vllm_kvevict.layout.accounting import align_budget, cdiv
@@ -47,10 +47,7 @@ class PooledSimulation:
         self.width = 64
 
     def block_table(self, req_ids: list[str]) -> torch.Tensor:
-        table = torch.zeros(len(req_ids), self.width, dtype=torch.int32)
-        for i, req_id in enumerate(req_ids):
-            table[i, : len(self.rows[req_id])] = torch.tensor(self.rows[req_id])
-        return table
+        return block_table_of(self.rows, req_ids, self.width)
 
     def prefill(self, req_ids: list[str], prompts: list[int], budget: int, trailing: int = 0) -> None:
         """One step computing every prompt (and ``trailing`` tokens after it); a request whose prompt frees
@@ -153,6 +150,21 @@ def state(store: SubBlockStore, num_slots: int) -> dict[str, torch.Tensor]:
         "pool_cursor": store.pool_cursor[:num_slots],
         "first_block": store.first_block[:num_slots],
     }
+
+
+def compact_layers(
+    store: SubBlockStore, counts: list[list[int]], row: torch.Tensor, first_block: int, num_blocks: int
+) -> None:
+    """Compact slot 0's layers in layer order with ``counts`` [L][H] kept entries, each layer's table taken
+    from the pool entries after the earlier layers' (what ``pooled_eviction`` does)."""
+    pool_start = 0
+    for layer, layer_counts in enumerate(counts):
+        table = store.assign(
+            torch.tensor(layer_counts), row, first_block, 0, sum(layer_counts), num_blocks, True,
+            pool_start=pool_start,
+        )
+        pool_start += int(table.cursor)
+        store.commit(layer, 0, table, first_block)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -271,15 +283,8 @@ def test_a_request_within_the_mean_rule_fits_and_one_past_it_runs_dry(seed: int)
 
     def store_runs_dry_at() -> int | None:
         store = SubBlockStore(layers, heads, bs, len(row), capacity=1, device="cpu", layer_blocks=NB)
-        pool_start = 0
         try:
-            for layer, layer_counts in enumerate(counts):
-                table = store.assign(
-                    torch.tensor(layer_counts), row, freed, 0, sum(layer_counts), cdiv(prompt, bs), True,
-                    pool_start=pool_start,
-                )
-                pool_start += int(table.cursor)
-                store.commit(layer, 0, table, freed)
+            compact_layers(store, counts, row, freed, cdiv(prompt, bs))
         except SubBlockPoolExhausted:
             return 0
         one, yes = torch.tensor([1]), torch.tensor([True])
@@ -327,14 +332,7 @@ def test_a_layer_may_hold_more_than_its_share_of_the_request_blocks() -> None:
     with pytest.raises(SubBlockPoolExhausted, match="accounting rule"):
         per_layer.assign(torch.tensor(counts[0]), row, freed, 0, 64, cdiv(prompt, bs), True)
     store = SubBlockStore(layers, heads, bs, len(row), capacity=1, device="cpu", layer_blocks=NB)
-    pool_start = 0
-    for layer, layer_counts in enumerate(counts):
-        table = store.assign(
-            torch.tensor(layer_counts), row, freed, 0, sum(layer_counts), cdiv(prompt, bs), True,
-            pool_start=pool_start,
-        )
-        pool_start += int(table.cursor)
-        store.commit(layer, 0, table, freed)
+    compact_layers(store, counts, row, freed, cdiv(prompt, bs))
     assert store.pool_cursor.tolist() == [5] and store.cursor[:, 0].tolist() == [5, 0]
     one, yes = torch.tensor([1]), torch.tensor([True])
     for t in range(1, bs + 1):  # the rule: the row grows with the sequence
