@@ -170,7 +170,8 @@ class EvictingImpl:
     attends_standard_part: bool = False
     #: the model's layers when requests pool their blocks across them (``budget_scope: "model"``), else 0
     _pooled_layers: int = 0
-    _pooled_checked: bool = False
+    #: the whole allocation seen from this layer's cache, and that cache's data pointer (built once)
+    _pooled_view: tuple[int, torch.Tensor] | None = None
 
     # vLLM impl attributes this mixin reads
     num_kv_heads: int
@@ -249,18 +250,20 @@ class EvictingImpl:
     def head_cache(self, layer: torch.nn.Module, step: EvictionStep, kv_cache: torch.Tensor) -> torch.Tensor:
         """The cache head-as-sequence writes, attention and moves address: the layer's own, or the whole
         allocation when compacted requests' sub-blocks lie in any layer's region (global sub-block ids)."""
-        if not step.pools_layers:
-            return kv_cache
-        return pooled_cache(kv_cache, self.layer_index(layer), self._pooled_layers)
+        return self.pooled_view(layer, kv_cache) if step.pools_layers else kv_cache
 
-    def check_pooled(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> None:
-        """Refuse, at the warm-up's first forward, a cache whose layers cannot be pooled
-        (``pooled_cache.PooledLayoutError``)."""
-        self._pooled_checked = True
-        pooled_cache(kv_cache, self.layer_index(layer), self._pooled_layers)
-        refusal = self.pooled_refusal(layer, kv_cache)
-        if refusal is not None:
-            raise PooledLayoutError(f"budget_scope 'model': {refusal}")
+    def pooled_view(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The whole allocation seen from ``kv_cache`` (``pooled_cache``), checked and built once per cache
+        tensor: the warm-up's first forward with an allocated cache refuses a layout that cannot be pooled
+        (``PooledLayoutError``), and every step after reuses the view."""
+        pointer = kv_cache.data_ptr()
+        if self._pooled_view is None or self._pooled_view[0] != pointer:
+            view = pooled_cache(kv_cache, self.layer_index(layer), self._pooled_layers)
+            refusal = self.pooled_refusal(layer, kv_cache)
+            if refusal is not None:
+                raise PooledLayoutError(f"budget_scope 'model': {refusal}")
+            self._pooled_view = (pointer, view)
+        return self._pooled_view[1]
 
     def layer_index(self, layer: torch.nn.Module) -> int:
         if self._layer_idx is None:
@@ -308,8 +311,8 @@ class EvictingImpl:
             rows = self.cache_rows(layer, kv_cache, key[:tokens], value[:tokens])
             echo_step.echo_layer(self.layer_index(layer), tensors, rows)
             return output
-        if self._pooled_layers and not self._pooled_checked and kv_cache.numel():
-            self.check_pooled(layer, kv_cache)
+        if self._pooled_layers and self._pooled_view is None and kv_cache.numel():
+            self.pooled_view(layer, kv_cache)  # refuses an allocation that cannot be pooled, at warm-up
         step = getattr(attn_metadata, "eviction", None)
         args = (layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if step is None or self.attn_type != AttentionType.DECODER:
