@@ -52,6 +52,7 @@ from run import decode_in_batches  # noqa: E402
 from sweep import QUERY_WINDOW, decode_limits, run_samples, scored_row, summarise  # noqa: E402
 
 from vllm_kvevict.datapath.chat_marks import chat_marks  # noqa: E402
+from vllm_kvevict.datapath.pooled_eviction import kept_across_layers  # noqa: E402
 from vllm_kvevict.datapath.question_echo import echo_policy, user_turn_start  # noqa: E402
 from vllm_kvevict.hf_reference import prefill  # noqa: E402
 from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
@@ -61,7 +62,6 @@ from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # no
 from vllm_kvevict.policies.adakv import AdaKV  # noqa: E402
 from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
 from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN  # noqa: E402
-from vllm_kvevict.policies.kept_masks import across_layers_mask  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 from vllm_kvevict.policies.served_scorer import load_scorer  # noqa: E402
 from vllm_kvevict.settings.config import DEFAULT_CHUNK_BUDGET, DEFAULT_ECHO_WIDTH  # noqa: E402
@@ -79,14 +79,6 @@ def largest_layer_share(kept: list[KeptTokens], num_tokens: int) -> float:
     """The largest layer's kept share (its heads' mean): what a request holds in the server, where every layer
     holds the blocks of its largest one (``docs/policies.md``, "PyramidKV's memory in the server")."""
     return max(float(layer.counts.float().mean()) for layer in kept) / max(1, num_tokens)
-
-
-def kept_across_layers(scores: list[torch.Tensor], total: int) -> list[KeptTokens]:
-    """The ``total`` highest of every layer's scores [kv_heads, n] ranked together (``+inf`` always kept):
-    one kept set per layer, its heads' counts whatever the ranking gives them. ``kvzip.global_kept`` with an
-    exact count (the plan's) instead of a compression ratio, for any policy's scores."""
-    keep = across_layers_mask(torch.stack([layer_scores.float() for layer_scores in scores]), total)
-    return [KeptTokens.from_mask(layer_keep) for layer_keep in keep]
 
 
 def level_budgets(levels: dict, budgets: list[int], num_tokens: int, floor: int) -> list[int]:
@@ -149,9 +141,9 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
             return
         for fraction in fractions:
             budgets = layer_budgets(policy, fraction)
-            total = sum(b * layer.num_kv_heads for b, layer in zip(budgets, whole.layers, strict=True))
-            scores = [policy.score(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
-            runs.append((label, fraction, whole, kept_across_layers(scores, total)))
+            scores = [policy.score(layer, b).float() for layer, b in zip(whole.layers, budgets, strict=True)]
+            heads = whole.layers[0].num_kv_heads
+            runs.append((label, fraction, whole, kept_across_layers(scores, tuple(budgets), heads, n)))
 
     default = build_policy("ada-snapkv")
     head = head_tokens(sample.token_ids, tokenizer, DEFAULT_ECHO_WIDTH)

@@ -44,12 +44,12 @@ def test_top_quarter_overlap_of_equal_and_opposite_rankings() -> None:
 
 
 def test_kept_across_layers_keeps_the_total_best_and_every_always_kept_entry() -> None:
-    from benchmarks.policy_quality.learned_grid import kept_across_layers
+    from vllm_kvevict.datapath.pooled_eviction import kept_across_layers
 
     inf = float("inf")
     layer0 = torch.tensor([[inf, 0.1, 0.2, 0.3], [inf, 9.0, 8.0, 0.0]])
     layer1 = torch.tensor([[inf, 7.0, 0.4, 6.0], [inf, 0.5, 0.6, 0.7]])
-    kept = kept_across_layers([layer0, layer1], total=8)
+    kept = kept_across_layers([layer0, layer1], (2, 2), heads=2, length=4)  # 2 heads x (2 + 2) = 8 in all
     assert sum(layer.total for layer in kept) == 8
     assert kept[0].head(0).tolist() == [0]
     assert kept[0].head(1).tolist() == [0, 1, 2]
