@@ -35,6 +35,7 @@ from vllm_kvevict.datapath.layer_eviction import (
 )
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.placement import standard_entries
+from vllm_kvevict.datapath.pooled_chunks import PooledChunks
 from vllm_kvevict.datapath.prompt_queries import PromptQueries
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.datapath.shared_reads import HeldReads
@@ -45,6 +46,7 @@ from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, reads_values
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
 from vllm_kvevict.policies.expected_attention import uses_query_statistics
+from vllm_kvevict.policies.kvzap import pools_layers
 from vllm_kvevict.policies.query_statistics import QueryStatistics
 
 
@@ -119,9 +121,13 @@ class ChunkEviction:
         self.positions: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [H, a] held positions
         self.queries = PromptQueries(shape.num_layers)  # the newest prompt queries, per request and layer
         self.held_end: dict[str, int] = {}  # req -> tokens computed at its last eviction (later: all held)
+        self.pooled = PooledChunks(shape, tables)  # requests whose blocks are pooled across layers
+        #: req -> what every layer holds after a pooled re-score (read by the step after the last layer)
+        self.pooled_kept: dict[str, list[KeptTokens]] = {}
 
     def drop(self, req_id: str) -> None:
         self.statistics.pop(req_id, None)
+        self.pooled_kept.pop(req_id, None)
         self.positions.pop(req_id, None)
         self.queries.drop(req_id)
         self.held_end.pop(req_id, None)
@@ -202,7 +208,11 @@ class ChunkEviction:
         for r in rescores:
             self._update_statistics(layer_idx, r, query)
             result = None
-            if r.rescores_now:
+            if r.rescores_now and pools_layers(r.policy):
+                pooled = self._rescore_pooled(layer_idx, r, block_table[r.slot], reads, tables.check)
+                if pooled is not None:
+                    moves.append(pooled)
+            elif r.rescores_now:
                 block_row = block_table[r.slot]
                 # the last chunk is judged by its method; between chunks by a rule that may read values
                 with_values = not r.final or reads_values(r.policy)
@@ -215,6 +225,22 @@ class ChunkEviction:
             elif layer_idx == self.shape.num_layers - 1:
                 self.statistics.pop(r.req_id, None)  # the prompt is complete: no later chunk reads them
         return Moves.join(moves), results
+
+    def _rescore_pooled(
+        self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, reads: HeldReads, check: bool
+    ) -> Moves | None:
+        """A request whose blocks are pooled across layers (``pooled_chunks.py``): this layer is read and
+        scored; after the last layer every layer is ranked, placed and moved at once."""
+        assert not r.deferred, "a pooled budget is judged without the question echo"
+        held = self.pooled.global_entries(layer_idx, self.held(layer_idx, r, block_row, check), r.compacted)
+        self.pooled.stash(layer_idx, r, held, reads)
+        if layer_idx < self.shape.num_layers - 1:
+            return None
+        moves, kept = self.pooled.compact(r, block_row, check)
+        for index, layer_kept in enumerate(kept):
+            self._commit(index, r, layer_kept.indices)
+        self.pooled_kept[r.req_id] = kept
+        return moves
 
     def reads_statistics(self, policy: EvictionPolicy, budget: int) -> bool:
         """True when a prompt is judged by Expected Attention, as its method or by the rule between chunks

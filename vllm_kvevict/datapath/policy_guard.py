@@ -72,17 +72,19 @@ def guarded_select(policy: EvictionPolicy, layer: LayerKV, budget: int, fixed: i
     )
 
 
-def guarded_scores(policy: ScoredPolicy, layer: LayerKV, budget: int) -> torch.Tensor:
+def guarded_scores(policy: ScoredPolicy, layer: LayerKV, budget: int, own_rows: bool = False) -> torch.Tensor:
     """``policy.score(layer, budget)`` [H, n] (``+inf``: always kept), NaN-checked and of the layer's shape
     (a budget pooled across layers ranks the scores themselves); raises :class:`PolicyFault` (counted) on
-    any failure. Fault injection as ``guarded_select`` ("raise", "nan")."""
+    any failure. ``own_rows``: each entry's score from its own cache row alone, none forced by its index
+    (``KVzap.entry_scores``: held entries of several chunks, whose caller forces by position). Fault
+    injection as ``guarded_select`` ("raise", "nan")."""
     injected = injected_faults().get(layer.num_tokens)
     shape = (layer.num_kv_heads, layer.num_tokens)
 
     def score() -> torch.Tensor:
         if injected == "raise":
             raise IndexError(f"injected ({FAULT_INJECTION_ENV}) for a {layer.num_tokens}-token prompt")
-        return policy.score(layer, budget)
+        return policy.entry_scores(layer) if own_rows else policy.score(layer, budget)  # type: ignore[attr-defined]
 
     def problem(scores: torch.Tensor) -> str | None:
         found = tuple(scores.shape)

@@ -38,12 +38,65 @@ def kept_across_layers(
     """Every layer's kept entries of a ``length``-entry prompt: the ``heads · Σ budgets`` best of all layers'
     scores [heads, length] ranked together (``+inf`` ones first), or, when some layer's scores are missing
     (its policy failed), each layer's newest ``budgets[l]`` entries per head (the guard's fallback)."""
-    present = [layer for layer in scores if layer is not None]
-    if len(present) < len(scores):
-        every = torch.ones(heads, length, dtype=torch.bool)
-        return [newest_entries(every, budget) for budget in budgets]
-    keep = across_layers_mask(torch.stack(present), heads * sum(budgets))
-    return [KeptTokens.from_mask(layer) for layer in keep]
+    every = torch.ones(heads, length, dtype=torch.bool)
+    return kept_across_held(scores, budgets, [every] * len(scores))
+
+
+def kept_across_held(
+    scores: list[torch.Tensor | None], budgets: tuple[int, ...] | list[int], valid: list[torch.Tensor]
+) -> list[KeptTokens]:
+    """Every layer's kept entries among what its heads hold: valid[l] [H, W_l] bool marks layer l's held
+    entries (False: padding), scores[l] [H, W_l] their scores (``+inf``: always kept). The ``H · Σ budgets``
+    best valid entries of all layers ranked together (ties to the lower layer, head, then entry), or, when
+    some layer's scores are missing (its policy failed), each layer's newest ``budgets[l]`` per head.
+    Indices are columns of the held entries, ascending."""
+    if any(layer is None for layer in scores):
+        return [newest_entries(mask, budget) for mask, budget in zip(valid, budgets, strict=True)]
+    heads = valid[0].shape[0]
+    width = max(mask.shape[1] for mask in valid)
+    padded = torch.full((len(valid), heads, width), float("-inf"), device=valid[0].device)
+    held = torch.zeros(len(valid), heads, width, dtype=torch.bool, device=valid[0].device)
+    for layer_idx, (layer_scores, mask) in enumerate(zip(scores, valid, strict=True)):
+        assert layer_scores is not None
+        held[layer_idx, :, : mask.shape[1]] = mask
+        padded[layer_idx, :, : mask.shape[1]] = torch.where(mask, layer_scores.float(), float("-inf"))
+    keep = across_layers_mask(padded, min(heads * sum(budgets), int(held.sum()))) & held
+    return [KeptTokens.from_mask(keep[index, :, : mask.shape[1]]) for index, mask in enumerate(valid)]
+
+
+def place_across_layers(
+    tables: BatchSubBlocks,
+    slot: int,
+    block_row: torch.Tensor,
+    blocks: tuple[int, int],
+    kept: list[KeptTokens],
+    held_slots: list[torch.Tensor],
+    trailing: tuple[int, int] = (0, 0),
+    check: bool = True,
+) -> Moves:
+    """Assign every layer's table of the request in ``slot`` from its one pool and return the moves of its
+    kept entries there: layer l keeps ``kept[l]`` (columns of its held entries, whose slots in the whole
+    allocation are held_slots[l] [H, W_l]) then ``trailing[0]`` entries per head from column
+    ``trailing[1]`` on; ``blocks``: (first kept block, blocks the request holds). Tables are committed
+    layer by layer, the pool cursor after each; sources are read before any destination is written."""
+    store = tables.store
+    assert store is not None
+    heads, bs = store.num_kv_heads, store.block_size
+    first_block, num_blocks = blocks
+    count, trailing_from = trailing
+    sources, destinations, taken = [], [], 0
+    for layer_idx, (layer_kept, slots) in enumerate(zip(kept, held_slots, strict=True)):
+        counts = layer_kept.counts.to(device=slots.device, dtype=torch.int64)
+        total = int(counts.sum())
+        table = store.assign(
+            counts, block_row, first_block, count, total, num_blocks=num_blocks, check=check, pool_start=taken
+        )
+        placed = place(layer_kept, count, trailing_from, total + heads * count, slots.device)
+        sources.append(slots[placed.heads, placed.chosen])
+        destinations.append(placed.destinations(table, bs))
+        taken += int(table.cursor)
+        tables.commit(layer_idx, slot, table, first_block, pool_cursor=taken)
+    return Moves(torch.cat(sources), torch.cat(destinations))
 
 
 class PooledPromptEviction:
@@ -88,25 +141,17 @@ class PooledPromptEviction:
             layers = self.shape.num_layers
             raise RuntimeError(f"request {req.req_id}: {len(scores)} of {layers} layers were scored")
         kept = kept_across_layers(scores, plan.layer_budgets, heads, req.prompt_len)
-        store = self.tables.store
-        assert store is not None
         trailing = req.q_len - req.prompt_len  # tokens computed after the prompt (a recomputed request)
-        first_block = first_kept_block(plan, 0, req.seq_len, req.spare)
-        num_blocks = cdiv(req.seq_len, bs) + req.spare
-        block_row = self._block_table[req.index]
         held = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
         region = self.tables.layer_blocks * heads * bs  # one layer's one-head-view slots
-        sources, destinations, taken = [], [], 0
-        for layer_idx, layer_kept in enumerate(kept):
-            counts = layer_kept.counts.to(device=held.slots.device, dtype=torch.int64)
-            total = int(counts.sum())
-            table = store.assign(
-                counts, block_row, first_block, trailing, total, num_blocks=num_blocks, check=self.check,
-                pool_start=taken,
-            )  # fmt: skip
-            placed = place(layer_kept, trailing, req.prompt_len, total + heads * trailing, held.slots.device)
-            sources.append(held.slots[placed.heads, placed.chosen] + layer_idx * region)
-            destinations.append(placed.destinations(table, bs))
-            taken += int(table.cursor)
-            self.tables.commit(layer_idx, req.index, table, first_block, pool_cursor=taken)
-        return Moves(torch.cat(sources), torch.cat(destinations)), kept
+        moves = place_across_layers(
+            self.tables,
+            req.index,
+            self._block_table[req.index],
+            (first_kept_block(plan, 0, req.seq_len, req.spare), cdiv(req.seq_len, bs) + req.spare),
+            kept,
+            [held.slots + layer_idx * region for layer_idx in range(len(kept))],
+            (trailing, req.prompt_len),
+            self.check,
+        )
+        return moves, kept

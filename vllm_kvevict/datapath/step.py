@@ -173,6 +173,9 @@ class EvictionStep:
                 for r in self.work.chunk_rescores:
                     if r.rescores_now:
                         kept = self._chunk_kept.pop(r.req_id, None)
+                        pooled = self.tools.chunks.pooled_kept.pop(r.req_id, None)  # every layer at once
+                        if pooled is not None and (r.final or dumping):
+                            kept = pooled
                         self.tools.records.chunk_evicted(
                             r.as_request(), r.plan, r.final, kept, r.trailing, r.policy.name
                         )

@@ -177,18 +177,13 @@ class EvictionConfig:
         return self.method == "kvzap" and self.params.get("budget_scope") == "model"  # policies/kvzap.py
 
     def _check_pooled(self) -> None:
-        """A budget pooled across layers is served for whole prompts, without a decode-time cap."""
+        """A budget pooled across layers is served without a decode-time cap."""
         if not self.pools_layers:
             return
         if self.decode is not None:
             raise EvictionConfigError(
                 f"kv_eviction.decode={self.decode.method!r} with budget_scope='model': a decode-time cap "
                 "re-scores each layer on its own; drop --kv-decode-eviction or budget_scope"
-            )
-        if self.prefill != "whole":
-            raise EvictionConfigError(
-                f"kv_eviction.prefill={self.prefill!r} with budget_scope='model': the pooled ranking needs "
-                "every layer of a whole prompt; valid: whole"
             )
 
     def _check_question_echo(self) -> None:
@@ -226,9 +221,8 @@ class EvictionConfig:
     @property
     def keeps_chunked_prefill(self) -> bool:
         """True when vLLM's chunked prefill stays on. A decode-time cap needs it off (a request recomputed
-        after preemption must reach its cap in one step), and so does a budget pooled across layers (every
-        layer of a whole prompt is ranked in the step that computes it)."""
-        return self.decode is None and not self.pools_layers
+        after preemption must reach its cap in one step)."""
+        return self.decode is None
 
     @property
     def chunked(self) -> bool:
@@ -298,8 +292,6 @@ class EvictionConfig:
             if self.trailing_window:
                 held = f"trailing_window={self.trailing_window} (FastKVzip's r' = (B - w) / (L - w))"
             prefill = f"prefill=chunked {held}{stride} {between}"
-        elif self.pools_layers:
-            prefill = "prefill=whole (blocks pooled across layers need whole prompts)"
         elif not self.keeps_chunked_prefill:
             prefill = "prefill=whole (a decode-time cap needs whole prompts)"
         else:

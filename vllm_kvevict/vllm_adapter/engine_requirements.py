@@ -51,11 +51,9 @@ def fit_engine_to_eviction(engine_args: Any, config: EvictionConfig) -> None:
             "neither reads nor publishes"
         )
     if engine_args.enable_chunked_prefill is not False and not config.keeps_chunked_prefill:
-        needs = "blocks pooled across layers need" if config.pools_layers else "a decode-time cap needs"
         logger.info(
-            "kv-eviction: chunked prefill turned off (%s whole prompts: one eviction per prompt); "
-            "max_num_batched_tokens must be >= max_model_len",
-            needs,
+            "kv-eviction: chunked prefill turned off (a decode-time cap needs whole prompts: one eviction "
+            "per prompt); max_num_batched_tokens must be >= max_model_len"
         )
         engine_args.enable_chunked_prefill = False
     if not engine_args.enforce_eager:

@@ -65,10 +65,9 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
     # `vllm serve` turns chunked prefill off with a log line where it must be; an engine built from Python
     # must do it itself. Prefix caching stays on (shared_prefix.py says which requests read and publish).
     if vllm_config.scheduler_config.enable_chunked_prefill and not config.keeps_chunked_prefill:
-        drop = "budget_scope 'model'" if config.pools_layers else "the decode cap"
         raise ValueError(
             f"kv_eviction with {config.describe()} needs enable_chunked_prefill=False: each prompt is "
-            f"evicted once, whole; or drop {drop}"
+            "evicted once, whole; or drop the decode cap"
         )
     if vllm_config.cache_config.enable_prefix_caching and config.pools_layers:
         raise ValueError(

@@ -97,10 +97,46 @@ def test_kept_across_layers_keeps_the_plans_total_or_each_layers_newest_on_a_fai
     assert [k.indices.tolist() for k in fallback] == [[[2], [2]], [[1, 2], [1, 2]]]
 
 
-@pytest.mark.parametrize("bad", [{"decode": {"method": "roco", "budget": 256}}, {"prefill": "chunked"}])
-def test_a_pooled_budget_refuses_what_re_scores_one_layer_alone(bad: dict) -> None:
+def test_a_pooled_budget_refuses_a_decode_cap() -> None:
     from vllm_kvevict.settings.parsers import EvictionConfigError
 
-    raw = {"method": "kvzap", "budget": BUDGET, "params": {"budget_scope": "model"}, **bad}
+    raw = {"method": "kvzap", "budget": BUDGET, "params": {"budget_scope": "model"}}
     with pytest.raises(EvictionConfigError, match="budget_scope='model'"):
-        EvictionConfig.from_dict(raw)
+        EvictionConfig.from_dict({**raw, "decode": {"method": "roco", "budget": 256}})
+
+
+def chunked_config(prefill: str, chunk_budget: int) -> EvictionConfig:
+    raw = pooled_config().to_dict()
+    return EvictionConfig.from_dict({**raw, "prefill": prefill, "chunk_budget": chunk_budget})
+
+
+@pytest.mark.parametrize(
+    ("prefill", "chunk_budget"), [("chunked", BUDGET), ("chunked", 150), ("whole", BUDGET)]
+)
+def test_a_prompt_in_chunks_holds_what_the_ranking_of_the_whole_prompt_keeps(prefill, chunk_budget) -> None:
+    """Evicted between chunks (each a ranking of every layer's held entries, the per-layer rule's total) or
+    once after the last chunk, the request ends with the pooled ranking of the whole prompt in every layer and
+    head, its pool in the blocks the rule keeps, and decodes after it."""
+    engine = TokenKeyedEngine(chunked_config(prefill, chunk_budget))
+    plan = engine.worker.plan_for(PROMPT)
+    chunk, offsets = 96, []
+    for done in range(0, PROMPT, chunk):
+        engine.step([("r", PROMPT, done, min(chunk, PROMPT - done), None)])
+        held = [engine.held("r", layer) for layer in range(LAYERS)] if done + chunk < PROMPT else None
+        if held is not None and plan.prefill_offset(done + chunk):  # evicted between chunks
+            offsets.append(plan.prefill_offset(done + chunk))
+            counts = [len(head) for layer in held for head in layer]
+            assert sum(counts) == LAYERS * HEADS * plan.kept_length_at(done + chunk)
+            assert len(set(counts)) > 1  # the layers' and heads' shares differ between chunks too
+    assert bool(offsets) == (prefill == "chunked")
+    expected = expected_kept(engine)
+    assert [engine.held("r", layer) for layer in range(LAYERS)] == expected
+    kept_blocks = set(engine.rows["r"][plan.blocks_to_free :])
+    for layer in range(LAYERS):
+        assert {block % NUM_BLOCKS for block in engine.blocks_read("r", layer)} <= kept_blocks
+    for generated in range(4):
+        engine.step([("r", PROMPT, PROMPT + generated, 1, None)])
+    new = list(range(PROMPT, PROMPT + 4))
+    assert [engine.held("r", layer) for layer in range(LAYERS)] == [
+        [head + new for head in layer] for layer in expected
+    ]

@@ -342,9 +342,11 @@ def test_a_trailing_window_sets_the_plan_of_every_request_that_evicts_per_chunk(
     assert settings.resolve({"kv_prefill": "whole"}).plan_for(4096).trailing_window == 0
 
 
-def test_a_pooled_server_takes_a_budget_or_none_per_request():
+def test_a_pooled_server_takes_a_budget_a_prefill_mode_or_none_per_request():
     pooled = EvictionConfig("kvzap", 0.25, {"budget_scope": "model"})
     assert parse_override({"kv_budget": 0.1}, pooled) == RequestOverride("kvzap", 0.1)
+    chunked = parse_override({"kv_prefill": "chunked"}, pooled)
+    assert chunked is not None and chunked.prefill == "chunked"
     assert parse_override({"kv_eviction": "none"}, pooled) == RequestOverride("none", None)
     with pytest.raises(EvictionConfigError, match=r"'snapkv' on a server with .*valid: kvzap, none"):
         parse_override({"kv_eviction": "snapkv"}, pooled)

@@ -1,0 +1,136 @@
+"""A prompt computed in several steps with a request's blocks pooled across layers (``budget_scope:
+"model"``): evicted between chunks (``prefill: chunked``) or once after its last chunk (``prefill: whole``).
+
+After the step that brings a request from n0 to n1 computed tokens, each layer reads what it holds (the
+entries it kept at its last eviction, in any layer's region of the request's blocks, then the chunk) and
+scores every entry by its own cache row (``KVzap.entry_scores``), forcing by position what the method always
+keeps: the prompt's first ``sinks`` tokens, the newest ``window`` arrived tokens (the prompt's real last
+window at its last chunk) and tokens after the prompt (a recomputed request). No entry moves before the last
+layer has run (a move into another layer's region would overwrite rows that layer still reads), so each
+layer stashes its held slots, positions and scores; after the last layer the entries of every layer and head
+are ranked together — ``L · H · a(n1)`` kept between chunks, the per-layer rule's total, so the scheduler's
+offset is unchanged, and ``H · Σ_l B_l`` after the last chunk — every layer's table is assigned from the
+request's one pool from the rule's first kept block, and one ``Moves`` over the whole allocation makes them.
+
+A token's score is its own row's, so after the last chunk a request holds what whole-prompt eviction keeps of
+the same rows whenever ``a(n) ≥ B'`` (every entry the final ranking keeps outranks all but ``L·H·B'`` others
+at every earlier eviction): tested through the worker's datapath (``tests/unit/datapath/
+test_pooled_worker.py``). Above layer 0 a model's later chunks attend to the kept entries only, so their rows
+differ from a whole prompt's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_kvevict.datapath.cache_shape import CacheShape
+from vllm_kvevict.datapath.kept_selection import log_fallback
+from vllm_kvevict.datapath.layer_eviction import HeldEntries
+from vllm_kvevict.datapath.moves import Moves
+from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded_scores, policy_label
+from vllm_kvevict.datapath.pooled_eviction import kept_across_held, place_across_layers
+from vllm_kvevict.datapath.shared_reads import HeldReads
+from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.shared_prefix import first_kept_block
+from vllm_kvevict.policies.base import KeptTokens, LayerKV
+from vllm_kvevict.policies.decode.decode_policy import gather_padded
+from vllm_kvevict.policies.kvzap import KVzap
+
+if TYPE_CHECKING:
+    from vllm_kvevict.datapath.chunk_eviction import ChunkRescore
+
+
+@dataclass(frozen=True)
+class StashedLayer:
+    """One layer of one request until the last layer has run: what its heads hold, as slots [H, W] of the
+    whole allocation and positions [H, W] (-1 padded), and their scores [H, W] float32 (``+inf``: always
+    kept; None: the scorer failed, the request keeps each layer's newest entries)."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor | None
+
+
+class PooledChunks:
+    """The stashed layers of the step's pooled re-scores, by request, and their ranking after the last
+    layer."""
+
+    def __init__(self, shape: CacheShape, tables: BatchSubBlocks) -> None:
+        self.shape = shape
+        self.tables = tables
+        self._stashed: dict[str, list[StashedLayer]] = {}
+
+    def global_entries(self, layer_idx: int, held: HeldEntries, compacted: bool) -> HeldEntries:
+        """``held`` with slots of the whole allocation: a request still in vLLM's layout holds its rows in
+        its layer's own region (the store's rows of a compacted one are global already)."""
+        if compacted:
+            return held
+        region = self.tables.layer_blocks * self.shape.num_kv_heads * self.shape.block_size
+        return HeldEntries(held.slots + layer_idx * region, held.positions)
+
+    def stash(self, layer_idx: int, r: ChunkRescore, held: HeldEntries, reads: HeldReads) -> None:
+        """Read and score what ``layer_idx`` of ``r`` holds (``held``: slots of the whole allocation) and
+        keep it until the last layer; a failing scorer is logged and counted."""
+        policy = r.policy
+        assert isinstance(policy, KVzap), "only kvzap pools its budget across layers"
+        positions = held.positions
+        valid = positions >= 0
+        keys, values = reads.read(held.slots.clamp(min=0), 0, True)  # padding reads some row; masked below
+        assert values is not None
+        layer = LayerKV(
+            keys=keys,
+            values=values.to(keys.dtype),
+            queries=keys[:, :0],
+            layer_idx=layer_idx,
+            num_layers=self.shape.num_layers,
+        )
+        budget = self.budget(r, layer_idx)
+        scores: torch.Tensor | None
+        try:
+            scores = guarded_scores(policy, layer, budget, own_rows=True).float()
+        except PolicyFault as exc:
+            log_fallback(policy_label(policy), r.req_id, layer_idx, str(exc), budget)
+            scores = None
+        if scores is not None:
+            window_end = r.prompt_len if r.final else r.seq_len
+            forced = (positions < policy.sinks) | (positions >= window_end - policy.window)
+            scores = torch.where(forced & valid, float("inf"), scores)
+        self._stashed.setdefault(r.req_id, []).append(StashedLayer(held.slots, positions, scores))
+
+    @staticmethod
+    def budget(r: ChunkRescore, layer_idx: int) -> int:
+        """Entries per head ``layer_idx`` of ``r`` keeps on average after this step: its layer budget after
+        the last chunk, ``a(n1)`` before; tokens after the prompt are kept on top."""
+        plan = r.plan
+        budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len - r.shared)
+        return budget + r.trailing
+
+    def compact(
+        self, r: ChunkRescore, block_row: torch.Tensor, check: bool
+    ) -> tuple[Moves, list[KeptTokens]]:
+        """After the last layer: rank the stashed layers of ``r`` together, assign every layer's table and
+        return the moves with what each layer holds now (positions [H, M] -1 padded, counts [H])."""
+        stashed = self._stashed.pop(r.req_id)
+        if len(stashed) != self.shape.num_layers:
+            layers = self.shape.num_layers
+            raise RuntimeError(f"request {r.req_id}: {len(stashed)} of {layers} layers were scored")
+        budgets = [self.budget(r, layer_idx) for layer_idx in range(len(stashed))]
+        kept = kept_across_held(
+            [layer.scores for layer in stashed], budgets, [layer.positions >= 0 for layer in stashed]
+        )
+        blocks = (
+            first_kept_block(r.plan, r.shared, r.seq_len, r.spare),
+            cdiv(r.seq_len, self.shape.block_size) + r.spare,
+        )
+        moves = place_across_layers(
+            self.tables, r.slot, block_row, blocks, kept, [layer.slots for layer in stashed], check=check
+        )
+        held = []
+        for layer, layer_kept in zip(stashed, kept, strict=True):
+            positions = gather_padded(layer.positions, layer_kept.indices.to(torch.int64), -1)
+            held.append(KeptTokens(positions, layer_kept.counts))
+        return moves, held
