@@ -10,12 +10,16 @@ vanilla's, and the share of a prompt's blocks a request holds after its prompt (
     python -m benchmarks.threshold_served --tasks niah_single_essay,niah_single_noise --samples 2 \
         --setting '{"label": "tau0", "method": "kvzap", "budget": 0.5, "config": {"threshold": 0}}' \
         --out docs/results/2026-11-29-threshold-served
+
+``--server-args '--max-num-batched-tokens 512'`` gives every server (vanilla's too) the same extra flags, e.g.
+vLLM's chunk size for per-chunk eviction.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +48,7 @@ def eviction_flags(setting: dict) -> list[str]:
 def run_setting(model_dir: Path, label: str, flags: list[str], args: argparse.Namespace) -> dict:
     """One server: its eval results file, mean score and blocks freed per compacted request."""
     output = args.out / f"{label}.jsonl"
-    server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", "8192", *flags)
+    server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", "8192", *args.server_args, *flags)
     with VLLMServer(model_dir, extra_args=server_args, log_path=args.out / f"{label}.log") as server:
         command = [sys.executable, "-m", "vllm_kvevict.cli.main", "eval", "--base-url", server.base_url,
                    "--tasks", args.tasks, "--lengths", args.lengths, "--samples", str(args.samples),
@@ -72,6 +76,9 @@ def main() -> None:
     parser.add_argument("--setting", action="append", default=[], type=json.loads, help="JSON object")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--vanilla", type=Path, help="a summary.json whose vanilla row to reuse (no server)")
+    parser.add_argument(
+        "--server-args", type=shlex.split, default=[], help="more `vllm serve` flags for every server"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = prepared_model_dir()

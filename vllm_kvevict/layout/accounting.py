@@ -128,6 +128,9 @@ class RequestPlan:
         between-chunks selection's minimum budget).
     adaptive: the policy's scores set each layer's kept count under ``kept_bound`` (a ceiling): the worker
         reports the request's bound after compacting and the scheduler then frees more (module docstring).
+    pooled: one budget shared by every layer, the request's blocks pooled across layers (``budget_scope:
+        "model"``): its blocks hold other layers' entries, so it never reads or publishes prefix-cache blocks
+        (``shared_prefix.reads_prefix_cache``).
     """
 
     prompt_len: int
@@ -143,6 +146,7 @@ class RequestPlan:
     trailing_window: int = 0
     trailing_floor: int = 0
     adaptive: bool = False
+    pooled: bool = False
 
     @property
     def evicts_between_chunks(self) -> bool:
@@ -325,7 +329,8 @@ def plan_request(
         return RequestPlan(prompt_len, block_size, (prompt_len,) * num_layers, prompt_len, 0, False)
     adaptive = policy.adapts_kept_count
     return RequestPlan(
-        prompt_len, block_size, layer_budgets, kept_bound, blocks_to_free, True, adaptive=adaptive
+        prompt_len, block_size, layer_budgets, kept_bound, blocks_to_free, True, adaptive=adaptive,
+        pooled=policy.pools_layers,
     )
 
 

@@ -42,8 +42,9 @@ from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 def reads_prefix_cache(plan: RequestPlan) -> bool:
     """True when a request with this (whole-prompt) plan may start from shared cached blocks: it evicts its
     prompt once, after the prompt, and never again, freeing blocks its prompt length decides (an adaptive
-    plan's follow its scores)."""
-    return not plan.decode_cap and not plan.evicts_between_chunks and not plan.adaptive
+    plan's follow its scores; a pooled plan's blocks hold every layer's entries, read in no standard
+    layout)."""
+    return not plan.decode_cap and not plan.evicts_between_chunks and not plan.adaptive and not plan.pooled
 
 
 def private_plan(

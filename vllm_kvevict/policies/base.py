@@ -183,6 +183,12 @@ class EvictionPolicy(ABC):
         ceiling; KVzap's threshold): ``select`` may keep fewer and the layers differ."""
         return False
 
+    @property
+    def pools_layers(self) -> bool:
+        """True when one budget is shared by every layer of a request (KVzap's ``budget_scope: "model"``):
+        the layers' and heads' counts differ, and the request's blocks are pooled across layers."""
+        return False
+
     def query_window(self, num_tokens: int) -> int:
         """How many trailing prompt queries ``select`` needs in ``LayerKV.queries`` (0: none)."""
         return 0
@@ -306,6 +312,7 @@ def keeps_equal_counts(policy: EvictionPolicy | None) -> bool:
         isinstance(policy, ScoredPolicy)
         and type(policy).layer_budget is EvictionPolicy.layer_budget
         and not policy.adapts_kept_count
+        and not policy.pools_layers
     )
 
 

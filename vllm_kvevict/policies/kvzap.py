@@ -150,6 +150,10 @@ class KVzap(ScoredPolicy):
     def adapts_kept_count(self) -> bool:
         return self.threshold is not None
 
+    @property
+    def pools_layers(self) -> bool:
+        return self.budget_scope == "model"
+
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         if self.threshold is None:
             return super().select(layer, budget)
@@ -195,7 +199,7 @@ class KVzap(ScoredPolicy):
 
 def pools_layers(policy: object) -> bool:
     """True for a policy whose budget is shared by every layer of a request (``budget_scope: "model"``)."""
-    return isinstance(policy, KVzap) and policy.budget_scope == "model"
+    return isinstance(policy, KVzap) and policy.pools_layers
 
 
 def learned_part(policy: object) -> KVzap | None:

@@ -68,8 +68,8 @@ def fit_engine_to_eviction(engine_args: Any, config: EvictionConfig) -> None:
 def fit_engine_to_pooled_blocks(engine_args: Any, is_cuda: bool | None = None) -> None:
     """A request's blocks pooled across layers (``budget_scope: "model"``): the CPU backend only (vLLM's
     CPU allocation was measured; ``pooled_cache.py`` checks it), one worker and the model's own cache dtype
-    (what was tested), and no prefix caching (a cached block's sub-blocks would belong to other layers of
-    another request)."""
+    (what was tested). Prefix caching stays on: a pooled request neither reads nor publishes cached blocks
+    (``shared_prefix.reads_prefix_cache``), the server's other requests do."""
     if is_cuda is None:
         from vllm.platforms import current_platform
 
@@ -91,12 +91,6 @@ def fit_engine_to_pooled_blocks(engine_args: Any, is_cuda: bool | None = None) -
             f"--kv-cache-dtype {cache_dtype} with budget_scope 'model' is not supported yet (pooled blocks "
             "were tested with the model's own dtype); valid: auto"
         )
-    if engine_args.enable_prefix_caching is not False:
-        logger.info(
-            "kv-eviction: prefix caching turned off (blocks pooled across layers hold other layers' entries, "
-            "which no other request may read)"
-        )
-        engine_args.enable_prefix_caching = False
 
 
 def keep_attention_out_of_graphs(engine_args: Any, is_cuda: bool | None = None) -> None:

@@ -69,11 +69,6 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
             f"kv_eviction with {config.describe()} needs enable_chunked_prefill=False: each prompt is "
             "evicted once, whole; or drop the decode cap"
         )
-    if vllm_config.cache_config.enable_prefix_caching and config.pools_layers:
-        raise ValueError(
-            f"kv_eviction with {config.describe()} needs enable_prefix_caching=False: blocks pooled across "
-            "layers hold other layers' entries, which no other request may read"
-        )
     inherited = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     eviction = json.dumps(config.to_dict(), sort_keys=True)

@@ -237,3 +237,25 @@ def test_with_an_fp8_cache_compacting_requests_read_the_prefix_cache_as_with_bf1
     quantised, _ = evicting_manager(config, BLOCK_SIZE, NUM_BLOCKS, dtype=torch.uint8)
     for request in (_request(4000), _request(200), _request(4000, {"kv_eviction": "none"})):
         assert not quantised.skips_prefix_cache(request)
+
+
+def test_a_request_pooling_its_blocks_across_layers_neither_reads_nor_publishes(monkeypatch):
+    """``budget_scope: "model"``: a compacting request's kept blocks hold every layer's entries, so it skips
+    the prefix cache and publishes nothing, while a request of the same server that keeps its whole cache
+    uses the prefix cache as usual."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    published = []
+    monkeypatch.setattr(
+        FullAttentionManager,
+        "cache_blocks",
+        lambda self, request, num_tokens, *a, **k: published.append((request, num_tokens)),
+    )
+    pooled = EvictionConfig("kvzap", 256, {"budget_scope": "model"})
+    manager, _ = make_manager(config=pooled)
+    compacting, whole = _request(4000), _request(4000, {"kv_eviction": "none"})
+    assert manager.skips_prefix_cache(compacting) and not manager.skips_prefix_cache(whole)
+    for r in (compacting, whole):
+        manager.admit_request(r.request_id, r.sampling_params)
+        manager.cache_blocks(r, r.num_prompt_tokens, replay_boundaries=[])
+    assert published == [(compacting, 0), (whole, 4000)]

@@ -79,11 +79,11 @@ def test_unsupported_engine_features_are_refused(model_dir, setting, named):
 
 
 
-def test_a_pooled_budget_turns_off_prefix_caching_and_keeps_chunked_prefill(model_dir):
+def test_a_pooled_budget_keeps_prefix_caching_and_chunked_prefill(model_dir):
     pooled = {"method": "kvzap", "budget": 0.25, "params": {"budget_scope": "model"}}
     config = engine_args(model_dir, additional_config={"kv_eviction": pooled}).create_engine_config()
     assert config.scheduler_config.enable_chunked_prefill is True
-    assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.enable_prefix_caching is True
 
 
 @pytest.mark.parametrize(
