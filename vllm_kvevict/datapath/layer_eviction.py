@@ -129,12 +129,7 @@ class LayerEviction:
 
     def held_positions(self, held: HeldEntries) -> KeptTokens:
         """Positions [H, M] (-1 padded) and counts [H] of what each head holds now, trailing included."""
-        width = int(self.placed.per_head.max()) if self.placed.per_head.numel() else 0
-        positions = torch.full((held.slots.shape[0], width), -1, dtype=torch.int64, device=held.slots.device)
-        positions[self.placed.heads, self.placed.index] = held.positions[
-            self.placed.heads, self.placed.chosen
-        ]
-        return KeptTokens(positions, self.placed.per_head)
+        return self.placed.held_positions(held.positions)
 
 
 class LayerTables:

@@ -43,6 +43,14 @@ class Placement:
     chosen: torch.Tensor
     kept: torch.Tensor
 
+    def held_positions(self, positions: torch.Tensor) -> KeptTokens:
+        """Positions [H, M] (-1 padded) and counts [H] of what each head holds once placed, trailing entries
+        included; ``positions`` [H, W]: the held entries' positions the placement chose from."""
+        width = int(self.per_head.max()) if self.per_head.numel() else 0
+        held = torch.full((positions.shape[0], width), -1, dtype=torch.int64, device=positions.device)
+        held[self.heads, self.index] = positions[self.heads, self.chosen]
+        return KeptTokens(held, self.per_head)
+
     def destinations(self, table: TableRows, block_size: int, after: int = 0) -> torch.Tensor:
         """[K] int64 one-head-view slots of each entry in ``table``, whose heads hold ``after`` entries of a
         shared prefix before them."""

@@ -37,7 +37,6 @@ from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import KeptTokens, LayerKV
-from vllm_kvevict.policies.decode.decode_policy import gather_padded
 from vllm_kvevict.policies.kvzap import KVzap
 
 if TYPE_CHECKING:
@@ -47,12 +46,19 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StashedLayer:
     """One layer of one request until the last layer has run: what its heads hold, as slots [H, W] of the
-    whole allocation and positions [H, W] (-1 padded), and their scores [H, W] float32 (``+inf``: always
-    kept; None: the scorer failed, the request keeps each layer's newest entries)."""
+    whole allocation and positions [H, W] (-1 padded), of which the first ``ranked`` columns are judged,
+    with their scores [H, ranked] float32 (``+inf``: always kept; None: the scorer failed, the request keeps
+    each layer's newest entries); the columns after them are tokens after the prompt, kept whole."""
 
     slots: torch.Tensor
     positions: torch.Tensor
+    ranked: int
     scores: torch.Tensor | None
+
+    @property
+    def judged(self) -> torch.Tensor:
+        """[H, ranked] bool: the held entries the ranking judges (False: padding)."""
+        return self.positions[:, : self.ranked] >= 0
 
 
 class PooledChunks:
@@ -77,9 +83,9 @@ class PooledChunks:
         keep it until the last layer; a failing scorer is logged and counted."""
         policy = r.policy
         assert isinstance(policy, KVzap), "only kvzap pools its budget across layers"
-        positions = held.positions
-        valid = positions >= 0
-        keys, values = reads.read(held.slots.clamp(min=0), 0, True)  # padding reads some row; masked below
+        ranked = held.width - self.trailing(r)
+        positions = held.positions[:, :ranked]
+        keys, values = reads.read(held.slots[:, :ranked].clamp(min=0), 0, True)  # padding: masked below
         assert values is not None
         layer = LayerKV(
             keys=keys,
@@ -98,16 +104,23 @@ class PooledChunks:
         if scores is not None:
             window_end = r.prompt_len if r.final else r.seq_len
             forced = (positions < policy.sinks) | (positions >= window_end - policy.window)
-            scores = torch.where(forced & valid, float("inf"), scores)
-        self._stashed.setdefault(r.req_id, []).append(StashedLayer(held.slots, positions, scores))
+            scores = torch.where(forced & (positions >= 0), float("inf"), scores)
+        stashed = StashedLayer(held.slots, held.positions, ranked, scores)
+        self._stashed.setdefault(r.req_id, []).append(stashed)
 
     @staticmethod
-    def budget(r: ChunkRescore, layer_idx: int) -> int:
-        """Entries per head ``layer_idx`` of ``r`` keeps on average after this step: its layer budget after
-        the last chunk, ``a(n1)`` before; tokens after the prompt are kept on top."""
+    def trailing(r: ChunkRescore) -> int:
+        """Tokens after the prompt (a recomputed request, a kept context's creator) kept whole after the
+        ranked entries: the last columns of every head while the request holds vLLM's layout. A compacted
+        request's heads hold ragged counts: its tokens after the prompt are ranked, forced kept."""
+        return 0 if r.compacted else r.trailing
+
+    def budget(self, r: ChunkRescore, layer_idx: int) -> int:
+        """Entries per head ``layer_idx`` of ``r`` ranks into its kept set on average: its layer budget after
+        the last chunk, ``a(n1)`` before, plus the tokens after the prompt it ranks (forced kept)."""
         plan = r.plan
         budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len - r.shared)
-        return budget + r.trailing
+        return budget + r.trailing - self.trailing(r)
 
     def compact(
         self, r: ChunkRescore, block_row: torch.Tensor, check: bool
@@ -119,18 +132,17 @@ class PooledChunks:
             layers = self.shape.num_layers
             raise RuntimeError(f"request {r.req_id}: {len(stashed)} of {layers} layers were scored")
         budgets = [self.budget(r, layer_idx) for layer_idx in range(len(stashed))]
+        unit = int(getattr(r.policy, "head_unit", 1))  # a kept context: whole sub-blocks per head
         kept = kept_across_held(
-            [layer.scores for layer in stashed], budgets, [layer.positions >= 0 for layer in stashed]
+            [layer.scores for layer in stashed], budgets, [layer.judged for layer in stashed], unit
         )
         blocks = (
             first_kept_block(r.plan, r.shared, r.seq_len, r.spare),
             cdiv(r.seq_len, self.shape.block_size) + r.spare,
         )
-        moves = place_across_layers(
-            self.tables, r.slot, block_row, blocks, kept, [layer.slots for layer in stashed], check=check
+        trailing = (self.trailing(r), stashed[0].ranked)
+        moves, placements = place_across_layers(
+            self.tables, r.slot, block_row, blocks, kept, [layer.slots for layer in stashed], trailing, check
         )
-        held = []
-        for layer, layer_kept in zip(stashed, kept, strict=True):
-            positions = gather_padded(layer.positions, layer_kept.indices.to(torch.int64), -1)
-            held.append(KeptTokens(positions, layer_kept.counts))
-        return moves, held
+        held = zip(stashed, placements, strict=True)
+        return moves, [placed.held_positions(layer.positions) for layer, placed in held]

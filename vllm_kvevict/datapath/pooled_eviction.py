@@ -22,14 +22,14 @@ from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.kept_selection import log_fallback, newest_entries
 from vllm_kvevict.datapath.layer_eviction import HeldEntries
 from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.placement import place
+from vllm_kvevict.datapath.placement import Placement, place
 from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded_scores, policy_label
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import KeptTokens, LayerKV
-from vllm_kvevict.policies.kept_masks import across_layers_mask
+from vllm_kvevict.policies.kept_masks import across_layers_mask, whole_unit_mask
 
 
 def kept_across_layers(
@@ -43,13 +43,18 @@ def kept_across_layers(
 
 
 def kept_across_held(
-    scores: list[torch.Tensor | None], budgets: tuple[int, ...] | list[int], valid: list[torch.Tensor]
+    scores: list[torch.Tensor | None],
+    budgets: tuple[int, ...] | list[int],
+    valid: list[torch.Tensor],
+    unit: int = 1,
 ) -> list[KeptTokens]:
     """Every layer's kept entries among what its heads hold: valid[l] [H, W_l] bool marks layer l's held
     entries (False: padding), scores[l] [H, W_l] their scores (``+inf``: always kept). The ``H · Σ budgets``
     best valid entries of all layers ranked together (ties to the lower layer, head, then entry), or, when
     some layer's scores are missing (its policy failed), each layer's newest ``budgets[l]`` per head.
-    Indices are columns of the held entries, ascending."""
+    ``unit`` > 1 (a kept context, ``KVzap.head_unit``): every (layer, head) count is then moved to a multiple
+    of it with the same total (``kept_masks.whole_unit_mask``), each keeping its best entries, so the
+    context fills whole sub-blocks. Indices are columns of the held entries, ascending."""
     if any(layer is None for layer in scores):
         return [newest_entries(mask, budget) for mask, budget in zip(valid, budgets, strict=True)]
     heads = valid[0].shape[0]
@@ -61,6 +66,9 @@ def kept_across_held(
         held[layer_idx, :, : mask.shape[1]] = mask
         padded[layer_idx, :, : mask.shape[1]] = torch.where(mask, layer_scores.float(), float("-inf"))
     keep = across_layers_mask(padded, min(heads * sum(budgets), int(held.sum()))) & held
+    if unit > 1:
+        units = whole_unit_mask(padded.view(-1, width), keep.view(-1, width), unit)
+        keep = units.view(keep.shape) & held
     return [KeptTokens.from_mask(keep[index, :, : mask.shape[1]]) for index, mask in enumerate(valid)]
 
 
@@ -73,30 +81,39 @@ def place_across_layers(
     held_slots: list[torch.Tensor],
     trailing: tuple[int, int] = (0, 0),
     check: bool = True,
-) -> Moves:
+) -> tuple[Moves, list[Placement]]:
     """Assign every layer's table of the request in ``slot`` from its one pool and return the moves of its
-    kept entries there: layer l keeps ``kept[l]`` (columns of its held entries, whose slots in the whole
-    allocation are held_slots[l] [H, W_l]) then ``trailing[0]`` entries per head from column
-    ``trailing[1]`` on; ``blocks``: (first kept block, blocks the request holds). Tables are committed
-    layer by layer, the pool cursor after each; sources are read before any destination is written."""
+    kept entries there, with each layer's placement: layer l keeps ``kept[l]`` (columns of its held
+    entries, whose slots in the whole allocation are held_slots[l] [H, W_l]) then ``trailing[0]`` entries
+    per head from column ``trailing[1]`` on; ``blocks``: (first kept block, blocks the request holds). The
+    kept entries of every layer take the pool first, the trailing ones the entries after them (so a kept
+    context's blocks hold the context alone); sources are read before any destination is written."""
     store = tables.store
     assert store is not None
     heads, bs = store.num_kv_heads, store.block_size
     first_block, num_blocks = blocks
     count, trailing_from = trailing
-    sources, destinations, taken = [], [], 0
-    for layer_idx, (layer_kept, slots) in enumerate(zip(kept, held_slots, strict=True)):
+    assigned, taken = [], 0
+    for layer_kept, slots in zip(kept, held_slots, strict=True):
         counts = layer_kept.counts.to(device=slots.device, dtype=torch.int64)
         total = int(counts.sum())
         table = store.assign(
-            counts, block_row, first_block, count, total, num_blocks=num_blocks, check=check, pool_start=taken
+            counts, block_row, first_block, 0, total, num_blocks=num_blocks, check=check, pool_start=taken
         )
+        taken += int(table.cursor)
+        assigned.append((table, total))
+    if count:
+        for table, _ in assigned:
+            taken += store.append_tokens(table, count, block_row, first_block, num_blocks, check, taken)
+    sources, destinations, placements = [], [], []
+    layers = zip(kept, held_slots, assigned, strict=True)
+    for layer_idx, (layer_kept, slots, (table, total)) in enumerate(layers):
         placed = place(layer_kept, count, trailing_from, total + heads * count, slots.device)
         sources.append(slots[placed.heads, placed.chosen])
         destinations.append(placed.destinations(table, bs))
-        taken += int(table.cursor)
+        placements.append(placed)
         tables.commit(layer_idx, slot, table, first_block, pool_cursor=taken)
-    return Moves(torch.cat(sources), torch.cat(destinations))
+    return Moves(torch.cat(sources), torch.cat(destinations)), placements
 
 
 class PooledPromptEviction:
@@ -140,11 +157,13 @@ class PooledPromptEviction:
         if len(scores) != self.shape.num_layers:
             layers = self.shape.num_layers
             raise RuntimeError(f"request {req.req_id}: {len(scores)} of {layers} layers were scored")
-        kept = kept_across_layers(scores, plan.layer_budgets, heads, req.prompt_len)
+        every = torch.ones(heads, req.prompt_len, dtype=torch.bool)
+        unit = int(getattr(req.policy, "head_unit", 1))  # a kept context: whole sub-blocks per head
+        kept = kept_across_held(scores, plan.layer_budgets, [every] * len(scores), unit)
         trailing = req.q_len - req.prompt_len  # tokens computed after the prompt (a recomputed request)
         held = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
         region = self.tables.layer_blocks * heads * bs  # one layer's one-head-view slots
-        moves = place_across_layers(
+        moves, _ = place_across_layers(
             self.tables,
             req.index,
             self._block_table[req.index],

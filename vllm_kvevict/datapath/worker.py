@@ -322,9 +322,10 @@ class EvictionWorker:
             else:
                 per_group = [[entry.per_head] * self.num_kv_heads] * store.num_groups
             tables: dict[tuple[int, ...], TableRows] = {}  # groups with the same counts share one
+            taken = 0  # a pooled store: each layer's sub-blocks follow the earlier layers' in the one pool
             for group in range(store.num_groups):
                 counts = tuple(per_group[group])
-                if counts not in tables:
+                if counts not in tables or store.pooled:
                     tables[counts] = store.assign(
                         host_to_device(np.array(counts), store.device),
                         block_table[slot],
@@ -333,7 +334,10 @@ class EvictionWorker:
                         total=sum(counts),
                         num_blocks=entry.context_tokens // self.block_size,
                         check=check,
+                        pool_start=taken,
                     )
-                store.commit(group, slot, tables[counts], entry.reader_first)
+                    taken += int(tables[counts].cursor) if store.pooled else 0
+                cursor = {"pool_cursor": taken} if store.pooled else {}
+                store.commit(group, slot, tables[counts], entry.reader_first, **cursor)
             self.tables.mark_compacted(slot)
             self.records.restart(slot, req_id)

@@ -515,6 +515,25 @@ class SubBlockStore:
             self._grow_one(table, trailing, block_row, first_block, num_blocks, check)
         return table
 
+    def append_tokens(
+        self,
+        table: TableRows,
+        num_tokens: int,
+        block_row: torch.Tensor,
+        first_block: int,
+        num_blocks: int,
+        check: bool,
+        pool_at: int,
+    ) -> int:
+        """Pooled mode: ``num_tokens`` more entries per head of one uncommitted table, its new sub-blocks
+        taken from pool entry ``pool_at`` on in head order (after every layer's kept entries: a kept
+        context's blocks then hold nothing else, ``layout/context_reuse.py``). Returns the entries taken."""
+        if not self.pooled:
+            raise ValueError("append_tokens is for a pooled store (layer_blocks > 0) only")
+        cursor = table.cursor
+        self._grow_one(table, num_tokens, block_row, first_block, num_blocks, check, pool_at)
+        return int(table.cursor - cursor)
+
     def _grow_one(
         self,
         table: TableRows,
@@ -523,15 +542,17 @@ class SubBlockStore:
         first_block: int,
         num_blocks: int,
         check: bool,
+        pool_at: int | None = None,
     ) -> None:
         """``grow`` for one uncommitted table (trailing tokens of a recomputed request): its heads take the
-        pool entries after the table's own, in head order."""
+        pool entries after the table's own (from ``pool_at`` when given), in head order."""
         bs, heads = self.block_size, self.num_kv_heads
         before = table.lengths.to(torch.int64)
         after = before + num_tokens
         used = (before + bs - 1) // bs
         need = (after + bs - 1) // bs - used
-        pool = table.pool_start + table.cursor + torch.cumsum(need, 0) - need
+        base = table.pool_start + table.cursor if pool_at is None else pool_at
+        pool = base + torch.cumsum(need, 0) - need
         for k in range(-(-num_tokens // bs)):
             column_in_pool, offset = self._pool_entry(pool + k)
             block_col = first_block + column_in_pool

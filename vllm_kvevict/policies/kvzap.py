@@ -17,6 +17,7 @@ again (per-chunk eviction, decode-time caps: ``vllm_adapter/learned_scorer.py``)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,6 +25,7 @@ import torch
 
 from vllm_kvevict.policies import served_scorer
 from vllm_kvevict.policies.base import (
+    EvictionPolicy,
     KeptTokens,
     LayerKV,
     ScoredPolicy,
@@ -61,6 +63,9 @@ class KVzap(ScoredPolicy):
         (KVzip's ranking), a request's blocks pooled across layers so that it holds about the mean layer's
         share, not the largest one's (``docs/design_modes.md``, "Per-layer block budgets"). Whole prompts on
         the CPU backend, fixed budgets only.
+    head_unit: > 1 (set by ``kept_context_form``, never by a user) with ``budget_scope: "model"``: every
+        (layer, head) count of the ranking is moved to a multiple of it with the same total
+        (``kept_masks.whole_unit_mask``), so a kept context fills whole sub-blocks.
     There is no ``span_after``: a token that took its neighbours' scores would score differently after a
     neighbour was evicted between chunks, and per-chunk eviction would no longer keep what whole-prompt
     eviction keeps.
@@ -75,11 +80,13 @@ class KVzap(ScoredPolicy):
     threshold: float | None = None
     threshold_scope: str = "global"
     budget_scope: str = "layer"
+    head_unit: int = 1
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_int(owner, "window", self.window, 0)
         check_int(owner, "sinks", self.sinks, 0)
+        check_int(owner, "head_unit", self.head_unit, 1)
         if self.scorer is not None:
             if not isinstance(self.scorer, str):
                 raise ValueError(f"{owner}: scorer={self.scorer!r} is not valid; give a scorer directory")
@@ -153,6 +160,15 @@ class KVzap(ScoredPolicy):
     @property
     def pools_layers(self) -> bool:
         return self.budget_scope == "model"
+
+    def kept_context_form(self, block_size: int) -> EvictionPolicy | None:
+        """Itself per layer (the same count in every head and layer); ranked across layers, the counts of
+        every (layer, head) in whole ``block_size`` sub-blocks (``head_unit``)."""
+        if not self.pools_layers:
+            return super().kept_context_form(block_size)
+        form = dataclasses.replace(self, head_unit=block_size)
+        form.name = self.name
+        return form
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         if self.threshold is None:

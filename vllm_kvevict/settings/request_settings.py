@@ -145,11 +145,15 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
     return RequestOverride(method, budget, decode_budget, prefill, context, echo)
 
 
+#: what a request may set on a server whose requests pool their blocks across layers
+POOLED_OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY)
+
+
 def check_pooled_override(extra_args: Mapping[str, Any], server: EvictionConfig) -> None:
     """On a server whose requests pool their blocks across layers (``budget_scope: "model"``) a request may
-    set only its budget and when its prompt is evicted (``kv_prefill``), or keep its whole cache
-    (``kv_eviction: "none"``): every other setting needs the per-layer store. Raises EvictionConfigError
-    naming the key."""
+    set only its budget, when its prompt is evicted (``kv_prefill``) and whether it keeps a context
+    (``kv_context``), or keep its whole cache (``kv_eviction: "none"``): every other setting needs the
+    per-layer store. Raises EvictionConfigError naming the key."""
     method = extra_args.get(METHOD_KEY, server.method)
     if method not in (server.method, NO_EVICTION):
         raise EvictionConfigError(
@@ -157,10 +161,10 @@ def check_pooled_override(extra_args: Mapping[str, Any], server: EvictionConfig)
             f"{server.method}, {NO_EVICTION}"
         )
     for key in OVERRIDE_KEYS:
-        if key not in (METHOD_KEY, BUDGET_KEY, PREFILL_KEY) and key in extra_args:
+        if key not in POOLED_OVERRIDE_KEYS and key in extra_args:
             raise EvictionConfigError(
                 f"vllm_xargs.{key}={extra_args[key]!r} is not served with budget_scope='model'; valid keys: "
-                f"{METHOD_KEY}, {BUDGET_KEY}, {PREFILL_KEY}"
+                f"{', '.join(POOLED_OVERRIDE_KEYS)}"
             )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from simulated_engine import BS, LAYERS, SimulatedEngine
+from simulated_engine import BS, HEADS, LAYERS, NUM_BLOCKS, SimulatedEngine
 
 from vllm_kvevict.layout.context_reuse import EntryCounts, context_len, entry_blocks, keeps_entry
 from vllm_kvevict.settings.config import EvictionConfig
@@ -17,9 +17,19 @@ QUESTION = 30
 KEEP = {"kv_context": "keep"}
 
 
+POOLED = "kvzap-across-layers"  # kvzap with budget_scope "model": blocks pooled across layers
+
+
 def server(method: str) -> EvictionConfig:
+    params = {"budget_scope": "model"} if method == POOLED else {}
     return EvictionConfig.from_dict(
-        {"method": method, "budget": 0.25, "prefill": "whole", "decode": {"method": "none"}}
+        {
+            "method": "kvzap" if method == POOLED else method,
+            "budget": 0.25,
+            "params": params,
+            "prefill": "whole",
+            "decode": {"method": "none"},
+        }
     )
 
 
@@ -42,6 +52,7 @@ def create(engine: SimulatedEngine, chunks: list[int], args: dict) -> None:
         ("ada-snapkv", KEEP),  # Ada-KV: head counts in whole blocks, per layer
         ("ada-expected-attention", KEEP),
         ("snapkv", {**KEEP, "kv_eviction": "ada-snapkv"}),  # one table group until the creator splits it
+        (POOLED, KEEP),  # ranked across layers: counts per (layer, head) in whole blocks, one pool
     ],
 )
 @pytest.mark.parametrize(
@@ -58,10 +69,13 @@ def test_a_reader_reads_the_creators_kept_context_and_nothing_writes_it(method, 
     kept = context.kept_bound
     creator = [engine.held("creator", layer) for layer in range(LAYERS)]
     counts = [[len(head) - (PROMPT - 400) for head in heads] for heads in creator]
+    pooled = method == POOLED
+    assert sum(map(sum, counts)) == LAYERS * HEADS * kept
     for layer in range(LAYERS):
-        assert sum(counts[layer]) == len(counts[layer]) * kept  # H·B' per layer, split in whole blocks
+        # H·B' per layer (all layers' together when pooled), split in whole blocks
+        assert pooled or sum(counts[layer]) == len(counts[layer]) * kept
         for head, count in zip(creator[layer], counts[layer], strict=True):
-            assert count % BS == 0 and (count == kept or setting.method.startswith("ada-"))
+            assert count % BS == 0 and (count == kept or setting.method.startswith("ada-") or pooled)
             assert all(p < 400 for p in head[:count]) and head[:count] == sorted(set(head[:count]))
             assert head[count:] == list(range(400, PROMPT))  # the prompt's tail is kept after the context
     entry_rows = engine.rows["creator"][entry.first : entry.first + entry.count]
@@ -84,9 +98,9 @@ def test_a_reader_reads_the_creators_kept_context_and_nothing_writes_it(method, 
         for head, context_entries, count in zip(reader, creator[layer], counts[layer], strict=True):
             assert head[:count] == context_entries[:count]
             assert head[count:] == list(range(400, reader_prompt + BS + 2))
-        read = engine.blocks_read("reader", layer)
+        read = {block % NUM_BLOCKS for block in engine.blocks_read("reader", layer)}
         assert 0 not in read  # never a null block
-        assert read == set(entry_rows) | own
+        assert read <= set(entry_rows) | own if pooled else read == set(entry_rows) | own
     assert "reader" not in worker.context_readers  # set up once, then an ordinary compacted request
 
 
@@ -100,6 +114,17 @@ def test_ada_kv_heads_differ_in_a_kept_context():
     assert engine.worker.entry_counts.counts_of(first_block) == [
         [count - (PROMPT - 400) for count in layer] for layer in held
     ]
+
+
+def test_a_context_ranked_across_layers_keeps_different_counts_by_layer():
+    """The pooled entry is not a per-layer one in disguise: the layers' shares differ, and its counts are
+    recorded for the readers."""
+    engine = SimulatedEngine(server(POOLED))
+    create(engine, [PROMPT], KEEP)
+    held = [[len(head) - (PROMPT - 400) for head in engine.held("creator", layer)] for layer in range(LAYERS)]
+    assert len({sum(layer) for layer in held}) > 1
+    first_block = engine.rows["creator"][entry_blocks(engine.worker.plan_for(400)).first]
+    assert engine.worker.entry_counts.counts_of(first_block) == held
 
 
 def test_a_creator_whose_method_keeps_no_context_keeps_its_prompt_as_usual():

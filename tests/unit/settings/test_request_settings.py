@@ -342,7 +342,7 @@ def test_a_trailing_window_sets_the_plan_of_every_request_that_evicts_per_chunk(
     assert settings.resolve({"kv_prefill": "whole"}).plan_for(4096).trailing_window == 0
 
 
-def test_a_pooled_server_takes_a_budget_a_prefill_mode_or_none_per_request():
+def test_a_pooled_server_takes_a_budget_a_prefill_mode_a_kept_context_or_none_per_request():
     pooled = EvictionConfig("kvzap", 0.25, {"budget_scope": "model"})
     assert parse_override({"kv_budget": 0.1}, pooled) == RequestOverride("kvzap", 0.1)
     chunked = parse_override({"kv_prefill": "chunked"}, pooled)
@@ -350,5 +350,7 @@ def test_a_pooled_server_takes_a_budget_a_prefill_mode_or_none_per_request():
     assert parse_override({"kv_eviction": "none"}, pooled) == RequestOverride("none", None)
     with pytest.raises(EvictionConfigError, match=r"'snapkv' on a server with .*valid: kvzap, none"):
         parse_override({"kv_eviction": "snapkv"}, pooled)
-    with pytest.raises(EvictionConfigError, match=r"kv_context='keep' is not served.*valid keys"):
-        parse_override({"kv_context": "keep"}, pooled)
+    kept = parse_override({"kv_context": "keep"}, pooled)
+    assert kept is not None and kept.context
+    with pytest.raises(EvictionConfigError, match=r"kv_question_echo=8 is not served.*valid keys"):
+        parse_override({"kv_question_echo": 8}, pooled)
