@@ -6,11 +6,11 @@ spread depths) and eight questions, one per needle. Servers, one after the other
 
 - vanilla vLLM at its defaults (prefix caching on): the eight questions in order; the first computes the
   document, the others find it in the prefix cache (full KV);
-- an eviction server (``--kv-eviction snapkv --kv-budget 0.25``): for each setting (``--setting
-  METHOD:FRACTION``, asked per request), the document alone with ``kv_context: "keep"`` (the creator, one
-  token), then the eight questions with ``kv_context: "keep"`` (readers of the kept context); with
-  ``--per-question``, also the eight questions compressed one by one (question-aware, each its own
-  ``cache_salt``: no reuse).
+- an eviction server (``--kv-eviction snapkv --kv-budget 0.25``, or ``--eviction-server FLAGS``): for each
+  setting (``--setting METHOD:FRACTION``, asked per request), the document alone with ``kv_context:
+  "keep"`` (the creator, one token), then the eight questions with ``kv_context: "keep"`` (readers of the
+  kept context); with ``--per-question``, also the eight questions compressed one by one (question-aware,
+  each its own ``cache_salt``: no reuse).
 
 TTFT is measured by streaming (first token received). Each answer is scored (the needle's value in the
 output). HF transformers (float32) then runs the question-agnostic mode the readers serve: the document's
@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import random
+import shlex
 import time
 from pathlib import Path
 
@@ -44,6 +45,7 @@ BLOCK_SIZE = 32
 NEEDLES = 8
 NEW_TOKENS = 12
 SERVER_ARGS = ("--block-size", str(BLOCK_SIZE), "--max-model-len", "8192")
+DEFAULT_EVICTION = ("--kv-eviction", "snapkv", "--kv-budget", "0.25")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +100,11 @@ def stream_ttft(client, model: str, prompt: list[int], xargs: dict | None, salt:
 
 
 def served_runs(
-    model_dir: Path, documents: list[Document], settings: list[tuple[str, float]], per_question: bool
+    model_dir: Path,
+    documents: list[Document],
+    settings: list[tuple[str, float]],
+    per_question: bool,
+    eviction_flags: tuple[str, ...] = DEFAULT_EVICTION,
 ) -> list[dict]:
     """Per document: vanilla's answers and TTFTs, then each setting's creator and readers (one server each
     for all documents; a document's entries are its own: its tokens differ)."""
@@ -112,7 +118,7 @@ def served_runs(
                 run["vanilla"].append(
                     stream_ttft(client, server.served_model_name, document.ids + question, None)
                 )
-    evicting = (*SERVER_ARGS, "--kv-eviction", "snapkv", "--kv-budget", "0.25")
+    evicting = (*SERVER_ARGS, *eviction_flags)
     with VLLMServer(model_dir, extra_args=evicting, enforce_eager=True) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
         model = server.served_model_name
@@ -251,6 +257,12 @@ def main() -> None:
     parser.add_argument("--seeds", default="0", help="comma list: a document per seed")
     parser.add_argument("--per-question", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument(
+        "--eviction-server",
+        type=shlex.split,
+        default=list(DEFAULT_EVICTION),
+        help="the eviction server's flags (its requests name their method per setting)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     settings = [(s.split(":")[0], float(s.split(":")[1])) for s in (args.setting or ["snapkv:0.25"])]
@@ -260,7 +272,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     seeds = [int(seed) for seed in args.seeds.split(",")]
     documents = [build_document(tokenizer, args.tokens, seed) for seed in seeds]
-    runs = served_runs(model_dir, documents, settings, args.per_question)
+    runs = served_runs(model_dir, documents, settings, args.per_question, tuple(args.eviction_server))
     hf = [] if args.no_hf else hf_agnostic(model_dir, documents, settings)
     for index, (document, run) in enumerate(zip(documents, runs, strict=True)):
         print(f"\n## document of seed {seeds[index]}")

@@ -11,7 +11,10 @@ the layer's scales (``vllm_adapter/quantised_rows.py``):
   prompt evicted chunk by chunk (``kv_prefill: chunked``), sent twice through the prefix cache, and kept as a
   context (``kv_context: keep``) and read back, all answer;
 - a decode-time cap (its own server: a cap turns chunked prefill off) re-scores while generating and frees
-  blocks.
+  blocks;
+- a budget pooled across layers (its own server, ``budget_scope: "model"``): whole, chunk by chunk and as a
+  kept context, rows moved between layers' regions as fp8 bytes and read through each layer's scales, with a
+  covering budget the fp8 vanilla server's tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ CAPPED = (
     "--max-num-batched-tokens",
     "1024",
 )
+POOLED = (
+    *COMMON, "--kv-eviction", "kvzap", "--kv-budget", str(BUDGET),
+    "--kv-eviction-config", '{"budget_scope": "model"}',
+)  # fmt: skip
 PROMPT = (
     "Inventory of the northern warehouse.\n"
     + "\n".join(f"Shelf {n} holds {n * 7 % 97} boxes of item {n * 13 % 89}." for n in range(1, 25))
@@ -137,3 +144,18 @@ def test_a_decode_time_cap_rescores_an_fp8_cache_while_generating(model_dir, evi
         tokens, _ = greedy(capped, max_tokens=200)
         assert len(tokens) == 200
         assert counter(capped, DECODE_FREED) > 0
+
+
+def test_a_budget_pooled_across_layers_serves_an_fp8_cache(model_dir, evicting, vanilla_tokens):
+    evicting.stop()  # one server at a time on the machine's cores
+    with VLLMServer(model_dir, extra_args=POOLED, kv_cache_space_gib=1) as pooled:
+        assert greedy(pooled, COVERING)[0] == vanilla_tokens
+        for run, xargs in enumerate(({}, {"kv_prefill": "chunked", "kv_budget": 96})):
+            freed, compacted = counter(pooled, FREED), counter(pooled, COMPACTED)
+            tokens, prompt_tokens = greedy(pooled, xargs, salt=f"pooled-{run}")
+            assert len(tokens) == TOKENS and counter(pooled, COMPACTED) == compacted + 1
+            assert counter(pooled, FREED) - freed >= prompt_tokens // 32 - 5
+        keep = {"kv_context": "keep"}
+        created, _ = greedy(pooled, keep)
+        reread, _ = greedy(pooled, keep)
+        assert counter(pooled, CONTEXTS, event="read") == 1 and len(created) == len(reread) == TOKENS

@@ -67,8 +67,9 @@ def fit_engine_to_eviction(engine_args: Any, config: EvictionConfig) -> None:
 
 def fit_engine_to_pooled_blocks(engine_args: Any, is_cuda: bool | None = None) -> None:
     """A request's blocks pooled across layers (``budget_scope: "model"``): the CPU backend only (vLLM's
-    CPU allocation was measured; ``pooled_cache.py`` checks it), one worker and the model's own cache dtype
-    (what was tested). Prefix caching stays on: a pooled request neither reads nor publishes cached blocks
+    CPU allocation was measured; ``pooled_cache.py`` checks it) and one worker (what was tested); an fp8
+    cache is served (its bytes move unchanged, each layer reads its own entries through its own scales).
+    Prefix caching stays on: a pooled request neither reads nor publishes cached blocks
     (``shared_prefix.reads_prefix_cache``), the server's other requests do."""
     if is_cuda is None:
         from vllm.platforms import current_platform
@@ -84,12 +85,6 @@ def fit_engine_to_pooled_blocks(engine_args: Any, is_cuda: bool | None = None) -
         raise UnsupportedEngineSetting(
             f"--tensor-parallel-size {tensor_parallel} with budget_scope 'model' is not supported yet "
             "(pooled blocks were tested on one worker); valid: 1"
-        )
-    cache_dtype = getattr(engine_args, "kv_cache_dtype", "auto") or "auto"
-    if cache_dtype != "auto":
-        raise UnsupportedEngineSetting(
-            f"--kv-cache-dtype {cache_dtype} with budget_scope 'model' is not supported yet (pooled blocks "
-            "were tested with the model's own dtype); valid: auto"
         )
 
 

@@ -90,11 +90,10 @@ def test_a_pooled_budget_keeps_prefix_caching_and_chunked_prefill(model_dir):
     ("is_cuda", "setting", "named"),
     [
         (True, {}, "CPU backend only"),
-        (False, {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8 with budget_scope 'model'"),
         (False, {"tensor_parallel_size": 3}, "--tensor-parallel-size 3 with budget_scope 'model'"),
     ],
 )
-def test_a_pooled_budget_refuses_cuda_tensor_parallelism_and_fp8_caches(model_dir, is_cuda, setting, named):
+def test_a_pooled_budget_refuses_cuda_and_tensor_parallelism(model_dir, is_cuda, setting, named):
     from vllm_kvevict.vllm_adapter.engine_requirements import (
         UnsupportedEngineSetting,
         fit_engine_to_pooled_blocks,
