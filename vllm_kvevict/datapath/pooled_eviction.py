@@ -104,7 +104,7 @@ def place_across_layers(
         assigned.append((table, total))
     if count:
         for table, _ in assigned:
-            taken += store.append_tokens(table, count, block_row, first_block, num_blocks, check, taken)
+            taken += int(store.append_tokens(table, count, block_row, first_block, num_blocks, check, taken))
     sources, destinations, placements = [], [], []
     layers = zip(kept, held_slots, assigned, strict=True)
     for layer_idx, (layer_kept, slots, (table, total)) in enumerate(layers):

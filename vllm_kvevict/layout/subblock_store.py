@@ -512,7 +512,7 @@ class SubBlockStore:
                 "the block accounting rule was broken"
             )
         if trailing:
-            self._grow_one(table, trailing, block_row, first_block, num_blocks, check)
+            self.append_tokens(table, trailing, block_row, first_block, num_blocks, check)
         return table
 
     def append_tokens(
@@ -523,34 +523,21 @@ class SubBlockStore:
         first_block: int,
         num_blocks: int,
         check: bool,
-        pool_at: int,
-    ) -> int:
-        """Pooled mode: ``num_tokens`` more entries per head of one uncommitted table, its new sub-blocks
-        taken from pool entry ``pool_at`` on in head order (after every layer's kept entries: a kept
-        context's blocks then hold nothing else, ``layout/context_reuse.py``). Returns the entries taken."""
-        if not self.pooled:
-            raise ValueError("append_tokens is for a pooled store (layer_blocks > 0) only")
-        cursor = table.cursor
-        self._grow_one(table, num_tokens, block_row, first_block, num_blocks, check, pool_at)
-        return int(table.cursor - cursor)
-
-    def _grow_one(
-        self,
-        table: TableRows,
-        num_tokens: int,
-        block_row: torch.Tensor,
-        first_block: int,
-        num_blocks: int,
-        check: bool,
         pool_at: int | None = None,
-    ) -> None:
-        """``grow`` for one uncommitted table (trailing tokens of a recomputed request): its heads take the
-        pool entries after the table's own (from ``pool_at`` when given), in head order."""
+    ) -> torch.Tensor:
+        """``grow`` for one uncommitted table (trailing tokens of a recomputed request): ``num_tokens`` more
+        entries per head, new sub-blocks taken in head order from the pool entries after the table's own,
+        or (pooled mode) from entry ``pool_at`` on: after every layer's kept entries, so a kept context's
+        blocks hold nothing else (``layout/context_reuse.py``). Returns the pool entries taken ([] on the
+        device: no read)."""
+        if pool_at is not None and not self.pooled:
+            raise ValueError("pool_at is for a pooled store (layer_blocks > 0) only")
         bs, heads = self.block_size, self.num_kv_heads
         before = table.lengths.to(torch.int64)
         after = before + num_tokens
         used = (before + bs - 1) // bs
         need = (after + bs - 1) // bs - used
+        taken = table.cursor
         base = table.pool_start + table.cursor if pool_at is None else pool_at
         pool = base + torch.cumsum(need, 0) - need
         for k in range(-(-num_tokens // bs)):
@@ -567,6 +554,7 @@ class SubBlockStore:
             table.rows.scatter_(1, target, torch.where(need > k, subblock, current).to(torch.int32)[:, None])
         table.cursor = table.cursor + need.sum()
         table.lengths = after.to(torch.int32)
+        return table.cursor - taken
 
     def commit(
         self,
