@@ -44,11 +44,11 @@ _METHODS: dict[str, tuple[_Builder, str]] = {
     "streamingllm": (DecodeStreamingLLM, "first entries (attention sinks) plus the most recent ones"),
     "snapkv": (DecodeSnapKV, "attention of the last window queries, pooled; keeps the window"),
     "kvzap": (
-        DecodeForm(KVzap, dropped=("threshold", "threshold_scope", "budget_scope")),
+        DecodeForm(KVzap, dropped=("threshold", "threshold_scope", "budget_scope", "head_unit")),
         "the learned scorer's score of each held entry",
     ),
     "ada-kvzap": (
-        DecodeForm(KVzap, True, ("threshold", "threshold_scope", "budget_scope")),
+        DecodeForm(KVzap, True, ("threshold", "threshold_scope", "budget_scope", "head_unit")),
         "kvzap's scores, caps split across heads (Ada-KV)",
     ),
 }
