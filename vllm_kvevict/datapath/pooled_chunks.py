@@ -11,6 +11,8 @@ layer stashes its held slots, positions and scores; after the last layer the ent
 are ranked together — ``L · H · a(n1)`` kept between chunks, the per-layer rule's total, so the scheduler's
 offset is unchanged, and ``H · Σ_l B_l`` after the last chunk — every layer's table is assigned from the
 request's one pool from the rule's first kept block, and one ``Moves`` over the whole allocation makes them.
+A kept context's creator (``KVzap.head_unit`` > 1) keeps every (layer, head) count in whole sub-blocks, its
+tokens after the context in pool entries after every layer's context (``place_across_layers``).
 
 A token's score is its own row's, so after the last chunk a request holds what whole-prompt eviction keeps of
 the same rows whenever ``a(n) ≥ B'`` (every entry the final ranking keeps outranks all but ``L·H·B'`` others
