@@ -61,8 +61,8 @@ class KVzap(ScoredPolicy):
     budget_scope: ``"layer"`` keeps ``budget`` entries per head in every layer; ``"model"`` ranks the entries
         of every layer and head of a request together and keeps the best ``L x H x budget`` of them
         (KVzip's ranking), a request's blocks pooled across layers so that it holds about the mean layer's
-        share, not the largest one's (``docs/design_modes.md``, "Per-layer block budgets"). Whole prompts on
-        the CPU backend, fixed budgets only.
+        share, not the largest one's (``docs/design_modes.md``, "Per-layer block budgets"). The CPU backend,
+        fixed budgets only; whole prompts, per chunk and kept contexts.
     head_unit: > 1 (set by ``kept_context_form``, never by a user) with ``budget_scope: "model"``: every
         (layer, head) count of the ranking is moved to a multiple of it with the same total
         (``kept_masks.whole_unit_mask``), so a kept context fills whole sub-blocks.
