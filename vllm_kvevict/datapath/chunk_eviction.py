@@ -46,7 +46,6 @@ from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, reads_values
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
 from vllm_kvevict.policies.expected_attention import uses_query_statistics
-from vllm_kvevict.policies.kvzap import pools_layers
 from vllm_kvevict.policies.query_statistics import QueryStatistics
 
 
@@ -208,7 +207,7 @@ class ChunkEviction:
         for r in rescores:
             self._update_statistics(layer_idx, r, query)
             result = None
-            if r.rescores_now and pools_layers(r.policy):
+            if r.rescores_now and r.policy.pools_layers:
                 pooled = self._rescore_pooled(layer_idx, r, block_table[r.slot], reads, tables.check)
                 if pooled is not None:
                     moves.append(pooled)

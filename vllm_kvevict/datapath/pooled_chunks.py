@@ -29,11 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
-from vllm_kvevict.datapath.kept_selection import log_fallback
 from vllm_kvevict.datapath.layer_eviction import HeldEntries
 from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded_scores, policy_label
-from vllm_kvevict.datapath.pooled_eviction import kept_across_held, place_across_layers
+from vllm_kvevict.datapath.pooled_eviction import kept_across_held, place_across_layers, scores_or_fallback
 from vllm_kvevict.datapath.shared_reads import HeldReads
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
@@ -96,13 +94,7 @@ class PooledChunks:
             layer_idx=layer_idx,
             num_layers=self.shape.num_layers,
         )
-        budget = self.budget(r, layer_idx)
-        scores: torch.Tensor | None
-        try:
-            scores = guarded_scores(policy, layer, budget, own_rows=True).float()
-        except PolicyFault as exc:
-            log_fallback(policy_label(policy), r.req_id, layer_idx, str(exc), budget)
-            scores = None
+        scores = scores_or_fallback(policy, layer, self.budget(r, layer_idx), r.req_id, own_rows=True)
         if scores is not None:
             window_end = r.prompt_len if r.final else r.seq_len
             forced = (positions < policy.sinks) | (positions >= window_end - policy.window)

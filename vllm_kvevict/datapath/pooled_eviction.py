@@ -28,18 +28,32 @@ from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
-from vllm_kvevict.policies.base import KeptTokens, LayerKV
+from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy
 from vllm_kvevict.policies.kept_masks import across_layers_mask, whole_unit_mask
 
 
 def kept_across_layers(
-    scores: list[torch.Tensor | None], budgets: tuple[int, ...], heads: int, length: int
+    scores: list[torch.Tensor | None], budgets: tuple[int, ...], heads: int, length: int, unit: int = 1
 ) -> list[KeptTokens]:
     """Every layer's kept entries of a ``length``-entry prompt: the ``heads · Σ budgets`` best of all layers'
     scores [heads, length] ranked together (``+inf`` ones first), or, when some layer's scores are missing
-    (its policy failed), each layer's newest ``budgets[l]`` entries per head (the guard's fallback)."""
+    (its policy failed), each layer's newest ``budgets[l]`` entries per head (the guard's fallback);
+    ``unit``: as ``kept_across_held``."""
     every = torch.ones(heads, length, dtype=torch.bool)
-    return kept_across_held(scores, budgets, [every] * len(scores))
+    return kept_across_held(scores, budgets, [every] * len(scores), unit)
+
+
+def scores_or_fallback(
+    policy: ScoredPolicy, layer: LayerKV, budget: int, req_id: str, own_rows: bool = False
+) -> torch.Tensor | None:
+    """The guarded scores [H, n] float32 of one layer of a request whose budget is pooled across layers
+    (``guarded_scores``), or None when the policy failed (logged and counted; the ranking then keeps each
+    layer's newest entries)."""
+    try:
+        return guarded_scores(policy, layer, budget, own_rows).float()
+    except PolicyFault as exc:
+        log_fallback(policy_label(policy), req_id, layer.layer_idx, str(exc), budget)
+        return None
 
 
 def kept_across_held(
@@ -138,12 +152,8 @@ class PooledPromptEviction:
         """Score ``layer`` of ``req`` (its whole prompt, this step's rows) and keep the scores [H, P] until
         the last layer; a failing policy is logged and counted, and the request keeps each layer's newest
         entries."""
-        assert req.policy is not None
-        try:
-            scores: torch.Tensor | None = guarded_scores(req.policy, layer, budget).float()
-        except PolicyFault as exc:
-            log_fallback(policy_label(req.policy), req.req_id, layer.layer_idx, str(exc), budget)
-            scores = None
+        assert isinstance(req.policy, ScoredPolicy)
+        scores = scores_or_fallback(req.policy, layer, budget, req.req_id)
         self._scores.setdefault(req.req_id, []).append(scores)
 
     def compact(self, req: StepRequest) -> tuple[Moves, list[KeptTokens]]:
@@ -157,9 +167,8 @@ class PooledPromptEviction:
         if len(scores) != self.shape.num_layers:
             layers = self.shape.num_layers
             raise RuntimeError(f"request {req.req_id}: {len(scores)} of {layers} layers were scored")
-        every = torch.ones(heads, req.prompt_len, dtype=torch.bool)
         unit = int(getattr(req.policy, "head_unit", 1))  # a kept context: whole sub-blocks per head
-        kept = kept_across_held(scores, plan.layer_budgets, [every] * len(scores), unit)
+        kept = kept_across_layers(scores, plan.layer_budgets, heads, req.prompt_len, unit)
         trailing = req.q_len - req.prompt_len  # tokens computed after the prompt (a recomputed request)
         held = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
         region = self.tables.layer_blocks * heads * bs  # one layer's one-head-view slots

@@ -22,7 +22,6 @@ from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import KeptTokens, LayerKV
 from vllm_kvevict.policies.decode.decode_policy import gather_padded
-from vllm_kvevict.policies.kvzap import pools_layers
 
 if TYPE_CHECKING:
     from vllm_kvevict.datapath.decode_rescore import DecodeEviction
@@ -78,7 +77,7 @@ class PromptEviction:
                 continue
             plan, policy = req.plan, req.policy
             assert plan is not None and policy is not None
-            if pools_layers(policy):
+            if policy.pools_layers:
                 moves.append(self._compact_pooled(req, layer_idx, query, key, value))
                 continue
             held = HeldEntries.of_step_rows(

@@ -213,11 +213,6 @@ class KVzap(ScoredPolicy):
         return self
 
 
-def pools_layers(policy: object) -> bool:
-    """True for a policy whose budget is shared by every layer of a request (``budget_scope: "model"``)."""
-    return isinstance(policy, KVzap) and policy.pools_layers
-
-
 def learned_part(policy: object) -> KVzap | None:
     """The KVzap inside ``policy`` (itself, or what an Ada-KV/CriticalKV wrapper holds), or None."""
     if isinstance(policy, KVzap):
