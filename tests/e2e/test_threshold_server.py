@@ -1,8 +1,9 @@
 """KVzap's threshold mode served by a real ``vllm serve`` of the bundled model (``--kv-eviction kvzap
 --kv-budget 0.5 --kv-eviction-config '{"threshold": 1.0, "threshold_scope": "layer"}'``, the packaged
-scorer and its per-layer score levels), through HTTP and the ``openai`` client: the budget is a ceiling,
-each layer keeps what its scores put above the threshold, and the scheduler frees the blocks the request's
-largest layer leaves once the worker has reported it.
+scorer and its per-layer score levels), through HTTP and the ``openai`` client, per layer and with the
+budget pooled across layers (``"budget_scope": "model"``, a second server): the budget is a ceiling, each
+layer keeps what its scores put above the threshold, and the scheduler frees the blocks the request's
+largest layer (pooled: its mean layer) leaves once the worker has reported it.
 
 One prompt computed in one step (whole-prompt compaction) and one in vLLM chunks of 512 (compacted after its
 last chunk). Each is streamed, and the scheduler's saved-blocks gauge is read after every chunk until it goes
@@ -25,6 +26,7 @@ from vllm_kvevict.layout.accounting import (
     RequestPlan,
     adaptive_kept_bound,
     first_block_for_bound,
+    layer_kept_bound,
     plan_request,
     with_kept_bound,
 )
@@ -45,15 +47,16 @@ def saved_blocks(server: VLLMServer) -> float:
     return sum(value for _, value in server.metric_samples(SAVED))
 
 
-def ceiling_plan(prompt_len: int) -> RequestPlan:
+def ceiling_plan(prompt_len: int, budget_scope: str) -> RequestPlan:
     """The plan the budget alone gives (what the scheduler frees before the worker reports its counts)."""
-    return plan_request(prompt_len, CEILING, BLOCK_SIZE, build_policy("kvzap", threshold=0.0), LAYERS)
+    policy = build_policy("kvzap", threshold=0.0, budget_scope=budget_scope)
+    return plan_request(prompt_len, CEILING, BLOCK_SIZE, policy, LAYERS)
 
 
-def saved_while_decoding(server: VLLMServer, prompt: list[int]) -> tuple[str, int, float]:
+def saved_while_decoding(server: VLLMServer, prompt: list[int], budget_scope: str) -> tuple[str, int, float]:
     """(text, tokens streamed, the largest saved-blocks value read): the gauge is read after every streamed
     chunk until it exceeds the ceiling's blocks, once more after that, and then the stream is closed."""
-    above = ceiling_plan(len(prompt)).blocks_to_free
+    above = ceiling_plan(len(prompt), budget_scope).blocks_to_free
     deadline = time.monotonic() + 60.0
     while saved_blocks(server) and time.monotonic() < deadline:  # the previous request's blocks are back
         time.sleep(0.2)
@@ -75,22 +78,25 @@ def saved_while_decoding(server: VLLMServer, prompt: list[int]) -> tuple[str, in
     return text, tokens, largest
 
 
-@pytest.fixture(scope="module")
-def served(model_dir, tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=["layer", "model"])
+def served(request, model_dir, tmp_path_factory) -> dict:
     from transformers import AutoTokenizer
 
+    scope = request.param
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     text = "In the harbour town the ferry left at seven and the market opened at nine. " * 120
-    dump_dir = tmp_path_factory.mktemp("threshold")
+    dump_dir = tmp_path_factory.mktemp(f"threshold-{scope}")
+    config = {"threshold": THRESHOLD, "threshold_scope": "layer", "budget_scope": scope}
     args = ("--kv-eviction", "kvzap", "--kv-budget", str(CEILING), "--block-size", str(BLOCK_SIZE),
-            "--kv-eviction-config", json.dumps({"threshold": THRESHOLD, "threshold_scope": "layer"}),
+            "--kv-eviction-config", json.dumps(config),
             "--max-model-len", "2048",
             "--max-num-batched-tokens", "512")  # fmt: skip
-    runs: dict = {}
+    runs: dict = {"budget_scope": scope}
     with VLLMServer(model_dir, extra_args=args, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
         for label, length in PROMPTS.items():
             before = set(dump_dir.glob("*.pt"))
-            answer, tokens, saved = saved_while_decoding(server, tokenizer(text)["input_ids"][:length])
+            prompt = tokenizer(text)["input_ids"][:length]
+            answer, tokens, saved = saved_while_decoding(server, prompt, scope)
             (dump,) = set(dump_dir.glob("*.pt")) - before  # written when the prompt was compacted
             runs[label] = {"answer": answer, "tokens": tokens, "saved": saved, "dump": torch.load(dump),
                            "log": server.log_tail(40)}
@@ -105,21 +111,27 @@ def test_the_threshold_sets_each_layers_count_under_the_ceiling(served: dict, la
     assert 0 < run["tokens"] <= DECODE_LIMIT and run["answer"].strip()
     dump = run["dump"]
     assert dump["prompt_len"] == PROMPTS[label]
-    ceiling = ceiling_plan(PROMPTS[label])
+    ceiling = ceiling_plan(PROMPTS[label], served["budget_scope"])
     totals = [int(counts.sum()) for counts in dump["counts"]]
-    assert max(totals) <= HEADS * ceiling.kept_bound
+    if ceiling.pooled:  # ranked across layers: a layer may keep more than the mean, the request no more
+        assert sum(totals) <= HEADS * sum(ceiling.layer_budgets)
+    else:
+        assert max(totals) <= HEADS * ceiling.kept_bound
     assert len(set(totals)) > 1  # the scores, not the budget, set each layer's count
     assert any(len(set(counts.tolist())) > 1 for counts in dump["counts"])  # and each head's
 
 
 @pytest.mark.parametrize("label", list(PROMPTS))
-def test_the_scheduler_frees_the_blocks_the_largest_layer_leaves(served: dict, label: str) -> None:
+def test_the_scheduler_frees_the_blocks_the_reported_bound_leaves(served: dict, label: str) -> None:
     run, prompt_len = served[label], PROMPTS[label]
-    ceiling = ceiling_plan(prompt_len)
+    ceiling = ceiling_plan(prompt_len, served["budget_scope"])
     totals = [int(counts.sum()) for counts in run["dump"]["counts"]]
     reported = with_kept_bound(ceiling, adaptive_kept_bound(ceiling, totals, HEADS))
     assert reported.blocks_to_free == first_block_for_bound(prompt_len, reported.kept_bound, BLOCK_SIZE)
     assert reported.blocks_to_free > ceiling.blocks_to_free
+    if ceiling.pooled:  # the mean layer's bound, below the largest layer's: the pool holds every layer
+        largest = max(layer_kept_bound(prompt_len, total, HEADS, BLOCK_SIZE) for total in totals)
+        assert reported.kept_bound < largest
     # What the scheduler freed, read while it decoded (the server's log tail says why, if not).
     assert run["saved"] == reported.blocks_to_free, run["log"]
 

@@ -31,7 +31,12 @@ import torch
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.layer_eviction import HeldEntries
 from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.pooled_eviction import kept_across_held, place_across_layers, scores_or_fallback
+from vllm_kvevict.datapath.pooled_eviction import (
+    kept_across_held,
+    place_across_layers,
+    pooled_plan,
+    scores_or_fallback,
+)
 from vllm_kvevict.datapath.shared_reads import HeldReads
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
@@ -130,8 +135,9 @@ class PooledChunks:
         kept = kept_across_held(
             [layer.scores for layer in stashed], budgets, [layer.judged for layer in stashed], unit
         )
+        plan = pooled_plan(r.plan, kept, self.shape.num_kv_heads) if r.final else r.plan
         blocks = (
-            first_kept_block(r.plan, r.shared, r.seq_len, r.spare),
+            first_kept_block(plan, r.shared, r.seq_len, r.spare),
             cdiv(r.seq_len, self.shape.block_size) + r.spare,
         )
         trailing = (self.trailing(r), stashed[0].ranked)

@@ -25,11 +25,12 @@ from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import Placement, place
 from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded_scores, policy_label
 from vllm_kvevict.datapath.step_inputs import StepRequest
-from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.layout.accounting import RequestPlan, adaptive_kept_bound, cdiv, with_kept_bound
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy
 from vllm_kvevict.policies.kept_masks import across_layers_mask, whole_unit_mask
+from vllm_kvevict.policies.kvzap import KVzap
 
 
 def kept_across_layers(
@@ -47,13 +48,25 @@ def scores_or_fallback(
     policy: ScoredPolicy, layer: LayerKV, budget: int, req_id: str, own_rows: bool = False
 ) -> torch.Tensor | None:
     """The guarded scores [H, n] float32 of one layer of a request whose budget is pooled across layers
-    (``guarded_scores``), or None when the policy failed (logged and counted; the ranking then keeps each
-    layer's newest entries)."""
+    (``guarded_scores``), those at or below a KVzap threshold (``KVzap.layer_threshold``) as ``-inf``
+    (never kept), or None when the policy failed (logged and counted; the ranking then keeps each layer's
+    newest entries)."""
     try:
-        return guarded_scores(policy, layer, budget, own_rows).float()
+        scores = guarded_scores(policy, layer, budget, own_rows).float()
     except PolicyFault as exc:
         log_fallback(policy_label(policy), req_id, layer.layer_idx, str(exc), budget)
         return None
+    if isinstance(policy, KVzap) and policy.threshold is not None:
+        scores = torch.where(scores > policy.layer_threshold(layer), scores, float("-inf"))
+    return scores
+
+
+def pooled_plan(plan: RequestPlan, kept: list[KeptTokens], heads: int) -> RequestPlan:
+    """The plan a pooled request holds blocks by once it kept ``kept`` (every layer's): an adaptive plan's
+    (a threshold) at the bound of its mean layer (``accounting.adaptive_kept_bound``), any other itself."""
+    if not plan.adaptive:
+        return plan
+    return with_kept_bound(plan, adaptive_kept_bound(plan, [int(k.counts.sum()) for k in kept], heads))
 
 
 def kept_across_held(
@@ -63,8 +76,9 @@ def kept_across_held(
     unit: int = 1,
 ) -> list[KeptTokens]:
     """Every layer's kept entries among what its heads hold: valid[l] [H, W_l] bool marks layer l's held
-    entries (False: padding), scores[l] [H, W_l] their scores (``+inf``: always kept). The ``H · Σ budgets``
-    best valid entries of all layers ranked together (ties to the lower layer, head, then entry), or, when
+    entries (False: padding), scores[l] [H, W_l] their scores (``+inf``: always kept; ``-inf``: never, below
+    a threshold). The ``H · Σ budgets`` best valid entries of all layers ranked together (fewer where fewer
+    score above ``-inf``; ties to the lower layer, head, then entry), or, when
     some layer's scores are missing (its policy failed), each layer's newest ``budgets[l]`` per head.
     ``unit`` > 1 (a kept context, ``KVzap.head_unit``): every (layer, head) count is then moved to a multiple
     of it with the same total (``kept_masks.whole_unit_mask``), each keeping its best entries, so the
@@ -79,7 +93,8 @@ def kept_across_held(
         assert layer_scores is not None
         held[layer_idx, :, : mask.shape[1]] = mask
         padded[layer_idx, :, : mask.shape[1]] = torch.where(mask, layer_scores.float(), float("-inf"))
-    keep = across_layers_mask(padded, min(heads * sum(budgets), int(held.sum()))) & held
+    candidates = int((held & (padded > float("-inf"))).sum())
+    keep = across_layers_mask(padded, min(heads * sum(budgets), candidates)) & held
     if unit > 1:
         units = whole_unit_mask(padded.view(-1, width), keep.view(-1, width), unit)
         keep = units.view(keep.shape) & held
@@ -169,6 +184,7 @@ class PooledPromptEviction:
             raise RuntimeError(f"request {req.req_id}: {len(scores)} of {layers} layers were scored")
         unit = int(getattr(req.policy, "head_unit", 1))  # a kept context: whole sub-blocks per head
         kept = kept_across_layers(scores, plan.layer_budgets, heads, req.prompt_len, unit)
+        plan = pooled_plan(plan, kept, heads)
         trailing = req.q_len - req.prompt_len  # tokens computed after the prompt (a recomputed request)
         held = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
         region = self.tables.layer_blocks * heads * bs  # one layer's one-head-view slots

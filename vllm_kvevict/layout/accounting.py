@@ -52,7 +52,10 @@ keeps (the rule above with B'_l for B'), so the worker writes them from that pla
 request then needs only the blocks of its largest layer: the worker reports B'_r = max_l B'_l after the step
 (``adaptive_kept_bound``), and the scheduler frees the leading blocks of ``with_kept_bound(plan, B'_r)`` from
 then on, a superset of the ceiling's; until the report arrives it holds the ceiling's, which the worker never
-writes outside of. Such a request never reads or publishes prefix-cache blocks (``adaptive``).
+writes outside of. Such a request never reads or publishes prefix-cache blocks (``adaptive``). A plan pooled
+across layers (``pooled``) keeps K entries of all layers in one pool: B'_r = align(ceil(K / (L·H))), the
+mean layer's bound, whose blocks hold L·H·(B'_r + bs) entries, enough for K and every (layer, head)'s last
+partial sub-block.
 """
 
 from __future__ import annotations
@@ -347,7 +350,12 @@ def first_block_for_bound(prompt_len: int, kept_bound: int, block_size: int) -> 
 
 def adaptive_kept_bound(plan: RequestPlan, kept_per_layer: list[int], num_kv_heads: int) -> int:
     """B'_r of an adaptive plan's request whose layers kept ``kept_per_layer`` entries (all heads): the
-    largest layer's bound, never above the ceiling ``plan.kept_bound``."""
+    largest layer's bound, or for a plan pooled across layers the mean layer's (its blocks hold every
+    layer's entries: L·H·B'_r + L·H·bs entries, more than the kept ones and each head's last partial
+    sub-block), never above the ceiling ``plan.kept_bound``."""
+    if plan.pooled:
+        mean = cdiv(sum(kept_per_layer), len(kept_per_layer))
+        return min(layer_kept_bound(plan.prompt_len, mean, num_kv_heads, plan.block_size), plan.kept_bound)
     bounds = [layer_kept_bound(plan.prompt_len, k, num_kv_heads, plan.block_size) for k in kept_per_layer]
     return min(max(bounds), plan.kept_bound)
 

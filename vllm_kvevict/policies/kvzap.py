@@ -52,8 +52,10 @@ class KVzap(ScoredPolicy):
     threshold: None keeps the budget (top-``budget`` per head); a number keeps every entry whose score is
         above it (kvpress's ``DMSPress``/``ThresholdPress``), so the kept count adapts per head, layer and
         prompt, with the budget as a ceiling: a layer keeps at most H x budget entries (its best-scoring
-        ones above the threshold). The server sizes a request's blocks by the ceiling and frees what its
-        largest layer does not need once the worker reports it (``layout/accounting.py``).
+        ones above the threshold); with ``budget_scope: "model"`` a request keeps at most L x H x budget
+        above it, ranked across layers. The server sizes a request's blocks by the ceiling and frees what its
+        largest layer (pooled: its mean layer) does not need once the worker reports it
+        (``layout/accounting.py``).
     threshold_scope: ``"global"`` compares the predicted scores themselves with the threshold (kvpress's
         rule); ``"layer"`` compares each layer's scores standardised by that layer's level on calibration
         text (``ScorerSpec.score_levels``: (score - mean) / std), so one threshold keeps a similar share in
@@ -61,8 +63,8 @@ class KVzap(ScoredPolicy):
     budget_scope: ``"layer"`` keeps ``budget`` entries per head in every layer; ``"model"`` ranks the entries
         of every layer and head of a request together and keeps the best ``L x H x budget`` of them
         (KVzip's ranking), a request's blocks pooled across layers so that it holds about the mean layer's
-        share, not the largest one's (``docs/design_modes.md``, "Per-layer block budgets"). The CPU backend,
-        fixed budgets only; whole prompts, per chunk and kept contexts.
+        share, not the largest one's (``docs/design_modes.md``, "Per-layer block budgets"). The CPU backend;
+        fixed budgets whole, per chunk and as kept contexts; a threshold for whole prompts.
     head_unit: > 1 (set by ``kept_context_form``, never by a user) with ``budget_scope: "model"``: every
         (layer, head) count of the ranking is moved to a multiple of it with the same total
         (``kept_masks.whole_unit_mask``), so a kept context fills whole sub-blocks.
@@ -107,11 +109,6 @@ class KVzap(ScoredPolicy):
         if self.budget_scope not in BUDGET_SCOPES:
             raise ValueError(
                 f"{owner}: budget_scope={self.budget_scope!r} is not valid; valid: {', '.join(BUDGET_SCOPES)}"
-            )
-        if self.budget_scope == "model" and threshold is not None:
-            raise ValueError(
-                f"{owner}: budget_scope='model' with threshold={threshold}: the pooled ranking keeps a fixed "
-                "count; drop one of them"
             )
 
     @property
@@ -163,8 +160,9 @@ class KVzap(ScoredPolicy):
 
     def kept_context_form(self, block_size: int) -> EvictionPolicy | None:
         """Itself per layer (the same count in every head and layer); ranked across layers, the counts of
-        every (layer, head) in whole ``block_size`` sub-blocks (``head_unit``)."""
-        if not self.pools_layers:
+        every (layer, head) in whole ``block_size`` sub-blocks (``head_unit``); None with a threshold (a
+        kept context's entry holds the blocks its budget sets, not a count the scores set)."""
+        if not self.pools_layers or self.threshold is not None:
             return super().kept_context_form(block_size)
         form = dataclasses.replace(self, head_unit=block_size)
         form.name = self.name
@@ -181,15 +179,18 @@ class KVzap(ScoredPolicy):
         scores = self.score(layer, budget)[:, fixed:]
         return shifted(KeptTokens.from_mask(self._above_threshold(layer, scores, budget)), fixed)
 
+    def layer_threshold(self, layer: LayerKV) -> float:
+        """The predicted score an entry of ``layer`` must exceed to be kept (``threshold_scope``)."""
+        assert self.threshold is not None
+        if self.threshold_scope == "layer":  # (score - mean) / std > t  <=>  score > mean + t * std
+            mean, std = self.learned_scorer(layer).spec.layer_level(layer.layer_idx)
+            return mean + self.threshold * std
+        return float(self.threshold)
+
     def _above_threshold(self, layer: LayerKV, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """[H, n] bool: entries scoring above the threshold (``threshold_scope``), at most H x ``budget`` of
         them (the layer's best; forced entries score inf and come first)."""
-        assert self.threshold is not None
-        threshold = self.threshold
-        if self.threshold_scope == "layer":  # (score - mean) / std > t  <=>  score > mean + t * std
-            mean, std = self.learned_scorer(layer).spec.layer_level(layer.layer_idx)
-            threshold = mean + self.threshold * std
-        above = scores > threshold
+        above = scores > self.layer_threshold(layer)
         ceiling = scores.shape[0] * budget
         if ceiling >= scores.numel():
             return above

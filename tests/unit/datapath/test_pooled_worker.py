@@ -42,8 +42,9 @@ def pooled_config() -> EvictionConfig:
     )
 
 
-def expected_kept(engine: TokenKeyedEngine) -> list[list[list[int]]]:
-    """Per layer and head, the positions the pooled ranking keeps of the prompt (the policy's own scores)."""
+def prompt_scores(engine: TokenKeyedEngine) -> torch.Tensor:
+    """[L, H, P] the policy's scores of the prompt's entries as the engine writes them (``+inf``: sinks and
+    window)."""
     policy, plan = engine.worker.policy, engine.worker.plan_for(PROMPT)
     scores = []
     for layer in range(LAYERS):
@@ -53,8 +54,18 @@ def expected_kept(engine: TokenKeyedEngine) -> list[list[list[int]]]:
             layer_idx=layer, num_layers=LAYERS,
         )  # fmt: skip
         scores.append(policy.score(rows, plan.layer_budgets[layer]))
-    keep = across_layers_mask(torch.stack(scores), HEADS * sum(plan.layer_budgets))
+    return torch.stack(scores)
+
+
+def positions(keep: torch.Tensor) -> list[list[list[int]]]:
+    """Per layer and head, the positions ``keep`` [L, H, P] marks."""
     return [[torch.nonzero(head).flatten().tolist() for head in layer] for layer in keep]
+
+
+def expected_kept(engine: TokenKeyedEngine) -> list[list[list[int]]]:
+    """Per layer and head, the positions the pooled ranking keeps of the prompt (the policy's own scores)."""
+    plan = engine.worker.plan_for(PROMPT)
+    return positions(across_layers_mask(prompt_scores(engine), HEADS * sum(plan.layer_budgets)))
 
 
 def test_every_layer_holds_its_share_of_the_ranking_across_layers_while_decoding() -> None:

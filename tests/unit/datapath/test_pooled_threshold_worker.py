@@ -1,0 +1,83 @@
+"""Through the worker's datapath (``simulated_engine``, one storage for every layer): KVzap's threshold with a
+budget pooled across layers (``budget_scope: "model"``, an adaptive plan). A request keeps every entry of
+every layer and head that scores above the threshold, at most ``L·H·budget`` of them (the ceiling, ranked
+across layers); its pool starts at the first block the mean layer's bound leaves; the worker reports that
+bound; and once the scheduler has freed the blocks it leaves, every layer reads only its own entries while
+decoding. Computed in chunks (chunked prefill, ``prefill: whole``) it keeps the same entries."""
+
+from __future__ import annotations
+
+import pytest
+from simulated_engine import BS, HEADS, LAYERS, NUM_BLOCKS
+from test_pooled_worker import PROMPT, TokenKeyedEngine, positions, prompt_scores
+
+from vllm_kvevict.layout.accounting import cdiv, first_block_for_bound, layer_kept_bound
+from vllm_kvevict.policies.kept_masks import across_layers_mask
+from vllm_kvevict.settings.config import EvictionConfig
+
+CEILING, DECODE = 160, 24
+
+
+def threshold_config(tau: float, prefill: str = "whole") -> EvictionConfig:
+    params = {"window": 8, "sinks": 2, "budget_scope": "model", "threshold": tau}
+    raw = {"method": "kvzap", "budget": CEILING, "params": params, "prefill": prefill}
+    return EvictionConfig.from_dict(raw)
+
+
+def quantile_threshold(share: float) -> float:
+    """The score above which about ``share`` of all the prompt's entries (every layer and head) lie."""
+    scores = prompt_scores(TokenKeyedEngine(threshold_config(0.0)))
+    return float(scores[scores.isfinite()].quantile(1 - share))
+
+
+@pytest.mark.parametrize("chunk", [PROMPT, 96])
+def test_a_request_keeps_every_entry_above_the_threshold_and_reports_its_mean_layers_bound(chunk) -> None:
+    tau = quantile_threshold(0.12)
+    engine = TokenKeyedEngine(threshold_config(tau))
+    ceiling = engine.worker.plan_for(PROMPT)
+    assert ceiling.adaptive and ceiling.pooled and ceiling.compacts
+    for done in range(0, PROMPT, chunk):
+        engine.step([("r", PROMPT, done, min(chunk, PROMPT - done), None)])
+    keep = prompt_scores(engine) > tau
+    assert int(keep.sum()) < HEADS * sum(ceiling.layer_budgets)  # the threshold, not the ceiling, decides
+    held = [engine.held("r", layer) for layer in range(LAYERS)]
+    assert held == positions(keep)
+    per_layer = [sum(map(len, layer)) for layer in held]
+    assert len(set(per_layer)) > 1  # the layers keep different counts
+    bound = layer_kept_bound(PROMPT, cdiv(sum(per_layer), LAYERS), HEADS, BS)
+    assert max(layer_kept_bound(PROMPT, k, HEADS, BS) for k in per_layer) > bound  # the mean, not the largest
+    assert engine.worker.records.take_kept_bounds() == {"r": bound}
+    assert bound < ceiling.kept_bound
+    freed = first_block_for_bound(PROMPT, bound, BS)
+    assert engine.worker.records.requests["r"].blocks_to_free == freed
+    row = engine.rows["r"]
+    for layer in range(LAYERS):  # every layer's entries lie in the blocks the reported bound keeps
+        assert {row.index(block % NUM_BLOCKS) for block in engine.blocks_read("r", layer)} <= set(
+            range(freed, len(row))
+        )
+    row[:freed] = [0] * freed  # the scheduler's remove_skipped_blocks: null blocks
+    for generated in range(DECODE):
+        engine.step([("r", PROMPT, PROMPT + generated, 1, None)])
+    new = list(range(PROMPT, PROMPT + DECODE))
+    assert [engine.held("r", layer) for layer in range(LAYERS)] == [
+        [head + new for head in layer] for layer in positions(keep)
+    ]
+    for layer in range(LAYERS):
+        assert 0 not in {block % NUM_BLOCKS for block in engine.blocks_read("r", layer)}
+
+
+def test_with_more_entries_above_the_threshold_the_request_keeps_the_ceilings_ranking() -> None:
+    engine = TokenKeyedEngine(threshold_config(quantile_threshold(0.9)))
+    ceiling = engine.worker.plan_for(PROMPT)
+    engine.step([("r", PROMPT, 0, PROMPT, None)])
+    expected = across_layers_mask(prompt_scores(engine), HEADS * sum(ceiling.layer_budgets))
+    assert [engine.held("r", layer) for layer in range(LAYERS)] == positions(expected)
+    assert engine.worker.records.take_kept_bounds() == {"r": ceiling.kept_bound}
+
+
+def test_a_threshold_with_a_pooled_budget_keeps_no_context_and_is_not_evicted_between_chunks() -> None:
+    from vllm_kvevict.settings.learned_methods import chunked_problem
+
+    policy = threshold_config(1.0).build_policy()
+    assert policy.kept_context_form(BS) is None
+    assert "threshold" in str(chunked_problem("kvzap", policy))
