@@ -16,7 +16,9 @@ TTFT is measured by streaming (first token received). Each answer is scored (the
 output). HF transformers (float32) then runs the question-agnostic mode the readers serve: the document's
 block-aligned part compressed alone by the same method and budget as the server keeps it (``ada-snapkv``
 as ``ada-kvzap`` with the packaged scorer; Ada-KV's head budgets in whole blocks;
-``accounting.plan_request`` of that length), each question run on the compressed cache, greedy. Prints one
+``accounting.plan_request`` of that length; with the eviction server's ``budget_scope: "model"``, its
+parameters and every layer ranked together, each (layer, head) in whole blocks), each question run on the
+compressed cache, greedy. Prints one
 table per setting; ``--out`` saves everything as JSON.
 
     python -m benchmarks.kept_context --tokens 7000 --seeds 0,1,2 --setting snapkv:0.25 --setting snapkv:0.1 \
@@ -143,8 +145,20 @@ def served_runs(
     return runs
 
 
+def server_method(flags: tuple[str, ...]) -> tuple[str, dict]:
+    """(method, parameters) of the eviction server's ``--kv-eviction`` and ``--kv-eviction-config``."""
+    from vllm_kvevict.settings.config import PREFILL_KEYS
+
+    args = list(flags)
+    method = args[args.index("--kv-eviction") + 1] if "--kv-eviction" in args else ""
+    config = {}
+    if "--kv-eviction-config" in args:
+        config = json.loads(args[args.index("--kv-eviction-config") + 1])
+    return method, {key: value for key, value in config.items() if key not in (*PREFILL_KEYS, "decode")}
+
+
 def hf_agnostic(
-    model_dir: Path, documents: list[Document], settings: list[tuple[str, float]]
+    model_dir: Path, documents: list[Document], settings: list[tuple[str, float]], server: tuple[str, dict]
 ) -> list[dict[str, list[str]]]:
     """Per document and setting, HF's greedy answers to each question over the document compressed alone."""
     from vllm_kvevict.hf_reference import load_reference_model
@@ -152,14 +166,21 @@ def hf_agnostic(
 
     model, tokenizer = load_reference_model(model_dir, dtype=torch.float32)
     served_scorer.serve_model(model.config, model_dir.name)  # the packaged scorer, as the server finds it
-    return [hf_agnostic_document(model, tokenizer, document, settings) for document in documents]
+    return [hf_agnostic_document(model, tokenizer, document, settings, server) for document in documents]
 
 
 def hf_agnostic_document(
-    model, tokenizer, document: Document, settings: list[tuple[str, float]]
+    model, tokenizer, document: Document, settings: list[tuple[str, float]], server: tuple[str, dict]
 ) -> dict[str, list[str]]:
-    """Per setting, HF's greedy answers to each question of ``document`` over it compressed alone."""
-    from vllm_kvevict.hf_reference import context_layers, decode_with_kept, kept_per_layer, prefill
+    """Per setting, HF's greedy answers to each question of ``document`` over it compressed alone, by the
+    method as the server keeps a context (the server's parameters where it is the server's method)."""
+    from vllm_kvevict.hf_reference import (
+        context_layers,
+        decode_with_kept,
+        kept_per_layer,
+        kept_ranked_across_layers,
+        prefill,
+    )
     from vllm_kvevict.layout.accounting import plan_request
     from vllm_kvevict.policies.registry import build_policy
     from vllm_kvevict.settings.learned_methods import kept_context_method
@@ -170,10 +191,15 @@ def hf_agnostic_document(
     answers = {}
     for method, fraction in settings:
         # as the server keeps it: the served default as the learned method, heads in whole blocks
-        policy = build_policy(kept_context_method(method)).kept_context_form(BLOCK_SIZE)
+        name = kept_context_method(method)
+        params = server[1] if name == server[0] else {}
+        policy = build_policy(name, **params).kept_context_form(BLOCK_SIZE)
         assert policy is not None, f"{method} keeps no context"
         plan = plan_request(context_len, fraction, BLOCK_SIZE, policy, len(layers))
-        kept = kept_per_layer(policy, layers, plan.kept_bound)
+        if policy.pools_layers:  # ranked across layers, every (layer, head) in whole sub-blocks
+            kept = kept_ranked_across_layers(policy, layers, plan.layer_budgets, BLOCK_SIZE)
+        else:
+            kept = kept_per_layer(policy, layers, plan.kept_bound)
         outputs = []
         for question in document.questions:
             asked = dataclasses.replace(prompt, input_ids=torch.tensor(document.ids + question))
@@ -273,7 +299,8 @@ def main() -> None:
     seeds = [int(seed) for seed in args.seeds.split(",")]
     documents = [build_document(tokenizer, args.tokens, seed) for seed in seeds]
     runs = served_runs(model_dir, documents, settings, args.per_question, tuple(args.eviction_server))
-    hf = [] if args.no_hf else hf_agnostic(model_dir, documents, settings)
+    server = server_method(tuple(args.eviction_server))
+    hf = [] if args.no_hf else hf_agnostic(model_dir, documents, settings, server)
     for index, (document, run) in enumerate(zip(documents, runs, strict=True)):
         print(f"\n## document of seed {seeds[index]}")
         print(report(document, run, hf[index] if hf else {}))

@@ -52,9 +52,8 @@ from run import decode_in_batches  # noqa: E402
 from sweep import QUERY_WINDOW, decode_limits, run_samples, scored_row, summarise  # noqa: E402
 
 from vllm_kvevict.datapath.chat_marks import chat_marks  # noqa: E402
-from vllm_kvevict.datapath.pooled_eviction import kept_across_layers  # noqa: E402
 from vllm_kvevict.datapath.question_echo import echo_policy, user_turn_start  # noqa: E402
-from vllm_kvevict.hf_reference import prefill  # noqa: E402
+from vllm_kvevict.hf_reference import kept_ranked_across_layers, prefill  # noqa: E402
 from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
 from vllm_kvevict.hf_reference.kvzip import KVzipPolicy, kvzip_scores  # noqa: E402
 from vllm_kvevict.hf_reference.probe import echo_queries, head_tokens, probed_layers  # noqa: E402
@@ -141,9 +140,7 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
             return
         for fraction in fractions:
             budgets = layer_budgets(policy, fraction)
-            scores = [policy.score(layer, b).float() for layer, b in zip(whole.layers, budgets, strict=True)]
-            heads = whole.layers[0].num_kv_heads
-            runs.append((label, fraction, whole, kept_across_layers(scores, tuple(budgets), heads, n)))
+            runs.append((label, fraction, whole, kept_ranked_across_layers(policy, whole.layers, budgets)))
 
     default = build_policy("ada-snapkv")
     head = head_tokens(sample.token_ids, tokenizer, DEFAULT_ECHO_WIDTH)

@@ -1,5 +1,6 @@
 """The ranking helpers of the HF runner's question-agnostic benchmarks: where an answer ranks per head
-(``needle_ranks``) and the kept set of scores ranked across layers (``learned_grid --global-rows``)."""
+(``needle_ranks``), the kept set of scores ranked across layers (``learned_grid --global-rows``, a kept
+context's HF column in ``kept_context``) and the server parameters ``kept_context`` reads."""
 
 from __future__ import annotations
 
@@ -68,3 +69,44 @@ def test_level_budgets_keep_the_plans_total_and_give_higher_levels_more() -> Non
     assert level_budgets(levels, [1000] * 4, 1000, 36) == [1000] * 4  # everything kept
     even = {"mean": [-3.0] * 3, "std": [1.0] * 3}
     assert level_budgets(even, [100, 200, 300], 1000, 36) == [200, 200, 200]  # equal levels: equal shares
+
+
+def test_entries_below_a_threshold_are_never_kept_and_the_total_shrinks() -> None:
+    from vllm_kvevict.datapath.pooled_eviction import kept_across_layers
+
+    inf = float("inf")
+    layer0 = torch.tensor([[inf, -inf, 0.2, -inf], [inf, 9.0, -inf, -inf]])
+    layer1 = torch.tensor([[inf, 7.0, -inf, 6.0], [inf, -inf, -inf, -inf]])
+    kept = kept_across_layers([layer0, layer1], (2, 2), heads=2, length=4)  # 8 allowed, 7 above -inf
+    assert [k.head(h).tolist() for k in kept for h in range(2)] == [[0, 2], [0, 1], [0, 1, 3], [0]]
+    capped = kept_across_layers([layer0, layer1], (1, 1), heads=2, length=4)  # 4 allowed
+    assert [k.head(h).tolist() for k in capped for h in range(2)] == [[0], [0], [0], [0]]
+
+
+def test_the_hf_ranking_across_layers_of_a_kept_context_keeps_whole_sub_blocks() -> None:
+    from vllm_kvevict.hf_reference import kept_ranked_across_layers
+    from vllm_kvevict.policies.base import LayerKV
+    from vllm_kvevict.policies.registry import build_policy
+
+    g = torch.Generator().manual_seed(0)
+    policy = build_policy("kvzap", window=4, sinks=2, budget_scope="model", scorer=None).kept_context_form(8)
+    assert policy is not None and policy.head_unit == 8
+    layers = [
+        LayerKV(keys=torch.randn(2, 64, 16, generator=g) * (1 + 3 * i),
+                values=torch.randn(2, 64, 16, generator=g), queries=torch.zeros(2, 0, 16), layer_idx=i, num_layers=3)
+        for i in range(3)
+    ]  # fmt: skip
+    policy.score = lambda layer, budget: layer.keys.norm(dim=-1)  # a stand-in scorer: the key's length
+    kept = kept_ranked_across_layers(policy, layers, [16, 16, 16], unit=8)
+    counts = torch.stack([k.counts for k in kept])
+    assert int(counts.sum()) == 2 * 48 and bool((counts % 8 == 0).all())
+    assert counts[2].sum() > counts[0].sum()  # the layer with longer keys keeps more
+
+
+def test_kept_context_reads_the_eviction_servers_method_parameters() -> None:
+    from benchmarks.kept_context import server_method
+
+    config = '{"budget_scope": "model", "scorer": "/s", "prefill": "chunked"}'
+    flags = ("--kv-eviction", "kvzap", "--kv-budget", "0.25", "--kv-eviction-config", config)
+    assert server_method(flags) == ("kvzap", {"budget_scope": "model", "scorer": "/s"})
+    assert server_method(("--kv-eviction", "snapkv")) == ("snapkv", {})

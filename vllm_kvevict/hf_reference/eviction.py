@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
+from vllm_kvevict.datapath.pooled_eviction import kept_across_layers
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
 
 
 def kvpress_kept_count(num_tokens: int, kept_fraction: float) -> int:
@@ -21,3 +22,15 @@ def kept_per_layer(policy: EvictionPolicy, layers: Sequence[LayerKV], budget: in
         layer_budget = policy.layer_budget(budget, layer.num_tokens, layer.layer_idx, layer.num_layers)
         kept.append(policy.select(layer, layer_budget))
     return kept
+
+
+def kept_ranked_across_layers(
+    policy: ScoredPolicy, layers: Sequence[LayerKV], layer_budgets: Sequence[int], unit: int = 1
+) -> list[KeptTokens]:
+    """What a request whose budget is pooled across layers keeps (``budget_scope: "model"``): every layer's
+    scores [H, n] ranked together, ``H · Σ layer_budgets`` kept (``pooled_eviction.kept_across_layers``;
+    ``unit``: every (layer, head) count in whole sub-blocks, as a kept context's creator)."""
+    pairs = zip(layers, layer_budgets, strict=True)
+    scores = [policy.score(layer, budget).float() for layer, budget in pairs]
+    heads, length = layers[0].num_kv_heads, layers[0].num_tokens
+    return kept_across_layers(scores, tuple(layer_budgets), heads, length, unit)
