@@ -93,7 +93,8 @@ def test_the_hf_ranking_across_layers_of_a_kept_context_keeps_whole_sub_blocks()
     assert policy is not None and policy.head_unit == 8
     layers = [
         LayerKV(keys=torch.randn(2, 64, 16, generator=g) * (1 + 3 * i),
-                values=torch.randn(2, 64, 16, generator=g), queries=torch.zeros(2, 0, 16), layer_idx=i, num_layers=3)
+                values=torch.randn(2, 64, 16, generator=g), queries=torch.zeros(2, 0, 16), layer_idx=i,
+                num_layers=3)
         for i in range(3)
     ]  # fmt: skip
     policy.score = lambda layer, budget: layer.keys.norm(dim=-1)  # a stand-in scorer: the key's length
