@@ -211,10 +211,12 @@ def parse_context(
             f"vllm_xargs.{CONTEXT_KEY}={raw!r} is not valid; valid: {', '.join(CONTEXT_VALUES)}"
         )
     if policy.kept_context_form(block_size=1) is None:
-        keeping = [m for m in method_names() if build_request_policy(m, server).kept_context_form(1)]
+        candidates = [server.method] if server.pools_layers else method_names()  # what a request may ask
+        keeping = [m for m in candidates if build_request_policy(m, server).kept_context_form(1)]
+        valid = ", ".join(keeping) or "none on this server (its threshold sets the count; give a budget)"
         raise EvictionConfigError(
             f"vllm_xargs.{CONTEXT_KEY}={raw!r} with {METHOD_KEY}={method!r}: a kept context needs a method "
-            f"whose heads keep whole blocks and one budget per layer; valid: {', '.join(keeping)}"
+            f"whose heads keep whole blocks and one budget per layer; valid: {valid}"
         )
     if server.decode is not None or decode_budget is not None:
         raise EvictionConfigError(
