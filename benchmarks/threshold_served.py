@@ -12,7 +12,9 @@ vanilla's, and the share of a prompt's blocks a request holds after its prompt (
         --out docs/results/2026-11-29-threshold-served
 
 ``--server-args '--max-num-batched-tokens 512'`` gives every server (vanilla's too) the same extra flags, e.g.
-vLLM's chunk size for per-chunk eviction.
+vLLM's chunk size for per-chunk eviction. Each eviction server also writes the debug dump of every compacted
+prompt (``KVEVICT_DEBUG_DUMP_DIR``, a temporary folder): the share of its (layer, head, token) entries each
+prompt kept, per task as min / mean / max (``kept_share``), shows how a threshold's count follows the prompt.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ import json
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import torch
+
 from vllm_kvevict.cli.prepare_model import prepared_model_dir
+from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.server_process import VLLMServer
 
@@ -45,19 +51,42 @@ def eviction_flags(setting: dict) -> list[str]:
     return flags
 
 
+def kept_share(dump_dir: Path, rows: list[dict]) -> dict[str, list[float]]:
+    """Per task, [min, mean, max] over its prompts of the share of (layer, head, token) entries each kept,
+    from the dumps of the compacted prompts (written in the order the prompts were sent, one at a time); {}
+    when not every prompt was compacted."""
+    dumps = sorted(dump_dir.glob("*.pt"), key=lambda path: path.stat().st_mtime_ns)
+    if len(dumps) != len(rows):
+        return {}
+    by_task: dict[str, list[float]] = {}
+    for row, path in zip(rows, dumps, strict=True):
+        record = torch.load(path)
+        assert record["prompt_len"] == row["served_prompt_tokens"], (path, row["sample_id"])
+        counts = torch.stack(record["counts"])  # [L, H]
+        share = float(counts.sum()) / (counts.numel() * record["prompt_len"])
+        by_task.setdefault(row["task"], []).append(share)
+    return {task: [min(v), sum(v) / len(v), max(v)] for task, v in by_task.items()}
+
+
 def run_setting(model_dir: Path, label: str, flags: list[str], args: argparse.Namespace) -> dict:
-    """One server: its eval results file, mean score and blocks freed per compacted request."""
+    """One server: its eval results file, mean score, blocks freed per compacted request and the kept share
+    per task."""
     output = args.out / f"{label}.jsonl"
     server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", "8192", *args.server_args, *flags)
-    with VLLMServer(model_dir, extra_args=server_args, log_path=args.out / f"{label}.log") as server:
-        command = [sys.executable, "-m", "vllm_kvevict.cli.main", "eval", "--base-url", server.base_url,
-                   "--tasks", args.tasks, "--lengths", args.lengths, "--samples", str(args.samples),
-                   "--concurrency", "1", "--output", str(output), "--no-progress"]  # fmt: skip
-        subprocess.run(command, check=True)
-        freed, compacted = counter(server, FREED), counter(server, COMPACTED)
-    rows = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
+    with tempfile.TemporaryDirectory() as dump_dir:
+        env = {DEBUG_DUMP_ENV: dump_dir} if flags else {}
+        log_path = args.out / f"{label}.log"
+        with VLLMServer(model_dir, extra_args=server_args, log_path=log_path, env=env) as server:
+            command = [sys.executable, "-m", "vllm_kvevict.cli.main", "eval", "--base-url", server.base_url,
+                       "--tasks", args.tasks, "--lengths", args.lengths, "--samples", str(args.samples),
+                       "--concurrency", "1", "--output", str(output), "--no-progress"]  # fmt: skip
+            subprocess.run(command, check=True)
+            freed, compacted = counter(server, FREED), counter(server, COMPACTED)
+        rows = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
+        shares = kept_share(Path(dump_dir), rows) if flags else {}
     prompt_blocks = sum(cdiv(row["served_prompt_tokens"], BLOCK_SIZE) for row in rows) / len(rows)
     return {
+        "kept_share": shares,
         "label": label,
         "flags": flags,
         "score": sum(row["score"] for row in rows) / len(rows),
@@ -95,6 +124,12 @@ def main() -> None:
         ratio = r["score"] / base if base else float("nan")
         held, compacted = r["held_share"], r["compacted"]
         print(f"| {r['label']} | {r['score']:.3f} | {ratio:.2f} | {held:.3f} | {compacted:g} |")
+    for r in results:
+        if r.get("kept_share"):
+            spread = ", ".join(
+                f"{task} {lo:.3f}/{mean:.3f}/{hi:.3f}" for task, (lo, mean, hi) in r["kept_share"].items()
+            )
+            print(f"{r['label']}: kept share per task (min/mean/max): {spread}")
     (args.out / "summary.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
