@@ -81,3 +81,22 @@ def test_a_threshold_with_a_pooled_budget_keeps_no_context_and_is_not_evicted_be
     policy = threshold_config(1.0).build_policy()
     assert policy.kept_context_form(BS) is None
     assert "threshold" in str(chunked_problem("kvzap", policy))
+
+
+def test_a_recomputed_request_keeps_the_same_entries_and_its_generated_tokens_after_them() -> None:
+    """Preempted and recomputed (its prompt and 8 generated tokens in one step), a request keeps what the
+    threshold keeps of its prompt, every generated token in every head after it, in the blocks its reported
+    bound leaves (the tokens after the prompt take pool entries after every layer's kept ones)."""
+    tau, generated = quantile_threshold(0.12), 8
+    engine = TokenKeyedEngine(threshold_config(tau))
+    engine.step([("r", PROMPT, 0, PROMPT + generated, None)])
+    keep = prompt_scores(engine) > tau
+    after = list(range(PROMPT, PROMPT + generated))
+    held = [engine.held("r", layer) for layer in range(LAYERS)]
+    assert held == [[head + after for head in layer] for layer in positions(keep)]
+    per_layer = [int(keep[layer].sum()) for layer in range(LAYERS)]
+    bound = layer_kept_bound(PROMPT, cdiv(sum(per_layer), LAYERS), HEADS, BS)
+    assert engine.worker.records.take_kept_bounds() == {"r": bound}
+    freed, row = first_block_for_bound(PROMPT, bound, BS), engine.rows["r"]
+    for layer in range(LAYERS):
+        assert min(row.index(block % NUM_BLOCKS) for block in engine.blocks_read("r", layer)) >= freed
