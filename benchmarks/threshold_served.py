@@ -79,6 +79,7 @@ def run_setting(model_dir: Path, label: str, flags: list[str], args: argparse.Na
         with VLLMServer(model_dir, extra_args=server_args, log_path=log_path, env=env) as server:
             command = [sys.executable, "-m", "vllm_kvevict.cli.main", "eval", "--base-url", server.base_url,
                        "--tasks", args.tasks, "--lengths", args.lengths, "--samples", str(args.samples),
+                       "--seed", str(args.seed),
                        "--concurrency", "1", "--output", str(output), "--no-progress"]  # fmt: skip
             subprocess.run(command, check=True)
             freed, compacted = counter(server, FREED), counter(server, COMPACTED)
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--tasks", required=True)
     parser.add_argument("--lengths", default="4096")
     parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0, help="the eval prompts' seed (another: other prompts)")
     parser.add_argument("--setting", action="append", default=[], type=json.loads, help="JSON object")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--vanilla", type=Path, help="a summary.json whose vanilla row to reuse (no server)")
