@@ -146,15 +146,16 @@ def served_runs(
 
 
 def server_method(flags: tuple[str, ...]) -> tuple[str, dict]:
-    """(method, parameters) of the eviction server's ``--kv-eviction`` and ``--kv-eviction-config``."""
-    from vllm_kvevict.settings.config import PREFILL_KEYS
+    """(method, parameters) of the eviction server's flags, read by the server's own flag parser (presets
+    resolved, the schedule's keys apart)."""
+    from vllm_kvevict.vllm_adapter.eviction_flags import add_eviction_args, eviction_config_from_args
 
-    args = list(flags)
-    method = args[args.index("--kv-eviction") + 1] if "--kv-eviction" in args else ""
-    config = {}
-    if "--kv-eviction-config" in args:
-        config = json.loads(args[args.index("--kv-eviction-config") + 1])
-    return method, {key: value for key, value in config.items() if key not in (*PREFILL_KEYS, "decode")}
+    parser = argparse.ArgumentParser()
+    add_eviction_args(parser)
+    args, _ = parser.parse_known_args(list(flags))
+    config = eviction_config_from_args(args, None)
+    assert config is not None, f"no --kv-eviction in {flags}"
+    return config.method, dict(config.params)
 
 
 def hf_agnostic(

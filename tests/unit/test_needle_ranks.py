@@ -105,9 +105,14 @@ def test_the_hf_ranking_across_layers_of_a_kept_context_keeps_whole_sub_blocks()
 
 
 def test_kept_context_reads_the_eviction_servers_method_parameters() -> None:
+    import json
+    from pathlib import Path
+
+    import vllm_kvevict
     from benchmarks.kept_context import server_method
 
-    config = '{"budget_scope": "model", "scorer": "/s", "prefill": "chunked"}'
+    scorer = str(Path(vllm_kvevict.__file__).parent / "scorers" / "smollm2-135m-instruct-linear")
+    config = json.dumps({"budget_scope": "model", "scorer": scorer, "prefill": "chunked"})
     flags = ("--kv-eviction", "kvzap", "--kv-budget", "0.25", "--kv-eviction-config", config)
-    assert server_method(flags) == ("kvzap", {"budget_scope": "model", "scorer": "/s"})
-    assert server_method(("--kv-eviction", "snapkv")) == ("snapkv", {})
+    assert server_method(flags) == ("kvzap", {"budget_scope": "model", "scorer": scorer})
+    assert server_method(("--kv-eviction", "snapkv", "--kv-budget", "0.25")) == ("snapkv", {})
