@@ -19,6 +19,12 @@ plans it (``layout.accounting``, 32-token blocks):
   layers and heads at once (kvpress's KVzip default, ``layerwise=False``), as many entries in all as the
   per-layer plan keeps. The server cannot hold such a kept set in fewer blocks than its largest layer's
   (``largest_layer_share``); the rows say what a per-layer block budget would buy;
+- with ``--global-rows --keep-question-rows``: ``<global row> keep-q``, the same ranking with the echo's
+  question spans (``question_echo.question_spans``: the user turn's first 32 tokens, an own system message's
+  last 32) always kept in every layer and head;
+- with ``--global-rows --echo-half-rows``: ``<global row> echo-half``, each head's top ``fraction / 2`` of the
+  prompt by the served default's scores under the question echo kept in every layer, the rest of the total
+  ranked across layers by the row's scores (half the budget question-aware);
 - with ``--level-rows``: ``ada-kvzap <label> levels``, a cross-layer allocation fixed before the prompt: each
   layer's budget is what one threshold would keep if the layer's predicted scores were normal with the
   scorer's calibration levels (``score_levels``), the plan's total in all, Ada-KV across heads within the
@@ -39,8 +45,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,7 +60,7 @@ from run import decode_in_batches  # noqa: E402
 from sweep import QUERY_WINDOW, decode_limits, run_samples, scored_row, summarise  # noqa: E402
 
 from vllm_kvevict.datapath.chat_marks import chat_marks  # noqa: E402
-from vllm_kvevict.datapath.question_echo import echo_policy, user_turn_start  # noqa: E402
+from vllm_kvevict.datapath.question_echo import echo_policy, question_spans, user_turn_start  # noqa: E402
 from vllm_kvevict.hf_reference import kept_ranked_across_layers, prefill  # noqa: E402
 from vllm_kvevict.hf_reference.chunked import chunked_prefill  # noqa: E402
 from vllm_kvevict.hf_reference.kvzip import KVzipPolicy, kvzip_scores  # noqa: E402
@@ -65,6 +73,39 @@ from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 from vllm_kvevict.policies.served_scorer import load_scorer  # noqa: E402
 from vllm_kvevict.settings.config import DEFAULT_CHUNK_BUDGET, DEFAULT_ECHO_WIDTH  # noqa: E402
 from vllm_kvevict.settings.parsers import parse_chunk_budget  # noqa: E402
+
+
+@dataclass(frozen=True)
+class SpansKept:
+    """``policy``'s scores with the tokens of ``spans`` (``[start, end)``) always kept (scored +inf)."""
+
+    policy: object
+    spans: tuple[tuple[int, int], ...]
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        scores = self.policy.score(layer, budget).float().clone()
+        for start, end in self.spans:
+            scores[:, start:end] = float("inf")
+        return scores
+
+
+@dataclass(frozen=True)
+class EchoKept:
+    """``policy``'s scores with each head's top ``share`` of the prompt by ``echo`` (the served default's
+    scores under the question echo, over ``echo_layers``) always kept (scored +inf): half a question-aware
+    budget, the rest ranked by ``policy``."""
+
+    policy: object
+    echo: object
+    echo_layers: list
+    share: float
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        scores = self.policy.score(layer, budget).float().clone()
+        echo = self.echo.score(self.echo_layers[layer.layer_idx], budget).float()
+        count = min(layer.num_tokens, math.ceil(self.share * layer.num_tokens))
+        scores.scatter_(-1, echo.topk(count, dim=-1).indices, float("inf"))
+        return scores
 
 
 def kept_share(kept: list[KeptTokens], num_tokens: int) -> float:
@@ -135,21 +176,34 @@ def rows_for_prompt(model, tokenizer, sample, args, scorers: dict[str, str]) -> 
             kept = [policy.select(layer, b) for layer, b in zip(whole.layers, budgets, strict=True)]
             runs.append((label, fraction, whole, kept))
 
-    def global_rows(label: str, policy) -> None:
-        if not (args.global_rows and wanted(label)):
-            return
-        for fraction in fractions:
-            budgets = layer_budgets(policy, fraction)
-            runs.append((label, fraction, whole, kept_ranked_across_layers(policy, whole.layers, budgets)))
-
+    spans = question_spans(sample.token_ids, chat_marks(tokenizer), DEFAULT_ECHO_WIDTH)
     default = build_policy("ada-snapkv")
     head = head_tokens(sample.token_ids, tokenizer, DEFAULT_ECHO_WIDTH)
-    if head and wanted("ada-snapkv whole echo"):
-        echoed = echo_policy(default, len(head))
-        layers = probed_layers(whole.layers, echo_queries(model, whole, head), window=default.query_window(n))
+    echoed = echo_policy(default, len(head)) if head else None
+    probed = []
+    if echoed is not None and (wanted("ada-snapkv whole echo") or args.echo_half_rows):
+        probed = probed_layers(whole.layers, echo_queries(model, whole, head), window=default.query_window(n))
+
+    def global_rows(label: str, policy) -> None:
+        variants = [(label, lambda fraction: policy)]
+        if args.keep_question_rows:
+            variants.append((f"{label} keep-q", lambda fraction: SpansKept(policy, tuple(spans))))
+        if args.echo_half_rows and probed:
+            variants.append(
+                (f"{label} echo-half", lambda fraction: EchoKept(policy, echoed.inner, probed, fraction / 2))
+            )
+        for name, ranked in variants:
+            if not (args.global_rows and wanted(name)):
+                continue
+            for fraction in fractions:
+                budgets = layer_budgets(policy, fraction)
+                kept = kept_ranked_across_layers(ranked(fraction), whole.layers, budgets)
+                runs.append((name, fraction, whole, kept))
+
+    if probed and wanted("ada-snapkv whole echo"):
         for fraction in fractions:
             budgets = layer_budgets(default, fraction)
-            kept = [echoed.select(layer, b) for layer, b in zip(layers, budgets, strict=True)]
+            kept = [echoed.select(layer, b) for layer, b in zip(probed, budgets, strict=True)]
             runs.append(("ada-snapkv whole echo", fraction, whole, kept))
     kvzip_labels = ("kvzip+ whole", "ada-kvzip+ whole", "kvzip+ global")
     if not args.no_kvzip and any(wanted(label) for label in kvzip_labels):
@@ -227,6 +281,17 @@ def main() -> None:
     parser.add_argument("--no-kvzip", action="store_true", help="no KVzip rows (they cost a second pass)")
     parser.add_argument(
         "--global-rows", action="store_true", help="also rank KVzip+ and kvzap across all layers at once"
+    )
+    parser.add_argument(
+        "--keep-question-rows",
+        action="store_true",
+        help="with --global-rows: also each global row with the echo's question spans always kept",
+    )
+    parser.add_argument(
+        "--echo-half-rows",
+        action="store_true",
+        help="with --global-rows: also each global row with half the budget (per head, per layer) kept by "
+        "the served default's echo scores",
     )
     parser.add_argument(
         "--level-rows",

@@ -116,3 +116,43 @@ def test_kept_context_reads_the_eviction_servers_method_parameters() -> None:
     flags = ("--kv-eviction", "kvzap", "--kv-budget", "0.25", "--kv-eviction-config", config)
     assert server_method(flags) == ("kvzap", {"budget_scope": "model", "scorer": scorer})
     assert server_method(("--kv-eviction", "snapkv", "--kv-budget", "0.25")) == ("snapkv", {})
+
+
+class FixedScores:
+    """A policy whose scores [H, n] are given per layer index."""
+
+    def __init__(self, scores: list[torch.Tensor]) -> None:
+        self.scores = scores
+
+    def score(self, layer, budget: int) -> torch.Tensor:
+        return self.scores[layer.layer_idx]
+
+
+class FakeLayer:
+    def __init__(self, layer_idx: int, num_tokens: int) -> None:
+        self.layer_idx = layer_idx
+        self.num_tokens = num_tokens
+
+
+def test_spans_kept_scores_the_question_spans_first_and_leaves_the_rest() -> None:
+    from benchmarks.policy_quality.learned_grid import SpansKept
+
+    base = torch.arange(8.0).repeat(2, 1)
+    scored = SpansKept(FixedScores([base]), ((1, 3), (6, 7))).score(FakeLayer(0, 8), budget=4)
+    inf = float("inf")
+    assert scored[0].tolist() == [0.0, inf, inf, 3.0, 4.0, 5.0, inf, 7.0]
+    assert torch.equal(scored[0], scored[1])
+    assert base[0, 1] == 1.0  # the policy's own scores are not changed
+
+
+def test_echo_kept_keeps_each_heads_top_share_by_the_echo_in_every_layer() -> None:
+    from benchmarks.policy_quality.learned_grid import EchoKept
+
+    learned = FixedScores([torch.zeros(2, 8), torch.zeros(2, 8)])
+    echo = FixedScores([torch.tensor([[0.0, 5, 1, 1, 1, 9, 1, 1], [7.0, 1, 1, 1, 8, 1, 1, 1]])] * 2)
+    kept = EchoKept(learned, echo, [FakeLayer(0, 8), FakeLayer(1, 8)], share=0.2)  # ceil(1.6) = 2 per head
+    for layer_idx in (0, 1):
+        scored = kept.score(FakeLayer(layer_idx, 8), budget=2)
+        assert torch.isinf(scored[0]).nonzero().flatten().tolist() == [1, 5]
+        assert torch.isinf(scored[1]).nonzero().flatten().tolist() == [0, 4]
+        assert int(torch.isinf(scored).sum()) == 4
