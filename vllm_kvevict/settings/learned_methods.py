@@ -10,8 +10,10 @@
   shares the entry with ``ada-kvzap`` keepers. Without a scorer it keeps the context as itself.
 - Per-chunk eviction scores held entries again after every head kept its own: it needs a scorer whose heads
   score alone (``kvzap.scores_each_head_alone``); with any other the request is refused (400), the server at
-  start-up. The threshold mode evicts whole prompts only (a count set by the scores cannot be held between
-  chunks by a budget).
+  start-up. The threshold mode per layer evicts whole prompts only (every head holds the count a budget sets
+  between chunks). Pooled across layers (``budget_scope: "model"``) it is evicted per chunk too: between
+  chunks the ranking keeps the entries above the threshold, at most the rule's ``L·H·a(n)``, after the last
+  chunk those above it under the ceiling (``datapath/pooled_chunks.py``).
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ def chunked_problem(method: str, policy: EvictionPolicy) -> str | None:
     learned = learned_part(policy)
     if learned is None:
         return None
-    if learned.threshold is not None:
+    if learned.threshold is not None and not learned.pools_layers:
         return (
             f"{method} with prefill=chunked and threshold={learned.threshold}: between chunks every head "
             "holds a count the budget sets, and a threshold keeps what the whole prompt's scores decide; "
-            "evict whole prompts (prefill: whole) or drop the threshold"
+            "evict whole prompts (prefill: whole), pool the budget (budget_scope: model) or drop the "
+            "threshold"
         )
     directory = learned.scorer or served_scorer.served_scorer_dir()
     if directory is None or scores_each_head_alone(served_scorer.load_scorer(str(directory))):

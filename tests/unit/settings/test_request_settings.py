@@ -356,10 +356,13 @@ def test_a_pooled_server_takes_a_budget_a_prefill_mode_a_kept_context_or_none_pe
         parse_override({"kv_question_echo": 8}, pooled)
 
 
-def test_a_pooled_threshold_server_keeps_no_context_and_evicts_no_request_between_chunks():
+def test_a_pooled_threshold_server_keeps_no_context_and_evicts_between_chunks_where_per_layer_does_not():
     pooled = EvictionConfig("kvzap", 0.5, {"budget_scope": "model", "threshold": -3.5})
     assert parse_override({"kv_budget": 0.25}, pooled) == RequestOverride("kvzap", 0.25)
     with pytest.raises(EvictionConfigError, match=r"'keep'.*valid: none on this server .*threshold"):
         parse_override({"kv_context": "keep"}, pooled)
-    with pytest.raises(EvictionConfigError, match=r"prefill=chunked and threshold=-3.5"):
-        parse_override({"kv_prefill": "chunked"}, pooled)
+    chunked = parse_override({"kv_prefill": "chunked"}, pooled)
+    assert chunked is not None and chunked.prefill == "chunked"
+    per_layer = EvictionConfig("kvzap", 0.5, {"threshold": -3.5})
+    with pytest.raises(EvictionConfigError, match=r"prefill=chunked and threshold=-3.5.*budget_scope: model"):
+        parse_override({"kv_prefill": "chunked"}, per_layer)
