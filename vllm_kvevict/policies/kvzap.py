@@ -64,7 +64,7 @@ class KVzap(ScoredPolicy):
         of every layer and head of a request together and keeps the best ``L x H x budget`` of them
         (KVzip's ranking), a request's blocks pooled across layers so that it holds about the mean layer's
         share, not the largest one's (``docs/design_modes.md``, "Per-layer block budgets"). The CPU backend;
-        fixed budgets whole, per chunk and as kept contexts; a threshold for whole prompts.
+        fixed budgets whole, per chunk and as kept contexts; a threshold whole and per chunk.
     head_unit: > 1 (set by ``kept_context_form``, never by a user) with ``budget_scope: "model"``: every
         (layer, head) count of the ranking is moved to a multiple of it with the same total
         (``kept_masks.whole_unit_mask``), so a kept context fills whole sub-blocks.

@@ -6,7 +6,7 @@ Every vLLM process (API server, EngineCore, workers) runs it with its config thr
 (``policies/served_scorer.py``) so all of them resolve a policy without a scorer directory alike, and it
 refuses, in one line before any weight loads, a server whose method needs a scorer the model has none of,
 that asks for the threshold mode where it cannot be served (several workers, a decode-time cap, per-chunk
-eviction), or that scores held entries again (chunk by chunk, or decode-time caps)
+eviction with a per-layer budget), or that scores held entries again (chunk by chunk, or decode-time caps)
 with a scorer whose heads do not score alone: after per-head eviction one cache row holds different tokens
 in different heads.
 """
