@@ -36,6 +36,12 @@ def startups(model_dir, tmp_path_factory) -> dict:
             "prefill": "chunked",
             "params": {"scorer": str(fitting), "threshold": 0.0},
         },
+        "threshold_pooled_chunked": {
+            "method": "kvzap",
+            "budget": 64,
+            "prefill": "chunked",
+            "params": {"scorer": str(fitting), "threshold": 0.0, "budget_scope": "model"},
+        },
         "threshold_decode": {
             "method": "kvzap",
             "budget": 64,
@@ -108,6 +114,7 @@ def test_the_threshold_mode_serves_whole_prompts_and_is_refused_where_it_cannot_
     chunked = startups["threshold_chunked"]["error"]
     assert chunked.startswith("kv eviction refused: kvzap with prefill=chunked and threshold=0.0: ")
     assert "prefill: whole" in chunked and "\n" not in chunked
+    assert startups["threshold_pooled_chunked"]["error"] is None  # pooled: evicted per chunk too
     decode = startups["threshold_decode"]["error"]
     assert decode.startswith("kv eviction refused: kvzap with threshold=0.0 and a decode-time method: ")
     assert "--kv-decode-eviction" in decode and "\n" not in decode
