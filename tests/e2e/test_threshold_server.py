@@ -43,7 +43,7 @@ BLOCK_SIZE, CEILING, THRESHOLD, LAYERS, HEADS = 32, 0.5, 1.0, 30, 3  # SmolLM2-1
 SAVED = "vllm_kvevict_kv_blocks_saved"
 USAGE = "vllm:kv_cache_usage_perc"
 PROMPTS = {"one-step": 480, "chunked": 1400}
-PER_CHUNK = 1400  # pooled server only: evicted after every 512-token chunk (``kv_prefill: "chunked"``)
+PER_CHUNK = 1400  # pooled server only: evicted between its 512-token chunks too (``kv_prefill: "chunked"``)
 PER_CHUNK_BUDGET = 0.2  # its ceiling; between chunks the rule holds I = 512 (the floor): evicted after 1024
 DECODE_LIMIT = 512  # tokens a request may generate before its stream is closed (2048 - 1400 fit)
 

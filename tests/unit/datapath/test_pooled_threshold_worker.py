@@ -9,6 +9,7 @@ chunk (``prefill: chunked``) it holds the entries above the threshold between ch
 from __future__ import annotations
 
 import pytest
+import torch
 from simulated_engine import BS, HEADS, LAYERS, NUM_BLOCKS
 from test_pooled_worker import PROMPT, TokenKeyedEngine, positions, prompt_scores
 
@@ -44,7 +45,7 @@ def test_a_request_keeps_every_entry_above_the_threshold_and_reports_its_mean_la
     assert_keeps_reports_and_decodes(engine, keep)
 
 
-def assert_keeps_reports_and_decodes(engine: TokenKeyedEngine, keep) -> None:
+def assert_keeps_reports_and_decodes(engine: TokenKeyedEngine, keep: torch.Tensor) -> None:
     """After the prompt of request "r": every layer holds the entries ``keep`` [L, H, P] marks, the worker
     reported the mean layer's bound, every layer's entries lie in the blocks that bound leaves, and once the
     scheduler nulled the others the request decodes reading only its own blocks."""
