@@ -67,7 +67,7 @@ from vllm_kvevict.hf_reference.kvzip import KVzipPolicy, kvzip_scores  # noqa: E
 from vllm_kvevict.hf_reference.probe import echo_queries, head_tokens, probed_layers  # noqa: E402
 from vllm_kvevict.layout.accounting import plan_request, with_chunk_budget  # noqa: E402
 from vllm_kvevict.policies.adakv import AdaKV  # noqa: E402
-from vllm_kvevict.policies.base import KeptTokens  # noqa: E402
+from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy  # noqa: E402
 from vllm_kvevict.policies.between_chunks import DEFAULT_BETWEEN  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
 from vllm_kvevict.policies.served_scorer import load_scorer  # noqa: E402
@@ -79,10 +79,10 @@ from vllm_kvevict.settings.parsers import parse_chunk_budget  # noqa: E402
 class SpansKept:
     """``policy``'s scores with the tokens of ``spans`` (``[start, end)``) always kept (scored +inf)."""
 
-    policy: object
+    policy: ScoredPolicy
     spans: tuple[tuple[int, int], ...]
 
-    def score(self, layer, budget: int) -> torch.Tensor:
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
         scores = self.policy.score(layer, budget).float().clone()
         for start, end in self.spans:
             scores[:, start:end] = float("inf")
@@ -95,12 +95,12 @@ class EchoKept:
     scores under the question echo, over ``echo_layers``) always kept (scored +inf): half a question-aware
     budget, the rest ranked by ``policy``."""
 
-    policy: object
-    echo: object
-    echo_layers: list
+    policy: ScoredPolicy
+    echo: ScoredPolicy
+    echo_layers: list[LayerKV]
     share: float
 
-    def score(self, layer, budget: int) -> torch.Tensor:
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
         scores = self.policy.score(layer, budget).float().clone()
         echo = self.echo.score(self.echo_layers[layer.layer_idx], budget).float()
         count = min(layer.num_tokens, math.ceil(self.share * layer.num_tokens))
