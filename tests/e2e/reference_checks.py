@@ -47,7 +47,13 @@ def assert_vllm_sides_with_the_eviction(
     )
     to_evicted = logprob_gap(vllm_logprobs, tokens, evicted)
     to_full = logprob_gap(vllm_logprobs, tokens, full)
-    assert float((to_evicted[moved] < to_full[moved]).float().mean()) >= 0.9
+    sided = to_evicted[moved] < to_full[moved]
+    assert float(sided.float().mean()) >= 0.9, (
+        f"vLLM sides with the eviction at {int(sided.sum())} of {int(moved.sum())} moved steps (needs 90 %); "
+        f"steps siding with the full cache: {torch.nonzero(moved).flatten()[~sided].tolist()}, their gaps to "
+        f"the evicting run {to_evicted[moved][~sided].tolist()} and to the full cache "
+        f"{to_full[moved][~sided].tolist()}"
+    )
     return moved
 
 
