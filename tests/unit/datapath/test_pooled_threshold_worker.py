@@ -103,7 +103,7 @@ def test_per_chunk_a_request_holds_the_entries_above_the_threshold_between_chunk
     engine = TokenKeyedEngine(EvictionConfig.from_dict(raw))
     plan = engine.worker.plan_for(PROMPT)
     keep = prompt_scores(engine) > tau  # token-keyed rows: a chunk's scores are the whole prompt's
-    chunk, window, evicted = 96, 8, 0
+    chunk, window, evicted = 96, engine.worker.policy.window, 0
     for done in range(0, PROMPT, chunk):
         end = min(done + chunk, PROMPT)
         engine.step([("r", PROMPT, done, end - done, None)])
