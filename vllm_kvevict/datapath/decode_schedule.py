@@ -90,6 +90,7 @@ class DecodeSchedule:
     ) -> None:
         self.policy = policy
         self.allocation = allocation
+        self.shape = shape
         self.num_layers = shape.num_layers
         self.num_kv_heads = shape.num_kv_heads
         self.block_size = block_size = shape.block_size

@@ -101,6 +101,17 @@ def kept_across_held(
     return [KeptTokens.from_mask(keep[index, :, : mask.shape[1]]) for index, mask in enumerate(valid)]
 
 
+def global_entries(
+    tables: BatchSubBlocks, shape: CacheShape, layer_idx: int, held: HeldEntries, compacted: bool
+) -> HeldEntries:
+    """``held`` of ``layer_idx`` with slots of the whole allocation: a request still in vLLM's layout holds
+    its rows in its layer's own region (the store's rows of a compacted one are global already)."""
+    if compacted:
+        return held
+    region = tables.layer_blocks * shape.num_kv_heads * shape.block_size
+    return HeldEntries(held.slots + layer_idx * region, held.positions, held.step_row)
+
+
 def place_across_layers(
     tables: BatchSubBlocks,
     slot: int,

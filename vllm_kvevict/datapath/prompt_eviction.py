@@ -14,7 +14,8 @@ from vllm_kvevict.datapath.kept_selection import PrefillChoice, select_kept
 from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTables, LayerTarget, evict_layer
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import place
-from vllm_kvevict.datapath.pooled_eviction import PooledPromptEviction
+from vllm_kvevict.datapath.pooled_decode import PooledTarget
+from vllm_kvevict.datapath.pooled_eviction import PooledPromptEviction, global_entries
 from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import cdiv
@@ -22,6 +23,7 @@ from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import KeptTokens, LayerKV
 from vllm_kvevict.policies.decode.decode_policy import gather_padded
+from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 if TYPE_CHECKING:
     from vllm_kvevict.datapath.decode_rescore import DecodeEviction
@@ -121,6 +123,7 @@ class PromptEviction:
         with self.timer.phase("selection"):
             moves, kept = self.pooled.compact(req)
         for index, layer_kept in enumerate(kept):
+            self.cap_starts.keep(req.req_id, index, layer_kept.indices.to(torch.int64))  # a cap starts here
             self._finish_layer(req, index, layer_kept)
         return moves
 
@@ -164,6 +167,8 @@ class PromptEviction:
         down to ``a(t)``, compacted straight from this step's standard-layout slots."""
         record, plan, decode = req.decode, req.plan, self.decode
         assert record is not None and plan is not None and decode is not None
+        if self.tables.layer_blocks:
+            return self._compact_pooled_with_cap(req, layer_idx, key, value)
         bs, heads = self.shape.block_size, self.shape.num_kv_heads
         prompt_len, generated, start = req.prompt_len, req.q_len - req.prompt_len, req.q_start
         if plan.compacts:
@@ -200,3 +205,34 @@ class PromptEviction:
             self.cap_starts.anchor(req.req_id, plan.prompt_len + generated)
         self._finish_layer(req, layer_idx, kept)
         return result.moves
+
+    def _compact_pooled_with_cap(
+        self, req: StepRequest, layer_idx: int, key: torch.Tensor, value: torch.Tensor
+    ) -> Moves | None:
+        """A recomputed request whose decode cap already applies, its blocks pooled across layers: every
+        row it computed in this step (the prompt and the recomputed output) is judged by the decode method
+        from the step's keys and values and, after the last layer, every layer's rows are ranked together
+        down to ``L · H · a(t)`` (``pooled_decode.py``)."""
+        plan, decode = req.plan, self.decode
+        assert plan is not None and decode is not None
+        heads, bs, layers = self.shape.num_kv_heads, self.shape.block_size, self.shape.num_layers
+        generated = req.q_len - req.prompt_len
+        standard = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
+        held = global_entries(self.tables, self.shape, layer_idx, standard, compacted=False)
+        rows = slice(req.q_start, req.q_start + req.q_len)
+        keys, values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)  # [H, P + t, D]
+        layer = HeldLayer(held.positions, keys, values, layer_idx, layers)
+        cap = plan.kept_length(generated)
+        with self.timer.phase("selection"):
+            decode.pooled.stash(layer, held.slots, req.req_id, cap)
+        if layer_idx < layers - 1:
+            return None
+        blocks = plan.blocks_freed(generated), cdiv(req.seq_len, bs)
+        target = PooledTarget(req.index, req.req_id, self._block_table[req.index], *blocks, cap)
+        with self.timer.phase("selection"):
+            moves, positions = decode.pooled.compact(target, self._tables.check)
+        for index, kept in enumerate(positions):
+            self.cap_starts.keep(req.req_id, index, kept)
+            self._finish_layer(req, index, KeptTokens(kept, (kept >= 0).sum(dim=1)))
+        self.cap_starts.anchor(req.req_id, plan.prompt_len + generated)
+        return moves

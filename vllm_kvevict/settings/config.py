@@ -33,6 +33,8 @@ from vllm_kvevict.settings.parsers import (
 #: how a prompt is evicted: chunk by chunk as vLLM's chunked prefill computes it, or once when it is whole
 #: (after its last chunk; vLLM's chunked prefill stays on either way unless a decode-time cap is set).
 PREFILL_MODES = ("chunked", "whole")
+#: the decode-time cap served with a budget pooled across layers (``budget_scope: "model"``)
+POOLED_DECODE_METHOD = "kvzap"
 #: settings of the prefill schedule that ``--kv-eviction-config`` may carry beside the method parameters.
 PREFILL_KEYS = (
     "prefill",
@@ -177,13 +179,20 @@ class EvictionConfig:
         return self.method == "kvzap" and self.params.get("budget_scope") == "model"  # policies/kvzap.py
 
     def _check_pooled(self) -> None:
-        """A budget pooled across layers is served without a decode-time cap."""
-        if not self.pools_layers:
+        """A budget pooled across layers takes a decode-time cap that ranks every layer's held entries
+        together by their own rows (``datapath/pooled_decode.py``): ``kvzap``, every head capped alike."""
+        if not self.pools_layers or self.decode is None:
             return
-        if self.decode is not None:
+        if self.decode.method != POOLED_DECODE_METHOD:
             raise EvictionConfigError(
-                f"kv_eviction.decode={self.decode.method!r} with budget_scope='model': a decode-time cap "
-                "re-scores each layer on its own; drop --kv-decode-eviction or budget_scope"
+                f"kv_eviction.decode.method={self.decode.method!r} with budget_scope='model': a pooled cap "
+                f"ranks every layer's entries by their own rows; valid: {POOLED_DECODE_METHOD} (or drop "
+                "--kv-decode-eviction or budget_scope)"
+            )
+        if self.decode.allocation != "uniform":
+            raise EvictionConfigError(
+                f"kv_eviction.decode.allocation={self.decode.allocation!r} with budget_scope='model': the "
+                "pooled ranking shares the cap across layers and heads itself; valid: uniform"
             )
 
     def _check_question_echo(self) -> None:

@@ -108,14 +108,6 @@ def test_kept_across_layers_keeps_the_plans_total_or_each_layers_newest_on_a_fai
     assert [k.indices.tolist() for k in fallback] == [[[2], [2]], [[1, 2], [1, 2]]]
 
 
-def test_a_pooled_budget_refuses_a_decode_cap() -> None:
-    from vllm_kvevict.settings.parsers import EvictionConfigError
-
-    raw = {"method": "kvzap", "budget": BUDGET, "params": {"budget_scope": "model"}}
-    with pytest.raises(EvictionConfigError, match="budget_scope='model'"):
-        EvictionConfig.from_dict({**raw, "decode": {"method": "roco", "budget": 256}})
-
-
 def chunked_config(prefill: str, chunk_budget: int) -> EvictionConfig:
     raw = pooled_config().to_dict()
     return EvictionConfig.from_dict({**raw, "prefill": prefill, "chunk_budget": chunk_budget})
