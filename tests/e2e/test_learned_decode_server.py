@@ -1,14 +1,17 @@
 """A decode-time cap with the learned scorer (``--kv-decode-eviction kvzap``) in a real ``vllm serve`` of the
-bundled model, with its shipped scorer (no ``--kv-eviction-config``), through HTTP and the ``openai`` client.
+bundled model, with its shipped scorer, through HTTP and the ``openai`` client: one server per layer, one with
+the budget pooled across layers (``budget_scope: "model"``: every layer's held entries ranked together at
+each re-score, ``datapath/pooled_decode.py``).
 
-One request: a 200-token prompt kept whole (``vllm_xargs kv_budget=1024``), so every eviction is the decode
-cap's, generating 100 tokens capped at 64 entries per KV head, re-scored every block (32 tokens). The worker
-saves each head's length right before every re-score (``KVEVICT_DEBUG_DUMP_DIR``). Mechanics only: the
-answer's quality is not checked.
+One request per server: a 200-token prompt kept whole (``vllm_xargs kv_budget=1024``), so every eviction is
+the decode cap's, generating 100 tokens capped at 64 entries per KV head (pooled: 64 per head on average over
+every layer), re-scored every block (32 tokens). The worker saves each head's length right before every
+re-score (``KVEVICT_DEBUG_DUMP_DIR``). Mechanics only: the answer's quality is not checked.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +62,11 @@ class Capped:
     dump: dict
     plan: RequestPlan
     log: str
+    scope: str  # budget_scope: "layer" or "model" (pooled across layers)
 
 
-@pytest.fixture(scope="module")
-def capped(model_dir, tmp_path_factory) -> Capped:
+@pytest.fixture(scope="module", params=["layer", "model"])
+def capped(request, model_dir, tmp_path_factory) -> Capped:
     from transformers import AutoTokenizer
 
     dump_dir = tmp_path_factory.mktemp("learned-decode")
@@ -73,7 +77,9 @@ def capped(model_dir, tmp_path_factory) -> Capped:
     plan = with_decode_cap(
         plan_request(PROMPT_TOKENS, WHOLE, BLOCK_SIZE, build_policy("kvzap"), NUM_LAYERS), CAP, None
     )
-    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
+    scope = ("--kv-eviction-config", json.dumps({"budget_scope": request.param}))
+    env = {DEBUG_DUMP_ENV: str(dump_dir)}
+    with VLLMServer(model_dir, extra_args=(*SERVER_ARGS, *scope), env=env) as server:
         result = client_of(server, timeout_s=900).completions.create(
             model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
             extra_body=ignore_eos_body({"kv_budget": WHOLE}),
@@ -89,6 +95,7 @@ def capped(model_dir, tmp_path_factory) -> Capped:
             dump=torch.load(dumps[0]),
             plan=plan,
             log=Path(server.log_path).read_text(),
+            scope=request.param,
         )
 
 
@@ -109,7 +116,16 @@ def test_the_learned_scorer_re_scores_on_the_plans_schedule_without_falling_back
 def test_blocks_are_freed_while_decoding_and_each_head_stays_under_its_cap(capped: Capped) -> None:
     plan = capped.plan
     assert capped.freed == plan.blocks_freed(OUTPUT_TOKENS - 1) > 0
-    for t, per_layer in zip(capped.dump["rescored_at"], capped.dump["lengths_before"], strict=True):
+    rescored = capped.dump["rescored_at"]
+    for index, (t, per_layer) in enumerate(zip(rescored, capped.dump["lengths_before"], strict=True)):
         assert len(per_layer) == NUM_LAYERS and all(len(heads) == NUM_KV_HEADS for heads in per_layer)
-        # right before a re-score a head holds what the last one kept (<= the cap) and the tokens since
-        assert max(map(max, per_layer)) <= max(CAP + 2 * BLOCK_SIZE, PROMPT_TOKENS + t), t
+        if not index:
+            assert per_layer == [[PROMPT_TOKENS + t] * NUM_KV_HEADS] * NUM_LAYERS  # the whole prompt, held
+            continue
+        since = t - rescored[index - 1]  # tokens written since the last re-score
+        if capped.scope == "layer":  # each head: what the last re-score kept (<= the cap), then the new ones
+            assert max(map(max, per_layer)) <= plan.kept_length(rescored[index - 1]) + since, t
+        else:  # pooled: the request, every layer and head together (heads and layers differ)
+            kept = NUM_LAYERS * NUM_KV_HEADS * plan.kept_length(rescored[index - 1])
+            assert sum(map(sum, per_layer)) == kept + NUM_LAYERS * NUM_KV_HEADS * since, t
+            assert len({length for heads in per_layer for length in heads}) > 1

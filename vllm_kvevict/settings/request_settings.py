@@ -146,13 +146,14 @@ def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig)
 
 
 #: what a request may set on a server whose requests pool their blocks across layers
-POOLED_OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY)
+POOLED_OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY, DECODE_BUDGET_KEY)
 
 
 def check_pooled_override(extra_args: Mapping[str, Any], server: EvictionConfig) -> None:
     """On a server whose requests pool their blocks across layers (``budget_scope: "model"``) a request may
-    set only its budget, when its prompt is evicted (``kv_prefill``) and whether it keeps a context
-    (``kv_context``), or keep its whole cache (``kv_eviction: "none"``): every other setting needs the
+    set only its budget, when its prompt is evicted (``kv_prefill``), whether it keeps a context
+    (``kv_context``) and its decode-time cap (``kv_decode_budget``, where the server runs one), or keep its
+    whole cache (``kv_eviction: "none"``): every other setting needs the
     per-layer store. Raises EvictionConfigError naming the key."""
     method = extra_args.get(METHOD_KEY, server.method)
     if method not in (server.method, NO_EVICTION):

@@ -356,6 +356,17 @@ def test_a_pooled_server_takes_a_budget_a_prefill_mode_a_kept_context_or_none_pe
         parse_override({"kv_question_echo": 8}, pooled)
 
 
+def test_a_pooled_server_with_a_decode_cap_takes_a_requests_own_cap_and_no_kept_context():
+    raw = {"method": "kvzap", "budget": 0.25, "params": {"budget_scope": "model"}}
+    capped = EvictionConfig.from_dict({**raw, "decode": {"method": "kvzap", "budget": 256}})
+    own = parse_override({"kv_decode_budget": 128}, capped)
+    assert own is not None and own.decode_budget == 128
+    with pytest.raises(EvictionConfigError, match=r"kv_context='keep': this server runs a decode-time cap"):
+        parse_override({"kv_context": "keep"}, capped)
+    with pytest.raises(EvictionConfigError, match=r"kv_decode_budget=128: this server runs no decode-time"):
+        parse_override({"kv_decode_budget": 128}, EvictionConfig.from_dict(raw))
+
+
 def test_a_pooled_threshold_server_keeps_no_context_and_evicts_between_chunks_where_per_layer_does_not():
     pooled = EvictionConfig("kvzap", 0.5, {"budget_scope": "model", "threshold": -3.5})
     assert parse_override({"kv_budget": 0.25}, pooled) == RequestOverride("kvzap", 0.25)
