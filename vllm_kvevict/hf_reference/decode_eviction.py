@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from vllm_kvevict.hf_reference.model import attention_modules
+from vllm_kvevict.policies.base import KeptTokens
 from vllm_kvevict.policies.decode.decode_policy import (
     DecodeEvictionPolicy,
     DecodeState,
@@ -26,17 +27,21 @@ from vllm_kvevict.policies.decode.decode_policy import (
     gather_padded,
 )
 from vllm_kvevict.policies.decode.held_layer import HeldLayer
+from vllm_kvevict.policies.kept_masks import across_layers_mask
 
 
 @dataclass(frozen=True)
 class DecodeCap:
     """One configuration: ``policy`` capping each KV head at ``cap`` entries (None: the full cache), with
-    Ada-style ragged caps across the heads of a layer (summing to H x cap) when ``ada_alpha`` is given."""
+    Ada-style ragged caps across the heads of a layer (summing to H x cap) when ``ada_alpha`` is given, or
+    with every layer's held entries ranked together when ``pooled`` (the best ``L x H x cap`` of the
+    method's scores: the server's ``budget_scope: "model"``, ``datapath/pooled_decode.py``)."""
 
     policy: DecodeEvictionPolicy | None
     cap: int = 0
     ada_alpha: float | None = None
     schedule: Callable[[int], int | None] | None = None
+    pooled: bool = False
 
     def rescore_cap(self, generated: int, interval: int) -> int | None:
         """The per-head cap to re-score to once ``generated`` tokens are in the cache, or None (no re-score).
@@ -59,7 +64,14 @@ class DecodeCap:
         if self.policy is None:
             return "full"
         ada = "" if self.ada_alpha is None else f" ada({self.ada_alpha})"
-        return f"{self.policy.name or type(self.policy).__name__}{ada}@{self.cap}"
+        pooled = " pooled" if self.pooled else ""
+        return f"{self.policy.name or type(self.policy).__name__}{ada}{pooled}@{self.cap}"
+
+    @property
+    def reads_layers(self) -> bool:
+        """True when the method judges each layer from its own rows (keys and values with the layer index:
+        a learned scorer's, ``reads_values``) or ranks every layer together (``pooled``)."""
+        return self.policy is not None and (self.pooled or self.policy.reads_values)
 
 
 @dataclass
@@ -204,6 +216,11 @@ class CappedDecoder:
         for index, (config, row) in enumerate(zip(self.configs, self.rows, strict=True)):
             if config.policy is None or caps[index] is None:
                 continue
+            if config.reads_layers:
+                kept = self._kept_by_layer(config, row, cache, index, int(caps[index]))  # type: ignore[arg-type]
+                row.held = gather_padded(row.held, kept, -1)
+                evicted[index] = self._hidden(row).reshape(layers, heads, self.length)
+                continue
             keys = torch.cat([cache.layers[i].keys[index] for i in range(layers)])  # [layers*H, length, d]
             held_keys = keys.gather(1, row.held.clamp(min=0)[..., None].expand(-1, -1, keys.shape[2]))
             last = self.needed[index]
@@ -228,13 +245,45 @@ class CappedDecoder:
                 state.keep(kept)
             row.state = state
             row.held = gather_padded(row.held, kept, -1)
-            hidden = torch.ones(layers * heads, self.length + 1, dtype=torch.bool)
-            # Column `length` absorbs the padding (-1 -> length) and is cut off below.
-            hidden.scatter_(1, torch.where(row.held >= 0, row.held, self.length).cpu(), False)
-            evicted[index] = hidden[:, : self.length].reshape(layers, heads, self.length)
+            evicted[index] = self._hidden(row).reshape(layers, heads, self.length)
         self.evicted = evicted.to(self.model.device)
         for idx, module in enumerate(self.modules):
             module.kvevict_evicted = self.evicted[:, idx]
+
+    def _hidden(self, row: _Row) -> torch.Tensor:
+        """[layers * H, length] bool: True at the positions ``row`` no longer holds."""
+        hidden = torch.ones(row.held.shape[0], self.length + 1, dtype=torch.bool)
+        # Column `length` absorbs the padding (-1 -> length) and is cut off.
+        hidden.scatter_(1, torch.where(row.held >= 0, row.held, self.length).cpu(), False)
+        return hidden[:, : self.length]
+
+    def _kept_by_layer(
+        self, config: DecodeCap, row: _Row, cache: DynamicCache, index: int, cap: int
+    ) -> torch.Tensor:
+        """[layers * H, M] the held columns ``row`` keeps, -1 padded, for a stateless method that scores
+        each layer from its own keys and values (``HeldLayer`` with the layer index): per layer its
+        ``select`` down to ``cap`` per head, or with ``pooled`` every layer's scores ranked together, the
+        best ``layers x H x cap`` (``+inf`` first)."""
+        policy = config.policy
+        assert policy is not None and row.state is None, "a stateless method that needs no queries"
+        layers, heads = len(self.modules), self.kv_heads
+        held = row.held.reshape(layers, heads, -1)
+        layer_views = []
+        for i in range(layers):
+            rows = held[i].clamp(min=0)[..., None]
+            keys, values = cache.layers[i].keys[index], cache.layers[i].values[index]  # [H, length, d]
+            picked = [part.gather(1, rows.expand(-1, -1, part.shape[2])) for part in (keys, values)]
+            layer_views.append(HeldLayer(held[i], picked[0], picked[1], i, layers))
+        if not config.pooled:
+            allocation = "uniform" if config.ada_alpha is None else "ada"
+            caps = [policy.layer_caps(None, view, cap, allocation) for view in layer_views]
+            kept = [policy.select(None, view, c)[0] for view, c in zip(layer_views, caps, strict=True)]
+            width = max(k.shape[1] for k in kept)
+            return torch.cat([torch.nn.functional.pad(k, (0, width - k.shape[1]), value=-1) for k in kept])
+        scores = torch.stack([policy.scores(None, layer).float() for layer in layer_views])
+        valid = held >= 0
+        keep = across_layers_mask(scores, min(layers * heads * cap, int(valid.sum()))) & valid
+        return KeptTokens.from_mask(keep.reshape(layers * heads, -1)).indices
 
 
 @torch.inference_mode()
