@@ -7,7 +7,7 @@ minus theirs), the share of kept entries among the newest ``cap`` positions (wha
 the share of heads that still hold position 0 (the attention sink).
 
     nice -n 10 .venv/bin/python benchmarks/decode_quality/kept_analysis.py --tokens 1024 --cap 256 \\
-        --out benchmarks/decode_quality/results/kept_analysis.json
+        --out docs/results/decode-quality/kept_analysis.json
 """
 
 from __future__ import annotations

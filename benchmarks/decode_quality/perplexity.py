@@ -9,7 +9,7 @@ decode policies the server runs (``vllm_kvevict.policies.decode``), in the HF ma
 of the methods; results are written after each cap (JSON), with the per-token NLL beside them (.pt).
 
     nice -n 10 .venv/bin/python benchmarks/decode_quality/perplexity.py \\
-        --out benchmarks/decode_quality/results/perplexity.json
+        --out docs/results/decode-quality/perplexity.json
 """
 
 from __future__ import annotations
@@ -89,6 +89,13 @@ def main() -> None:
         default=["streamingllm", "h2o", "roco", "snapkv"],
         help="decode methods, each NAME or NAME:param=value,... (e.g. roco:sinks=4)",
     )
+    parser.add_argument(
+        "--pooled",
+        nargs="*",
+        default=[],
+        help="decode methods (specs as --methods) also run with every layer's held entries ranked together "
+        "(L x H x cap kept: the server's budget_scope 'model'); a stateless method that reads values (kvzap)",
+    )
     parser.add_argument("--interval", type=int, default=16, help="generated tokens between re-scores")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -99,9 +106,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     try:
-        policies = {spec: decode_policy_from_spec(spec) for spec in args.methods}
+        policies = {spec: decode_policy_from_spec(spec) for spec in [*args.methods, *args.pooled]}
     except ValueError as error:
-        parser.error(f"--methods: {error}")
+        parser.error(f"--methods/--pooled: {error}")
+    rows = [(spec, False) for spec in args.methods] + [(spec, True) for spec in args.pooled]
     torch.set_num_threads(args.threads)
     model, tokenizer = load_reference_model(prepared_model_dir())
     ids = essay_tokens(tokenizer, args.tokens, args.seed)
@@ -120,7 +128,9 @@ def main() -> None:
     print(f"full: {results['rows'][-1]} ({time.time() - started:.0f} s)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for cap in args.caps:
-        configs = [DecodeCap(policies[spec], cap, ada_alpha=args.ada_alpha) for spec in args.methods]
+        configs = [
+            DecodeCap(policies[spec], cap, ada_alpha=args.ada_alpha, pooled=pooled) for spec, pooled in rows
+        ]
         t0 = time.time()
 
         def progress(done: int, t0: float = t0, cap: int = cap) -> None:
@@ -136,9 +146,9 @@ def main() -> None:
             forced=ids[1:],
             progress=progress,
         )
-        for index, (name, label) in enumerate(zip(args.methods, run.labels, strict=True)):
+        for index, ((name, pooled), label) in enumerate(zip(rows, run.labels, strict=True)):
             nlls[label] = run.nll[index]
-            row = {"label": label, "method": name, "cap": cap, **summary(run.nll[index])}
+            row = {"label": label, "method": name, "cap": cap, "pooled": pooled, **summary(run.nll[index])}
             row["max_held_per_head"] = int(run.max_held[index])
             row["seconds"] = round(time.time() - t0, 1)
             results["rows"].append(row)

@@ -8,7 +8,7 @@ once, greedy, ``ignore_eos``. The full-cache outputs of the first server are the
 other servers against it are the noise floor (the same request in other batches, bf16).
 
     .venv/bin/python benchmarks/decode_quality/server_agreement.py \\
-        --out benchmarks/decode_quality/results/server_agreement.json
+        --out docs/results/decode-quality/server_agreement.json
 """
 
 from __future__ import annotations

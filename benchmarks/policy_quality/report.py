@@ -1,7 +1,7 @@
 """Tables and plot of the needle benchmark: ``docs/policies.md`` (between its results markers) and
 ``docs/img/policies_needle.png``.
 
-    .venv/bin/python benchmarks/policy_quality/report.py benchmarks/policy_quality/results-*.jsonl
+    .venv/bin/python benchmarks/policy_quality/report.py docs/results/policy-quality/results-*.jsonl
 """
 
 from __future__ import annotations
