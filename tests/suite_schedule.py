@@ -15,7 +15,6 @@ SLOWEST_FIRST = (
     "tests/e2e/test_compacted_attention_reference.py",  # ~190
     "tests/e2e/test_pooled_blocks_server.py",  # ~100 alone (2026-12-06, AMX): server, three HF references
     "tests/e2e/test_threshold_server.py",  # ~95 (2026-12-06, AMX): two servers (per layer, pooled)
-    "tests/e2e/test_learned_decode_server.py",  # ~92 alone (2026-12-06, AMX): two servers (per layer, pooled)
     "tests/e2e/test_dashboard_prometheus.py",  # ~170: server + Prometheus
     "tests/unit/evaluation/test_kvpress_script.py",  # ~95: kvpress in .venv-ref
     "tests/install/test_wheel_install.py",  # ~70 (alone, 2026-11-27): wheel build, fresh venv, two servers

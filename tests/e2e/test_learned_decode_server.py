@@ -1,11 +1,13 @@
 """A decode-time cap with the learned scorer (``--kv-decode-eviction kvzap``) in a real ``vllm serve`` of the
-bundled model, with its shipped scorer, through HTTP and the ``openai`` client: one server per layer, one with
-the budget pooled across layers (``budget_scope: "model"``: every layer's held entries ranked together at
-each re-score, ``datapath/pooled_decode.py``).
+bundled model, with its shipped scorer, through HTTP and the ``openai`` client, with the budget pooled across
+layers (``budget_scope: "model"``: every layer's held entries ranked together at each re-score,
+``datapath/pooled_decode.py``). The per-layer re-score runs through a real server in
+``test_decode_eviction_server.py`` (other methods) and with this scorer through the worker's datapath
+(``tests/unit/datapath/test_kvzap_decode_worker.py``).
 
-One request per server: a 200-token prompt kept whole (``vllm_xargs kv_budget=1024``), so every eviction is
-the decode cap's, generating 100 tokens capped at 64 entries per KV head (pooled: 64 per head on average over
-every layer), re-scored every block (32 tokens). The worker saves each head's length right before every
+One request: a 200-token prompt kept whole (``vllm_xargs kv_budget=1024``), so every eviction is
+the decode cap's, generating 100 tokens capped at 64 entries per KV head on average over every layer and
+head, re-scored every block (32 tokens). The worker saves each head's length right before every
 re-score (``KVEVICT_DEBUG_DUMP_DIR``). Mechanics only: the answer's quality is not checked.
 """
 
@@ -33,6 +35,7 @@ SERVER_ARGS = (
     "--max-model-len", "1024", "--block-size", str(BLOCK_SIZE),
     "--kv-eviction", "kvzap", "--kv-budget", "64",
     "--kv-decode-eviction", "kvzap", "--kv-decode-budget", str(CAP),
+    "--kv-eviction-config", json.dumps({"budget_scope": "model"}),
 )  # fmt: skip
 FREED = "vllm_kvevict_decode_blocks_freed_total"
 RESCORES = "vllm_kvevict_decode_evictions_total"
@@ -62,11 +65,10 @@ class Capped:
     dump: dict
     plan: RequestPlan
     log: str
-    scope: str  # budget_scope: "layer" or "model" (pooled across layers)
 
 
-@pytest.fixture(scope="module", params=["layer", "model"])
-def capped(request, model_dir, tmp_path_factory) -> Capped:
+@pytest.fixture(scope="module")
+def capped(model_dir, tmp_path_factory) -> Capped:
     from transformers import AutoTokenizer
 
     dump_dir = tmp_path_factory.mktemp("learned-decode")
@@ -77,9 +79,7 @@ def capped(request, model_dir, tmp_path_factory) -> Capped:
     plan = with_decode_cap(
         plan_request(PROMPT_TOKENS, WHOLE, BLOCK_SIZE, build_policy("kvzap"), NUM_LAYERS), CAP, None
     )
-    scope = ("--kv-eviction-config", json.dumps({"budget_scope": request.param}))
-    env = {DEBUG_DUMP_ENV: str(dump_dir)}
-    with VLLMServer(model_dir, extra_args=(*SERVER_ARGS, *scope), env=env) as server:
+    with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
         result = client_of(server, timeout_s=900).completions.create(
             model=server.served_model_name, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
             extra_body=ignore_eos_body({"kv_budget": WHOLE}),
@@ -95,7 +95,6 @@ def capped(request, model_dir, tmp_path_factory) -> Capped:
             dump=torch.load(dumps[0]),
             plan=plan,
             log=Path(server.log_path).read_text(),
-            scope=request.param,
         )
 
 
@@ -113,19 +112,16 @@ def test_the_learned_scorer_re_scores_on_the_plans_schedule_without_falling_back
     assert "kv-eviction: decode kvzap scores with " in capped.log
 
 
-def test_blocks_are_freed_while_decoding_and_each_head_stays_under_its_cap(capped: Capped) -> None:
+def test_blocks_are_freed_while_decoding_and_the_request_holds_the_ranked_total(capped: Capped) -> None:
     plan = capped.plan
     assert capped.freed == plan.blocks_freed(OUTPUT_TOKENS - 1) > 0
-    rescored = capped.dump["rescored_at"]
+    rescored, heads = capped.dump["rescored_at"], NUM_LAYERS * NUM_KV_HEADS
     for index, (t, per_layer) in enumerate(zip(rescored, capped.dump["lengths_before"], strict=True)):
-        assert len(per_layer) == NUM_LAYERS and all(len(heads) == NUM_KV_HEADS for heads in per_layer)
+        assert len(per_layer) == NUM_LAYERS and all(len(layer) == NUM_KV_HEADS for layer in per_layer)
         if not index:
             assert per_layer == [[PROMPT_TOKENS + t] * NUM_KV_HEADS] * NUM_LAYERS  # the whole prompt, held
             continue
-        since = t - rescored[index - 1]  # tokens written since the last re-score
-        if capped.scope == "layer":  # each head: what the last re-score kept (<= the cap), then the new ones
-            assert max(map(max, per_layer)) <= plan.kept_length(rescored[index - 1]) + since, t
-        else:  # pooled: the request, every layer and head together (heads and layers differ)
-            kept = NUM_LAYERS * NUM_KV_HEADS * plan.kept_length(rescored[index - 1])
-            assert sum(map(sum, per_layer)) == kept + NUM_LAYERS * NUM_KV_HEADS * since, t
-            assert len({length for heads in per_layer for length in heads}) > 1
+        # every layer and head together: the last re-score's L·H·a(t), then the tokens written since
+        since = t - rescored[index - 1]
+        assert sum(map(sum, per_layer)) == heads * (plan.kept_length(rescored[index - 1]) + since), t
+        assert len({length for layer in per_layer for length in layer}) > 1  # ranked, not capped per head
