@@ -89,3 +89,10 @@ def test_one_rescore_keeps_the_scorers_best_per_layer_or_ranked_across_layers(ti
     assert int(counts.sum()) == LAYERS * HEADS * CAP and int(counts.max()) > CAP > int(counts.min())
     for row in (0, 1):  # the cap changed what the later tokens saw
         assert not torch.allclose(run.nll[row, INTERVAL + 1 :], run.nll[2, INTERVAL + 1 :], atol=1e-4)
+
+
+def test_only_a_method_that_scores_rows_alone_is_ranked_across_layers() -> None:
+    from vllm_kvevict.policies.decode import DecodeH2O
+
+    with pytest.raises(ValueError, match=r"pooled=True with \w+: ranking across layers needs"):
+        DecodeCap(DecodeH2O(), 64, pooled=True)

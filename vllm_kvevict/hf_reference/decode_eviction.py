@@ -58,6 +58,12 @@ class DecodeCap:
     def __post_init__(self) -> None:
         if self.policy is not None and self.cap < self.policy.min_cap:
             raise ValueError(f"cap={self.cap} is below {self.policy.name}'s minimum {self.policy.min_cap}")
+        if self.pooled and (self.policy is None or self.policy.query_window or not self.policy.reads_values):
+            name = "the full cache" if self.policy is None else self.policy.name or type(self.policy).__name__
+            raise ValueError(
+                f"pooled=True with {name}: ranking across layers needs a method that scores each entry from "
+                "its own key and value with no queries (kvzap)"
+            )
 
     @property
     def label(self) -> str:
