@@ -118,6 +118,30 @@ def test_each_rescore_keeps_the_best_entries_of_every_layer_ranked_together() ->
     assert engine.held_now("r") == [[head + new for head in layer] for layer in held]
 
 
+def test_two_requests_rescoring_in_one_step_each_keep_their_own_ranking() -> None:
+    """Two capped requests of different prompts decode in one batch and re-score in the same steps: each
+    holds its own ranking across layers, in its own kept blocks."""
+    engine = TokenKeyedEngine(config())
+    raw = raw_scores(engine)
+    prompts = {"a": PROMPT, "b": PROMPT - 40}
+    engine.step([(r, n, 0, n, None) for r, n in prompts.items()])
+    plans = {r: engine.worker.decode.records[r].plan for r in prompts}
+    both = 0
+    for t in range(1, 100):
+        before = {r: engine.held_now(r) for r in prompts}
+        engine.step([(r, n, n + t - 1, 1, None) for r, n in prompts.items()])
+        due = [r for r in prompts if plans[r].rescores_at(t)]
+        both += len(due) == 2
+        for r in due:
+            candidates = [[[*head, prompts[r] + t - 1] for head in layer] for layer in before[r]]
+            cap = plans[r].kept_length(t)
+            assert engine.held_now(r) == expected_ranking(candidates, raw, LAYERS * HEADS * cap), (r, t)
+            kept_blocks = set(engine.rows[r][plans[r].blocks_freed(t) :])
+            for layer in range(LAYERS):
+                assert {block % NUM_BLOCKS for block in engine.blocks_read(r, layer)} <= kept_blocks
+    assert both >= 1  # some step re-scored both
+
+
 def test_a_recomputed_request_is_ranked_across_layers_from_the_steps_rows() -> None:
     """Preempted after 100 tokens and recomputed in one step: every row it computed, in every layer, is
     ranked together down to L·H·a(100), and decoding goes on from there."""
