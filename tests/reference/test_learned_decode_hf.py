@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from learned_scorers import random_scorer
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from tiny_llama import tiny_llama
+from transformers import DynamicCache, LlamaForCausalLM
 
-from vllm_kvevict.hf_reference.attention import register_attention
 from vllm_kvevict.hf_reference.decode_eviction import DecodeCap, capped_decode
 from vllm_kvevict.policies.decode import build_decode_policy
 from vllm_kvevict.policies.kept_masks import across_layers_mask, top_k_mask
@@ -25,19 +25,7 @@ HEADS, DIM, LAYERS = 2, 16, 3
 
 @pytest.fixture(scope="module")
 def tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=HEADS,
-        head_dim=DIM,
-        max_position_embeddings=1024,
-    )
-    config._attn_implementation = register_attention()
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(LAYERS, HEADS, DIM)
 
 
 @pytest.fixture(scope="module")

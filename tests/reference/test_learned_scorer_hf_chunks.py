@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from learned_scorers import random_scorer
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama import tiny_llama
+from transformers import LlamaForCausalLM
 
-from vllm_kvevict.hf_reference.attention import register_attention
 from vllm_kvevict.hf_reference.chunked import chunked_prefill
 from vllm_kvevict.layout.accounting import request_planner
 from vllm_kvevict.policies.base import LayerKV
@@ -26,19 +26,7 @@ HEADS, DIM, LAYERS = 2, 16, 2
 
 @pytest.fixture(scope="module")
 def tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=HEADS,
-        head_dim=DIM,
-        max_position_embeddings=1024,
-    )
-    config._attn_implementation = register_attention()
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(LAYERS, HEADS, DIM)
 
 
 @pytest.fixture(scope="module")

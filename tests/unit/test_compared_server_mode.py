@@ -82,3 +82,12 @@ def test_bench_passes_its_eviction_config_to_the_eviction_server_only():
     (vanilla_label, vanilla), (_, evicting) = server_runs(args)
     assert vanilla_label == "vanilla" and "--kv-eviction-config" not in vanilla
     assert evicting[-2:] == ["--kv-eviction-config", '{"prefill": "chunked"}']
+
+
+def test_bench_passes_eviction_args_to_the_eviction_server_only():
+    from vllm_kvevict.cli.bench import server_runs
+
+    args = bench_args("--eviction-arg=--kv-decode-eviction", "--eviction-arg=kvzap")
+    (_, vanilla), (_, evicting) = server_runs(args)
+    assert "--kv-decode-eviction" not in vanilla
+    assert evicting[-2:] == ["--kv-decode-eviction", "kvzap"]

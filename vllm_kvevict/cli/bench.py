@@ -51,6 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--kv-eviction-config of the eviction server only, e.g. '{\"prefill\": \"chunked\"}'",
     )
     add(
+        "--eviction-arg",
+        action="append",
+        default=[],
+        help="extra `vllm serve` argument of the eviction server only (repeatable), e.g. "
+        "--eviction-arg=--kv-decode-eviction --eviction-arg=kvzap",
+    )
+    add(
         "--client",
         choices=("openai", "vllm"),
         default="openai",
@@ -78,6 +85,7 @@ def server_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     eviction = ["--kv-eviction", args.method, "--kv-budget", str(args.budget)]
     if args.kv_eviction_config is not None:
         eviction += ["--kv-eviction-config", args.kv_eviction_config]
+    eviction += args.eviction_arg
     return [
         ("vanilla", common_server_args(args)),
         (f"{args.method} @ {args.budget}", common_server_args(args) + eviction),

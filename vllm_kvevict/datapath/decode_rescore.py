@@ -8,11 +8,11 @@ the blocks the request keeps, and return the moves. When a request re-scores is 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.decode_schedule import DecodeRecord, DecodeSchedule, Rescore
 from vllm_kvevict.datapath.layer_eviction import (
     HeldEntries,
@@ -24,11 +24,10 @@ from vllm_kvevict.datapath.layer_eviction import (
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.placement import standard_entries
 from vllm_kvevict.datapath.policy_guard import guarded
-from vllm_kvevict.datapath.pooled_decode import PooledDecode, PooledTarget
+from vllm_kvevict.datapath.pooled_decode import PooledDecode
 from vllm_kvevict.datapath.pooled_eviction import global_entries
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.layout.accounting import cdiv
-from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.policies.base import KeptTokens
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, DecodeState, gather_padded
 from vllm_kvevict.policies.decode.held_layer import HeldLayer
@@ -85,16 +84,10 @@ class DecodeEviction(DecodeSchedule):
     """Decode-time caps of the requests on one worker: the schedule (``DecodeSchedule``) and the re-score
     (per layer, or ranked across layers after the last one where blocks are pooled across layers)."""
 
-    def __init__(
-        self,
-        policy: DecodeEvictionPolicy,
-        allocation: str,
-        shape: CacheShape,
-        tables: BatchSubBlocks,
-        interval: int | None = None,
-    ) -> None:
-        super().__init__(policy, allocation, shape, tables, interval)
-        self.pooled = PooledDecode(policy, shape, tables)
+    @functools.cached_property
+    def pooled(self) -> PooledDecode:
+        """The re-scores ranked across layers (blocks pooled across layers, ``pooled_decode.py``)."""
+        return PooledDecode(self.policy, self.shape, self.tables)
 
     # ----- re-score -------------------------------------------------------------------------------------
     def rescore_layer(
@@ -110,13 +103,7 @@ class DecodeEviction(DecodeSchedule):
         moves to make in the layer's cache (sources and destinations may overlap: gather, then scatter)."""
         if not rescores:
             return None
-        if self.tables.layer_blocks:  # blocks pooled across layers: ranked together after the last layer
-            moves = [
-                self._rescore_pooled(layer_idx, r, block_table[r.slot], rows, timer, tables.check)
-                for r in rescores
-            ]
-        else:
-            moves = [self._rescore(layer_idx, r, block_table[r.slot], rows, timer, tables) for r in rescores]
+        moves = [self._rescore(layer_idx, r, block_table[r.slot], rows, timer, tables) for r in rescores]
         if layer_idx == self.num_layers - 1:
             for r in rescores:
                 self._finish(r)
@@ -165,10 +152,14 @@ class DecodeEviction(DecodeSchedule):
         rows: CacheRows,
         timer: StepTimer,
         tables: LayerTables,
-    ) -> Moves:
+    ) -> Moves | None:
         record, plan = r.record, r.record.plan
         held = self.held(layer_idx, r, block_row, tables.check)
         self._dump_lengths(layer_idx, r, held)
+        if self.tables.layer_blocks:  # blocks pooled across layers: ranked together after the last layer
+            held = global_entries(self.tables, self.shape, layer_idx, held, r.compacted)
+            layer = self.held_layer(layer_idx, held.positions, held.slots, rows)
+            return self.pooled.rescore(layer, held.slots, r, block_row, timer, tables.check)
         layer = self.held_layer(layer_idx, held.positions, held.slots, rows)
         queries = self._queries(layer_idx, r) if self.policy.query_window else None
         choice = self.choice(record, layer, queries, plan.kept_length(r.generated))
@@ -178,35 +169,6 @@ class DecodeEviction(DecodeSchedule):
         result = evict_layer(layer_idx, held, choice, target, tables, timer)
         record.positions[layer_idx] = gather_padded(held.positions, result.kept.indices, -1)
         return result.moves
-
-    def _rescore_pooled(
-        self,
-        layer_idx: int,
-        r: Rescore,
-        block_row: torch.Tensor,
-        rows: CacheRows,
-        timer: StepTimer,
-        check: bool,
-    ) -> Moves | None:
-        """A request whose blocks are pooled across layers (``pooled_decode.py``): this layer is read and
-        scored; after the last layer every layer is ranked, placed and moved at once."""
-        record, plan = r.record, r.record.plan
-        held = global_entries(
-            self.tables, self.shape, layer_idx, self.held(layer_idx, r, block_row, check), r.compacted
-        )
-        self._dump_lengths(layer_idx, r, held)
-        cap = plan.kept_length(r.generated)
-        with timer.phase("selection"):
-            layer = self.held_layer(layer_idx, held.positions, held.slots, rows)
-            self.pooled.stash(layer, held.slots, r.req_id, cap)
-        if layer_idx < self.num_layers - 1:
-            return None
-        num_blocks = cdiv(plan.prompt_len + r.generated, self.block_size)
-        target = PooledTarget(r.slot, r.req_id, block_row, plan.blocks_freed(r.generated), num_blocks, cap)
-        with timer.phase("selection"):
-            moves, positions = self.pooled.compact(target, check)
-        record.positions = list(positions)
-        return moves
 
     def _dump_lengths(self, layer_idx: int, r: Rescore, held: HeldEntries) -> None:
         """Each head's held count before the re-score, for the debug dump (when it is on)."""

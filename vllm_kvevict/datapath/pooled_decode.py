@@ -22,11 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
+from vllm_kvevict.datapath.decode_schedule import Rescore
 from vllm_kvevict.datapath.kept_selection import log_fallback
 from vllm_kvevict.datapath.layer_eviction import HeldEntries
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded, policy_label
 from vllm_kvevict.datapath.pooled_eviction import kept_across_held, place_across_layers
+from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, gather_padded
 from vllm_kvevict.policies.decode.held_layer import HeldLayer
@@ -111,5 +114,26 @@ class PooledDecode:
         ]
         return moves, positions
 
-    def drop(self, req_id: str) -> None:
-        self._stashed.pop(req_id, None)
+    def rescore(
+        self,
+        layer: HeldLayer,
+        slots: torch.Tensor,
+        r: Rescore,
+        block_row: torch.Tensor,
+        timer: StepTimer,
+        check: bool,
+    ) -> Moves | None:
+        """One layer of a decode re-score of ``r`` (``layer``: what it holds, at whole-allocation ``slots``):
+        stashed; after the last layer every layer is ranked, placed in the blocks the plan keeps at
+        ``r.generated`` and moved at once, and the record holds each layer's new positions."""
+        plan, cap = r.record.plan, r.record.plan.kept_length(r.generated)
+        with timer.phase("selection"):
+            self.stash(layer, slots, r.req_id, cap)
+        if layer.layer_idx < self.shape.num_layers - 1:
+            return None
+        num_blocks = cdiv(plan.prompt_len + r.generated, self.shape.block_size)
+        target = PooledTarget(r.slot, r.req_id, block_row, plan.blocks_freed(r.generated), num_blocks, cap)
+        with timer.phase("selection"):
+            moves, positions = self.compact(target, check)
+        r.record.positions = list(positions)
+        return moves

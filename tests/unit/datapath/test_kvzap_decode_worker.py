@@ -10,6 +10,7 @@ import pytest
 import torch
 from learned_scorers import random_scorer
 from simulated_engine import DIM, HEADS, LAYERS, SimulatedEngine
+from token_keyed_engine import TokenKeyedEngine
 
 from vllm_kvevict import metrics
 from vllm_kvevict.policies.decode import HeldLayer
@@ -17,30 +18,10 @@ from vllm_kvevict.policies.decode.decode_policy import ada_caps_from_scores
 from vllm_kvevict.settings.config import EvictionConfig
 
 PROMPT, CAP, INTERVAL, SINKS, WINDOW = 300, 48, 16, 2, 8
-MAX_POSITION = 600
 
 
-class TokenKeyedEngine(SimulatedEngine):
-    """Each token's key is (position, head, layer) marks then a fixed random part, its value minus the key:
-    the same wherever and whenever it is written, so the test can score any held entry itself."""
-
-    def __init__(self, config: EvictionConfig) -> None:
-        super().__init__(config)
-        g = torch.Generator().manual_seed(7)
-        self.random_part = [torch.randn(MAX_POSITION, HEADS, DIM, generator=g) * 3 for _ in range(LAYERS)]
-
-    def tokens(self, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        query, key, _ = super().tokens(positions, layer)
-        key[:, :, 3:] = self.random_part[layer][positions][:, :, 3:]
-        return query, key, -key
-
-    def every_key(self, layer: int) -> torch.Tensor:
-        """[H, MAX_POSITION, D] the key each head of ``layer`` has at every position."""
-        keys = self.random_part[layer].clone()
-        keys[:, :, 0] = torch.arange(MAX_POSITION).float()[:, None]
-        keys[:, :, 1] = torch.arange(HEADS).float()
-        keys[:, :, 2] = layer
-        return keys.transpose(0, 1)
+def engine_of(config: EvictionConfig) -> TokenKeyedEngine:
+    return TokenKeyedEngine(config, seed=7, scales=[3.0] * LAYERS)
 
 
 def decode_config(method: str, allocation: str = "uniform") -> EvictionConfig:
@@ -103,7 +84,7 @@ def check_rows(held: HeldLayer, layer: int) -> None:
 def test_each_rescore_keeps_the_top_of_the_scorers_scores_over_what_each_head_holds(
     monkeypatch: pytest.MonkeyPatch, method: str, allocation: str
 ) -> None:
-    engine = TokenKeyedEngine(decode_config(method, allocation))
+    engine = engine_of(decode_config(method, allocation))
     raw = scorer_scores(engine)
     calls = spy_on_select(monkeypatch, engine)
     engine.step([("r", PROMPT, 0, PROMPT, None)])
@@ -141,7 +122,7 @@ def test_a_recomputed_request_is_judged_from_the_steps_keys_and_values(
 ) -> None:
     """Preempted after 100 tokens and recomputed in one step: the cap's choice sees the prompt's kept
     entries and the recomputed output with their own keys and values, and keeps the scorer's top a(100)."""
-    engine = TokenKeyedEngine(decode_config("kvzap"))
+    engine = engine_of(decode_config("kvzap"))
     raw = scorer_scores(engine)
     engine.step([("r", PROMPT, 0, PROMPT, None)])
     for t in range(1, 101):
@@ -160,7 +141,7 @@ def test_a_recomputed_request_is_judged_from_the_steps_keys_and_values(
 def test_nan_scores_fall_back_to_each_heads_newest_entries_and_are_counted(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = TokenKeyedEngine(decode_config("kvzap"))
+    engine = engine_of(decode_config("kvzap"))
     inner = engine.worker.decode.policy.inner
     monkeypatch.setattr(inner, "entry_scores", lambda layer: torch.full(layer.keys.shape[:2], float("nan")))
     fallbacks = metrics.process_metrics().policy_fallbacks.labels(method="kvzap", reason="nan_scores")

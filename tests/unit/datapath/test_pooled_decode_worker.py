@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from learned_scorers import random_scorer
-from simulated_engine import DIM, HEADS, LAYERS, NUM_BLOCKS, SimulatedEngine
+from simulated_engine import DIM, HEADS, LAYERS, NUM_BLOCKS
+from token_keyed_engine import MAX_POSITION, TokenKeyedEngine
 
 from tests.unit.layout.subblock_reference import layer_table
 from vllm_kvevict import metrics
@@ -20,36 +21,12 @@ from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.parsers import EvictionConfigError
 
 PROMPT, BUDGET, CAP, INTERVAL, SINKS, WINDOW = 300, 64, 48, 16, 2, 8
-MAX_POSITION = 600
 Held = list[list[list[int]]]  # per layer, per head, positions
 
 
-class TokenKeyedEngine(SimulatedEngine):
-    """A token's key is (position, head, layer) marks then a fixed random part scaled per layer (so the
-    layers' shares of the ranking differ), its value minus the key: the same whenever it is written."""
-
-    def __init__(self, config: EvictionConfig) -> None:
-        super().__init__(config)
-        g = torch.Generator().manual_seed(11)
-        self.random_part = [
-            torch.randn(MAX_POSITION, HEADS, DIM, generator=g) * (1 + 2 * layer) for layer in range(LAYERS)
-        ]
-
-    def tokens(self, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        query, key, _ = super().tokens(positions, layer)
-        key[:, :, 3:] = self.random_part[layer][positions][:, :, 3:]
-        return query, key, -key
-
-    def every_key(self, layer: int) -> torch.Tensor:
-        """[H, MAX_POSITION, D] the key each head of ``layer`` has at every position."""
-        keys = self.random_part[layer].clone()
-        keys[:, :, 0] = torch.arange(MAX_POSITION).float()[:, None]
-        keys[:, :, 1] = torch.arange(HEADS).float()
-        keys[:, :, 2] = layer
-        return keys.transpose(0, 1)
-
-    def held_now(self, req_id: str) -> Held:
-        return [self.held(req_id, layer) for layer in range(LAYERS)]
+def engine_of(config: EvictionConfig) -> TokenKeyedEngine:
+    """Scaled differently per layer, so the layers' shares of the ranking differ."""
+    return TokenKeyedEngine(config, seed=11, scales=[1.0 + 2 * layer for layer in range(LAYERS)])
 
 
 def config(decode: str = "kvzap", allocation: str = "uniform") -> EvictionConfig:
@@ -87,7 +64,7 @@ def decode_until(engine: TokenKeyedEngine, start: int, stop: int) -> None:
 
 
 def test_each_rescore_keeps_the_best_entries_of_every_layer_ranked_together() -> None:
-    engine = TokenKeyedEngine(config())
+    engine = engine_of(config())
     raw = raw_scores(engine)
     engine.step([("r", PROMPT, 0, PROMPT, None)])
     plan = engine.worker.decode.records["r"].plan
@@ -121,7 +98,7 @@ def test_each_rescore_keeps_the_best_entries_of_every_layer_ranked_together() ->
 def test_two_requests_rescoring_in_one_step_each_keep_their_own_ranking() -> None:
     """Two capped requests of different prompts decode in one batch and re-score in the same steps: each
     holds its own ranking across layers, in its own kept blocks."""
-    engine = TokenKeyedEngine(config())
+    engine = engine_of(config())
     raw = raw_scores(engine)
     prompts = {"a": PROMPT, "b": PROMPT - 40}
     engine.step([(r, n, 0, n, None) for r, n in prompts.items()])
@@ -145,7 +122,7 @@ def test_two_requests_rescoring_in_one_step_each_keep_their_own_ranking() -> Non
 def test_a_recomputed_request_is_ranked_across_layers_from_the_steps_rows() -> None:
     """Preempted after 100 tokens and recomputed in one step: every row it computed, in every layer, is
     ranked together down to L·H·a(100), and decoding goes on from there."""
-    engine = TokenKeyedEngine(config())
+    engine = engine_of(config())
     raw = raw_scores(engine)
     engine.step([("r", PROMPT, 0, PROMPT, None)])
     decode_until(engine, 1, 101)
@@ -166,7 +143,7 @@ def test_a_recomputed_request_is_ranked_across_layers_from_the_steps_rows() -> N
 def test_nan_scores_keep_every_layers_newest_entries_and_are_counted(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = TokenKeyedEngine(config())
+    engine = engine_of(config())
     inner = engine.worker.decode.policy.inner
     fallbacks = metrics.process_metrics().policy_fallbacks.labels(method="kvzap", reason="nan_scores")
     engine.step([("r", PROMPT, 0, PROMPT, None)])
