@@ -77,6 +77,8 @@ class PooledDecode:
             log_fallback(policy_label(self.policy), req_id, layer.layer_idx, str(exc), cap)
             scores = None
         held = HeldEntries(slots, layer.positions)
+        if layer.layer_idx == 0:  # a new re-score: nothing of an earlier, unfinished step is kept
+            self._stashed[req_id] = []
         self._stashed.setdefault(req_id, []).append(StashedHeld(held, scores))
 
     def _scores(self, layer: HeldLayer) -> torch.Tensor:
