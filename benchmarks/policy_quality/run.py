@@ -11,7 +11,8 @@ window 64, average pooling 5) choose their kept sets on the same tensors in ``.v
 runner, several sets per batch. Results go to a JSON-lines file, one line per (prompt, mode, method,
 fraction); a prompt already in the file is skipped, so the run can be resumed.
 
-    nice -n 10 .venv/bin/python benchmarks/policy_quality/run.py --out docs/results/policy-quality/results.jsonl
+    nice -n 10 .venv/bin/python benchmarks/policy_quality/run.py \\
+        --out docs/results/policy-quality/results.jsonl
 """
 
 from __future__ import annotations
