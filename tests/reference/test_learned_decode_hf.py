@@ -84,3 +84,13 @@ def test_only_a_method_that_scores_rows_alone_is_ranked_across_layers() -> None:
 
     with pytest.raises(ValueError, match=r"pooled=True with \w+: ranking across layers needs"):
         DecodeCap(DecodeH2O(), 64, pooled=True)
+
+
+def test_a_pooled_cap_above_what_any_head_holds_reads_as_the_full_cache(tiny_model, scorer) -> None:
+    _, directory = scorer
+    policy = build_decode_policy("kvzap", scorer=directory, window=WINDOW, sinks=SINKS)
+    ids = torch.randint(0, 256, (PROMPT + STEPS,), generator=torch.Generator().manual_seed(3))
+    configs = [DecodeCap(policy, PROMPT + STEPS, pooled=True), DecodeCap(None)]
+    run = capped_decode(tiny_model, ids[:PROMPT], configs, STEPS, INTERVAL, forced=ids[PROMPT:])
+    assert held_of(run.held[0]) == [list(range(PROMPT + STEPS - 1))] * (LAYERS * HEADS)
+    torch.testing.assert_close(run.nll[0], run.nll[1], atol=1e-5, rtol=1e-6)
