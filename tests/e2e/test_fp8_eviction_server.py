@@ -11,7 +11,7 @@ the layer's scales (``vllm_adapter/quantised_rows.py``):
   prompt evicted chunk by chunk (``kv_prefill: chunked``), sent twice through the prefix cache, and kept as a
   context (``kv_context: keep``) and read back, all answer;
 - a decode-time cap (its own server: a cap turns chunked prefill off) re-scores while generating and frees
-  blocks;
+  blocks: RoCo per layer, and the pooled budget's ``kvzap`` cap ranking every layer's entries together;
 - a budget pooled across layers (its own server, ``budget_scope: "model"``): whole, chunk by chunk and as a
   kept context, rows moved between layers' regions as fp8 bytes and read through each layer's scales, with a
   covering budget the fp8 vanilla server's tokens.
@@ -48,6 +48,11 @@ CAPPED = (
 POOLED = (
     *COMMON, "--kv-eviction", "kvzap", "--kv-budget", str(BUDGET),
     "--kv-eviction-config", '{"budget_scope": "model"}',
+)  # fmt: skip
+# the pooled budget's cap: every layer's held entries ranked together at each re-score
+POOLED_CAPPED = (
+    *POOLED, "--kv-decode-eviction", "kvzap", "--kv-decode-budget", str(BUDGET),
+    "--max-num-batched-tokens", "1024",
 )  # fmt: skip
 PROMPT = (
     "Inventory of the northern warehouse.\n"
@@ -138,9 +143,10 @@ def test_a_prompt_evicted_chunk_by_chunk_and_a_kept_context_answer(evicting):
     assert len(created) == len(reread) == TOKENS
 
 
-def test_a_decode_time_cap_rescores_an_fp8_cache_while_generating(model_dir, evicting):
+@pytest.mark.parametrize("server_args", [CAPPED, POOLED_CAPPED], ids=["roco-per-layer", "kvzap-pooled"])
+def test_a_decode_time_cap_rescores_an_fp8_cache_while_generating(model_dir, evicting, server_args):
     evicting.stop()  # one server at a time on the machine's cores
-    with VLLMServer(model_dir, extra_args=CAPPED, kv_cache_space_gib=1) as capped:
+    with VLLMServer(model_dir, extra_args=server_args, kv_cache_space_gib=1) as capped:
         tokens, _ = greedy(capped, max_tokens=200)
         assert len(tokens) == 200
         assert counter(capped, DECODE_FREED) > 0
