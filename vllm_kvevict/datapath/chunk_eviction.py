@@ -36,6 +36,7 @@ from vllm_kvevict.datapath.layer_eviction import (
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.placement import standard_entries
 from vllm_kvevict.datapath.pooled_chunks import PooledChunks
+from vllm_kvevict.datapath.pooled_eviction import global_entries
 from vllm_kvevict.datapath.prompt_queries import PromptQueries
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.datapath.shared_reads import HeldReads
@@ -231,7 +232,8 @@ class ChunkEviction:
         """A request whose blocks are pooled across layers (``pooled_chunks.py``): this layer is read and
         scored; after the last layer every layer is ranked, placed and moved at once."""
         assert not r.deferred, "a pooled budget is judged without the question echo"
-        held = self.pooled.global_entries(layer_idx, self.held(layer_idx, r, block_row, check), r.compacted)
+        held = self.held(layer_idx, r, block_row, check)
+        held = global_entries(self.tables, self.shape, layer_idx, held, r.compacted)
         self.pooled.stash(layer_idx, r, held, reads)
         if layer_idx < self.shape.num_layers - 1:
             return None

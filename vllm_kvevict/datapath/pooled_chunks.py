@@ -32,7 +32,6 @@ from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.layer_eviction import HeldEntries
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.pooled_eviction import (
-    global_entries,
     kept_across_held,
     place_across_layers,
     pooled_plan,
@@ -75,10 +74,6 @@ class PooledChunks:
         self.shape = shape
         self.tables = tables
         self._stashed: dict[str, list[StashedLayer]] = {}
-
-    def global_entries(self, layer_idx: int, held: HeldEntries, compacted: bool) -> HeldEntries:
-        """``held`` with slots of the whole allocation (``pooled_eviction.global_entries``)."""
-        return global_entries(self.tables, self.shape, layer_idx, held, compacted)
 
     def stash(self, layer_idx: int, r: ChunkRescore, held: HeldEntries, reads: HeldReads) -> None:
         """Read and score what ``layer_idx`` of ``r`` holds (``held``: slots of the whole allocation) and

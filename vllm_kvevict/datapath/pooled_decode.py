@@ -29,7 +29,7 @@ from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded, policy_label
 from vllm_kvevict.datapath.pooled_eviction import kept_across_held, place_across_layers
 from vllm_kvevict.datapath.records import StepTimer
-from vllm_kvevict.layout.accounting import cdiv
+from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, gather_padded
 from vllm_kvevict.policies.decode.held_layer import HeldLayer
@@ -56,6 +56,16 @@ class PooledTarget:
     first_block: int
     num_blocks: int
     cap: int
+
+    @staticmethod
+    def at(
+        slot: int, req_id: str, block_row: torch.Tensor, plan: RequestPlan, generated: int
+    ) -> PooledTarget:
+        """The target of a request whose plan is ``plan`` once ``generated`` tokens are in the cache: the
+        blocks the plan keeps then, and its cap ``a(t)``."""
+        num_blocks = cdiv(plan.prompt_len + generated, plan.block_size)
+        first_block = plan.blocks_freed(generated)
+        return PooledTarget(slot, req_id, block_row, first_block, num_blocks, plan.kept_length(generated))
 
 
 class PooledDecode:
@@ -116,6 +126,19 @@ class PooledDecode:
         ]
         return moves, positions
 
+    def rank(
+        self, layer: HeldLayer, slots: torch.Tensor, target: PooledTarget, timer: StepTimer, check: bool
+    ) -> tuple[Moves, list[torch.Tensor]] | None:
+        """One layer of a pooled re-score (``layer``: what it holds, at whole-allocation ``slots``): stashed;
+        after the last layer every layer is ranked, placed in ``target`` and the moves returned with each
+        layer's new positions (``compact``); None before the last layer."""
+        with timer.phase("selection"):
+            self.stash(layer, slots, target.req_id, target.cap)
+        if layer.layer_idx < self.shape.num_layers - 1:
+            return None
+        with timer.phase("selection"):
+            return self.compact(target, check)
+
     def rescore(
         self,
         layer: HeldLayer,
@@ -125,17 +148,12 @@ class PooledDecode:
         timer: StepTimer,
         check: bool,
     ) -> Moves | None:
-        """One layer of a decode re-score of ``r`` (``layer``: what it holds, at whole-allocation ``slots``):
-        stashed; after the last layer every layer is ranked, placed in the blocks the plan keeps at
-        ``r.generated`` and moved at once, and the record holds each layer's new positions."""
-        plan, cap = r.record.plan, r.record.plan.kept_length(r.generated)
-        with timer.phase("selection"):
-            self.stash(layer, slots, r.req_id, cap)
-        if layer.layer_idx < self.shape.num_layers - 1:
+        """One layer of a decode re-score of ``r`` (``rank``, in the blocks the plan keeps at
+        ``r.generated``); after the last layer the record holds each layer's new positions."""
+        target = PooledTarget.at(r.slot, r.req_id, block_row, r.record.plan, r.generated)
+        ranked = self.rank(layer, slots, target, timer, check)
+        if ranked is None:
             return None
-        num_blocks = cdiv(plan.prompt_len + r.generated, self.shape.block_size)
-        target = PooledTarget(r.slot, r.req_id, block_row, plan.blocks_freed(r.generated), num_blocks, cap)
-        with timer.phase("selection"):
-            moves, positions = self.compact(target, check)
+        moves, positions = ranked
         r.record.positions = list(positions)
         return moves

@@ -222,15 +222,11 @@ class PromptEviction:
         rows = slice(req.q_start, req.q_start + req.q_len)
         keys, values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)  # [H, P + t, D]
         layer = HeldLayer(held.positions, keys, values, layer_idx, layers)
-        cap = plan.kept_length(generated)
-        with self.timer.phase("selection"):
-            decode.pooled.stash(layer, held.slots, req.req_id, cap)
-        if layer_idx < layers - 1:
+        target = PooledTarget.at(req.index, req.req_id, self._block_table[req.index], plan, generated)
+        ranked = decode.pooled.rank(layer, held.slots, target, self.timer, self._tables.check)
+        if ranked is None:
             return None
-        blocks = plan.blocks_freed(generated), cdiv(req.seq_len, bs)
-        target = PooledTarget(req.index, req.req_id, self._block_table[req.index], *blocks, cap)
-        with self.timer.phase("selection"):
-            moves, positions = decode.pooled.compact(target, self._tables.check)
+        moves, positions = ranked
         for index, kept in enumerate(positions):
             self.cap_starts.keep(req.req_id, index, kept)
             self._finish_layer(req, index, KeptTokens(kept, (kept >= 0).sum(dim=1)))

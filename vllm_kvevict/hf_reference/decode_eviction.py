@@ -76,8 +76,8 @@ class DecodeCap:
     @property
     def reads_layers(self) -> bool:
         """True when the method judges each layer from its own rows (keys and values with the layer index:
-        a learned scorer's, ``reads_values``) or ranks every layer together (``pooled``)."""
-        return self.policy is not None and (self.pooled or self.policy.reads_values)
+        a learned scorer's, ``reads_values``; every ``pooled`` one is, ``__post_init__``)."""
+        return self.policy is not None and self.policy.reads_values
 
 
 @dataclass
