@@ -6,7 +6,7 @@ and heads: one ring write per layer for all capped decoding requests."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +23,10 @@ from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, Dec
 class DecodeRecord:
     """Decode-time state of one capped request on this worker.
 
+    plan: the plan its re-scores follow: ``admitted`` (the plan the request was admitted with), or for an
+        adaptive plan (KVzap's threshold) the plan of the bound its prompt kept
+        (``accounting.with_kept_bound``, the one the scheduler frees blocks by once the worker reported it;
+        ``DecodeSchedule.start_from``).
     positions[l]: [H, M] int64 positions each head of layer l held right after its last compaction, -1
         padded (None: never compacted, the head holds every position in the standard layout).
     anchor: first position of the tail every head appended since that compaction (same for all heads).
@@ -34,11 +38,13 @@ class DecodeRecord:
     row: int
     num_layers: int
     positions: list[torch.Tensor | None] = field(default_factory=list)
+    admitted: RequestPlan | None = None
     anchor: int = 0
     states: list[DecodeState | None] = field(default_factory=list)
     peaks: list[tuple[int, list[list[int]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.admitted = self.admitted or self.plan
         self.positions = [None] * self.num_layers
         self.states = [None] * self.num_layers
         self.anchor = self.plan.prompt_len
@@ -111,7 +117,7 @@ class DecodeSchedule:
         if not plan.decode_cap:
             return None
         record = self.records.get(req_id)
-        if record is None or record.plan != plan:
+        if record is None or record.admitted != plan:
             if record is not None:
                 self.ring.release(record.row)
             record = DecodeRecord(plan, self.ring.take_row(), self.num_layers)
@@ -127,15 +133,23 @@ class DecodeSchedule:
             record.row = self.ring.take_row()
             record.positions = [None] * self.num_layers
             record.states = [None] * self.num_layers
+            record.plan = record.admitted or record.plan  # a recomputed prompt keeps its own bound again
             record.anchor = record.plan.prompt_len
             self._slot_ids = None
 
-    def start_from(self, starts: CapStarts) -> None:
-        """Commit what the prompts compacted in the step that ended kept: their caps start from it."""
+    def start_from(self, starts: CapStarts, kept_plans: Mapping[str, RequestPlan]) -> None:
+        """Commit what the prompts compacted in the step that ended kept: their caps start from it. A prompt
+        of an adaptive plan kept a bound of its own (``kept_plans``: the plan each compacted request now
+        holds blocks by, ``EvictionRecords.requests``): its re-scores follow that plan's rule from now on,
+        as the scheduler's frees do once the step's report reaches it."""
         for req_id, per_layer in starts.positions.items():
             record = self.records.get(req_id)
             if record is None:
                 continue
+            kept_plan = kept_plans.get(req_id)
+            if kept_plan is not None and kept_plan.adaptive and kept_plan != record.plan:
+                record.plan = kept_plan
+                self._slot_ids = None  # the batch's rule is rebuilt from the records' plans
             for layer_idx, positions in enumerate(per_layer):
                 if positions is not None:
                     record.positions[layer_idx] = positions
@@ -240,6 +254,7 @@ class DecodeSchedule:
             "decode_cap": record.plan.decode_cap,
             "decode_interval": record.plan.decode_interval,
             "block_size": record.plan.block_size,
+            "kept_bound": record.plan.kept_bound,  # an adaptive plan's: the bound its prompt reported
             "rescored_at": [t for t, _ in record.peaks],
             "lengths_before": [lengths for _, lengths in record.peaks],
         }

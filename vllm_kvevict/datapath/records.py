@@ -95,14 +95,18 @@ class EvictionRecords:
             generated = req.seq_len - req.prompt_len
             kept = float(req.plan.kept_length(generated) - generated)
         self._set_kept(req.req_id, req.index, kept)
-        plan = self._kept_plan(req.req_id, req.plan, kept_per_head)
+        plan = self._kept_plan(req.req_id, req.plan, kept_per_head, req.decode is None)
         self.prompt_counts[req.req_id] = kept_per_head
         metrics.record_kept_per_head(req.policy.name, req.prompt_len, kept_per_head, plan.blocks_to_free)
 
-    def _kept_plan(self, req_id: str, plan: RequestPlan, kept_per_head: list[list[int]]) -> RequestPlan:
+    def _kept_plan(
+        self, req_id: str, plan: RequestPlan, kept_per_head: list[list[int]], reports: bool = True
+    ) -> RequestPlan:
         """The plan a compacted request holds blocks by: an adaptive plan takes the bound of its largest
-        layer (noted for the scheduler, ``take_kept_bounds``), any other is itself."""
-        if plan.adaptive:
+        layer (noted for the scheduler, ``take_kept_bounds``), any other is itself. ``reports`` False (a
+        recomputed prompt evicted straight to its decode cap, which keeps the a(t) of the plan it was
+        admitted with): no bound, both sides go on by ``plan``."""
+        if plan.adaptive and reports:
             bound = adaptive_kept_bound(plan, [sum(layer) for layer in kept_per_head], self.num_kv_heads)
             plan = with_kept_bound(plan, bound)
             self.kept_bounds[req_id] = bound

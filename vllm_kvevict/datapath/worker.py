@@ -181,7 +181,7 @@ class EvictionWorker:
         """The step is over: commit what its compacted prompts kept for their decode caps; publish."""
         if self._step is not None:
             if self.decode is not None:
-                self.decode.start_from(self._step.cap_starts)
+                self.decode.start_from(self._step.cap_starts, self.records.requests)
             self._step.publish()
             if self.ragged_creators:
                 self._record_entries()

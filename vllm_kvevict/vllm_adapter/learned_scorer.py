@@ -42,7 +42,7 @@ def learned_scorer_refusal(vllm_config: Any) -> str | None:
     if served is None:
         return None  # a request may still ask for kvzap: it is refused per request (HTTP 400)
     if learned is not None and learned.threshold is not None:
-        refusal = threshold_problem(config.method, learned.threshold, decode is not None, vllm_config)
+        refusal = threshold_problem(config.method, learned.threshold, vllm_config)
         if refusal is not None:
             return f"kv eviction refused: {refusal}"
     if problem is not None:
@@ -67,11 +67,11 @@ def learned_scorer_refusal(vllm_config: Any) -> str | None:
     return None
 
 
-def threshold_problem(method: str, threshold: float, decode_cap: bool, vllm_config: Any) -> str | None:
+def threshold_problem(method: str, threshold: float, vllm_config: Any) -> str | None:
     """Why the threshold mode (a kept count the scores set, the budget its ceiling) cannot be served with
     this configuration, else None: the worker reports each request's kept bound on the step's output,
-    which reaches the scheduler from one worker only, and a decode-time cap re-scores down to a count the
-    budget sets."""
+    which reaches the scheduler from one worker only. (A decode-time cap then follows the rule of the
+    reported bound on both sides: ``DecodeSchedule.start_from``.)"""
     parallel = getattr(vllm_config, "parallel_config", None)
     workers = getattr(parallel, "tensor_parallel_size", 1) * getattr(parallel, "pipeline_parallel_size", 1)
     if workers > 1:
@@ -79,11 +79,6 @@ def threshold_problem(method: str, threshold: float, decode_cap: bool, vllm_conf
             f"{method} with threshold={threshold}: each of the {workers} workers keeps its own heads' "
             "count and only one worker's report reaches the scheduler; serve it on one GPU (tensor and "
             "pipeline parallel size 1) or give a fixed budget (drop the threshold)"
-        )
-    if decode_cap:
-        return (
-            f"{method} with threshold={threshold} and a decode-time method: a decode cap re-scores down to a "
-            "count its budget sets from the prompt length; drop --kv-decode-eviction or the threshold"
         )
     return None
 
