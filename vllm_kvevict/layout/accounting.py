@@ -55,7 +55,9 @@ then on, a superset of the ceiling's; until the report arrives it holds the ceil
 writes outside of. Such a request never reads or publishes prefix-cache blocks (``adaptive``). A plan pooled
 across layers (``pooled``) keeps K entries of all layers in one pool: B'_r = align(ceil(K / (L·H))), the
 mean layer's bound, whose blocks hold L·H·(B'_r + bs) entries, enough for K and every (layer, head)'s last
-partial sub-block.
+partial sub-block. With a decode-time cap, both sides run the cap's rule on ``with_kept_bound(plan, B'_r)``
+from the report on (its own O0 and first re-score; the worker's ``DecodeSchedule.start_from``); a prompt
+recomputed with its cap applied is evicted to the a(t) of ``plan`` and reports no bound.
 """
 
 from __future__ import annotations
