@@ -53,17 +53,20 @@ class StashedLayer:
     """One layer of one request until the last layer has run: what its heads hold, as slots [H, W] of the
     whole allocation and positions [H, W] (-1 padded), of which the first ``ranked`` columns are judged,
     with their scores [H, ranked] float32 (``+inf``: always kept; None: the scorer failed, the request keeps
-    each layer's newest entries); the columns after them are tokens after the prompt, kept whole."""
+    each layer's newest entries); the columns after them are tokens after the prompt, kept whole. The
+    first ``shared`` columns are a prefix shared through vLLM's prefix cache: held as they are, never
+    judged or moved."""
 
     slots: torch.Tensor
     positions: torch.Tensor
     ranked: int
     scores: torch.Tensor | None
+    shared: int = 0
 
     @property
     def judged(self) -> torch.Tensor:
-        """[H, ranked] bool: the held entries the ranking judges (False: padding)."""
-        return self.positions[:, : self.ranked] >= 0
+        """[H, ranked] bool: the held entries the ranking judges (False: padding, a shared prefix)."""
+        return self.positions[:, : self.ranked] >= self.shared
 
 
 class PooledChunks:
@@ -80,9 +83,9 @@ class PooledChunks:
         keep it until the last layer; a failing scorer is logged and counted."""
         policy = r.policy
         assert isinstance(policy, KVzap), "only kvzap pools its budget across layers"
-        ranked = held.width - self.trailing(r)
-        positions = held.positions[:, :ranked]
-        keys, values = reads.read(held.slots[:, :ranked].clamp(min=0), 0, True)  # padding: masked below
+        ranked, shared = held.width - self.trailing(r), r.shared
+        positions = held.positions[:, shared:ranked]  # a shared prefix is neither read nor judged
+        keys, values = reads.read(held.slots[:, shared:ranked].clamp(min=0), 0, True)  # padding: masked below
         assert values is not None
         layer = LayerKV(
             keys=keys,
@@ -96,7 +99,8 @@ class PooledChunks:
             window_end = r.prompt_len if r.final else r.seq_len
             forced = (positions < policy.sinks) | (positions >= window_end - policy.window)
             scores = torch.where(forced & (positions >= 0), float("inf"), scores)
-        stashed = StashedLayer(held.slots, held.positions, ranked, scores)
+            scores = torch.nn.functional.pad(scores, (shared, 0), value=float("-inf"))  # [H, ranked]
+        stashed = StashedLayer(held.slots, held.positions, ranked, scores, shared)
         self._stashed.setdefault(r.req_id, []).append(stashed)
 
     @staticmethod
@@ -133,8 +137,9 @@ class PooledChunks:
             cdiv(r.seq_len, self.shape.block_size) + r.spare,
         )
         trailing = (self.trailing(r), stashed[0].ranked)
+        slots = [layer.slots for layer in stashed]
         moves, placements = place_across_layers(
-            self.tables, r.slot, block_row, blocks, kept, [layer.slots for layer in stashed], trailing, check
+            self.tables, r.slot, block_row, blocks, kept, slots, trailing, check, r.shared
         )
         held = zip(stashed, placements, strict=True)
         return moves, [placed.held_positions(layer.positions) for layer, placed in held]

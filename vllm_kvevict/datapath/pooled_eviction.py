@@ -27,7 +27,7 @@ from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded_scores, poli
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import RequestPlan, adaptive_kept_bound, cdiv, with_kept_bound
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.layout.shared_prefix import first_kept_block
+from vllm_kvevict.layout.shared_prefix import first_kept_block, shared_blocks
 from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy
 from vllm_kvevict.policies.kept_masks import across_layers_mask, whole_unit_mask
 from vllm_kvevict.policies.kvzap import KVzap
@@ -121,13 +121,16 @@ def place_across_layers(
     held_slots: list[torch.Tensor],
     trailing: tuple[int, int] = (0, 0),
     check: bool = True,
+    shared: int = 0,
 ) -> tuple[Moves, list[Placement]]:
     """Assign every layer's table of the request in ``slot`` from its one pool and return the moves of its
     kept entries there, with each layer's placement: layer l keeps ``kept[l]`` (columns of its held
     entries, whose slots in the whole allocation are held_slots[l] [H, W_l]) then ``trailing[0]`` entries
     per head from column ``trailing[1]`` on; ``blocks``: (first kept block, blocks the request holds). The
     kept entries of every layer take the pool first, the trailing ones the entries after them (so a kept
-    context's blocks hold the context alone); sources are read before any destination is written."""
+    context's blocks hold the context alone); sources are read before any destination is written.
+    ``shared``: prompt tokens of a prefix shared through vLLM's prefix cache (whole blocks): every layer's
+    table reads those blocks first, in its own region, and its kept entries after them."""
     store = tables.store
     assert store is not None
     heads, bs = store.num_kv_heads, store.block_size
@@ -138,7 +141,16 @@ def place_across_layers(
         counts = layer_kept.counts.to(device=slots.device, dtype=torch.int64)
         total = int(counts.sum())
         table = store.assign(
-            counts, block_row, first_block, 0, total, num_blocks=num_blocks, check=check, pool_start=taken
+            counts,
+            block_row,
+            first_block,
+            0,
+            total,
+            num_blocks,
+            check,
+            shared_blocks(shared, bs),
+            pool_start=taken,
+            group=len(assigned),
         )
         taken += int(table.cursor)
         assigned.append((table, total))
@@ -150,7 +162,7 @@ def place_across_layers(
     for layer_idx, (layer_kept, slots, (table, total)) in enumerate(layers):
         placed = place(layer_kept, count, trailing_from, total + heads * count, slots.device)
         sources.append(slots[placed.heads, placed.chosen])
-        destinations.append(placed.destinations(table, bs))
+        destinations.append(placed.destinations(table, bs, shared))
         placements.append(placed)
         tables.commit(layer_idx, slot, table, first_block, pool_cursor=taken)
     return Moves(torch.cat(sources), torch.cat(destinations)), placements

@@ -42,9 +42,10 @@ from vllm_kvevict.layout.accounting import RequestPlan, cdiv
 def reads_prefix_cache(plan: RequestPlan) -> bool:
     """True when a request with this (whole-prompt) plan may start from shared cached blocks: it evicts its
     prompt once, after the prompt, and never again, freeing blocks its prompt length decides (an adaptive
-    plan's follow its scores; a pooled plan's blocks hold every layer's entries, read in no standard
-    layout)."""
-    return not plan.decode_cap and not plan.evicts_between_chunks and not plan.adaptive and not plan.pooled
+    plan's follow its scores). A pooled plan's kept entries fill blocks after the freed range with every
+    layer's entries, as a per-layer plan's fill them with one layer's: the shared blocks and the freed range
+    stay standard, read by each layer in its own region."""
+    return not plan.decode_cap and not plan.evicts_between_chunks and not plan.adaptive
 
 
 def private_plan(

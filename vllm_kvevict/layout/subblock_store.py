@@ -470,6 +470,7 @@ class SubBlockStore:
         shared_blocks: int = 0,
         *,
         pool_start: int | torch.Tensor = 0,
+        group: int = 0,
     ) -> TableRows:
         """A request's table whose head h keeps ``counts[h]`` tokens then ``trailing`` more (tokens computed
         after the prompt in the same step), sub-blocks taken in head order from its pool — the assignment
@@ -477,16 +478,14 @@ class SubBlockStore:
         first reads the c leading blocks of its row in the standard layout (a prefix shared through vLLM's
         prefix cache: full, never part of the pool), then its own sub-blocks.
 
-        Pooled mode: the table of one layer, taking pool entries from ``pool_start`` on (int, or a [] int64
-        tensor on the device to avoid a read): the entries the request's earlier layers took in this
-        compaction, i.e. the sum of their tables' ``cursor``; layers are assigned in layer order. No
-        ``shared_blocks``. Elsewhere ``pool_start`` must be 0.
+        Pooled mode: the table of layer ``group``, taking pool entries from ``pool_start`` on (int, or a []
+        int64 tensor on the device to avoid a read): the entries the request's earlier layers took in this
+        compaction, i.e. the sum of their tables' ``cursor``; layers are assigned in layer order. Its shared
+        blocks are read in the layer's own region. Elsewhere ``pool_start`` and ``group`` must be 0.
 
         counts [H] int64 on the device; block_row [Wb] its block-table row; total = counts.sum() (host)."""
-        if not self.pooled and not (isinstance(pool_start, int) and pool_start == 0):
-            raise ValueError("pool_start is for a pooled store (layer_blocks > 0) only")
-        if self.pooled and shared_blocks:
-            raise ValueError("a pooled store does not read shared prefix blocks (shared_blocks must be 0)")
+        if not self.pooled and not (isinstance(pool_start, int) and pool_start == 0 and group == 0):
+            raise ValueError("pool_start and group are for a pooled store (layer_blocks > 0) only")
         bs, heads = self.block_size, self.num_kv_heads
         counts = counts.to(device=self.device, dtype=torch.int64)
         per_head = (counts + bs - 1) // bs
@@ -501,7 +500,7 @@ class SubBlockStore:
         rows = torch.where(valid, rows, 0)
         if shared_blocks:
             standard = block_row.to(torch.int64)[:shared_blocks][None, :] * heads + self._head_ids[:, None]
-            rows[:, :shared_blocks] = standard
+            rows[:, :shared_blocks] = standard + group * self.layer_blocks * heads  # the layer's region
         table = TableRows(
             rows.to(torch.int32), (counts + shared_blocks * bs).to(torch.int32), per_head.sum(), pool_start
         )

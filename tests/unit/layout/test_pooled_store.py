@@ -252,6 +252,40 @@ def test_standard_rows_read_their_own_layers_region(check: bool) -> None:
     assert slots[2, 0].tolist() == [((2 * nb + 9) * heads + h) * bs for h in range(heads)]
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_a_shared_prefix_is_read_in_each_layers_region_before_the_pooled_entries(check: bool) -> None:
+    """With ``shared_blocks`` = c every layer's table first reads the c leading blocks of the row in that
+    layer's own region (the standard rows of a prefix shared through vLLM's prefix cache), then the same
+    pool entries as without a prefix; its lengths count the prefix, and growth takes the next pool entry."""
+    layers, heads, bs, nb, c = 3, 2, 16, 40, 2
+    row = torch.tensor([5, 9, 11, 12, 13, 14, 0, 0], dtype=torch.int32)
+    counts = [[7, 20], [3, 0], [16, 9]]
+    tables = {}
+    for shared in (0, c):
+        store = SubBlockStore(layers, heads, bs, width=8, capacity=1, device="cpu", layer_blocks=nb)
+        taken, tables[shared] = 0, []
+        for layer, layer_counts in enumerate(counts):
+            table = store.assign(
+                torch.tensor(layer_counts), row, 4, 0, sum(layer_counts), 6, True, shared,
+                pool_start=taken, group=layer,
+            )  # fmt: skip
+            taken += int(table.cursor)
+            store.commit(layer, 0, table, 4, pool_cursor=taken)
+            tables[shared].append(table)
+        if shared:
+            yes = torch.tensor([True])
+            store.grow(1, torch.tensor([1]), yes, yes, row[None], torch.tensor([6]), 1, check)
+            grown = store.tables[1, 0, 1, c]  # layer 1 head 1 held nothing: its first own sub-block
+            column, offset = store._pool_entry(taken)
+            assert int(grown) == int(row[4 + column]) * heads + offset
+    for layer, (alone, after) in enumerate(zip(tables[0], tables[c], strict=True)):
+        prefix = (layer * nb + row[:c].to(torch.int64))[None, :] * heads + torch.arange(heads)[:, None]
+        assert torch.equal(after.rows[:, :c].to(torch.int64), prefix)
+        assert torch.equal(after.rows[:, c:], alone.rows[:, : 8 - c])
+        assert after.lengths.tolist() == [n + c * bs for n in counts[layer]]
+        assert int(after.cursor) == int(alone.cursor)
+
+
 def demand(counts: list[list[int]], tokens: int, bs: int) -> int:
     """Sub-blocks the (layer, head) pairs need after ``tokens`` more tokens: Σ_lh ceil((B_lh + t)/bs)."""
     return sum(cdiv(c + tokens, bs) for layer in counts for c in layer)
@@ -353,14 +387,14 @@ def test_pooled_mode_refuses_what_it_does_not_serve() -> None:
     with pytest.raises(ValueError, match="split"):
         pooled.split_groups(2)
     with pytest.raises(ValueError, match="shared"):
-        pooled.assign(torch.tensor([4, 4]), row, 1, 0, 8, 4, True, shared_blocks=1)
-    with pytest.raises(ValueError, match="shared"):
         BatchSubBlocks(2, 2, 16, shared=True, layer_blocks=8)
     with pytest.raises(ValueError, match="layer_blocks"):
         SubBlockStore(2, 2, 16, width=4, capacity=1, device="cpu", layer_blocks=-1)
     plain = SubBlockStore(2, 2, 16, width=4, capacity=1, device="cpu")
     with pytest.raises(ValueError, match="pool_start"):
         plain.assign(torch.tensor([4, 4]), row, 1, 0, 8, 4, True, pool_start=2)
+    with pytest.raises(ValueError, match="group"):
+        plain.assign(torch.tensor([4, 4]), row, 1, 0, 8, 4, True, group=1)
     table = plain.assign(torch.tensor([4, 4]), row, 1, 0, 8, 4, True)
     with pytest.raises(ValueError, match="pool_cursor"):
         plain.commit(0, 0, table, 1, pool_cursor=2)
