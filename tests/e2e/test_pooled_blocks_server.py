@@ -19,6 +19,10 @@ multiples of 256 tokens, ``chunk_stride``), ``KVEVICT_DEBUG_DUMP_DIR`` set, thre
 - **A kept context** (``kv_context: "keep"``, 10 %): its creator (1500 tokens, its last 28 after the context)
   keeps every (layer, head) count in whole blocks; a reader starts from the entry (vLLM's prefix-cache counter
   sees the hit) and its answer equals HF's question-agnostic run over the creator's kept entries.
+- **A shared prefix**: a prompt starting with the 768 tokens the whole prompt published (its first 24
+  blocks, the ones its compaction freed) reads them from vLLM's prefix cache, keeps them whole in every layer
+  and ranks only its own ~500 tokens across layers (the private plan's total); HF keeps the same entries, the
+  prefix whole, and agrees along 64 teacher-forced steps, closer than the full cache does.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 BUDGET, BLOCK_SIZE, LAYERS, HEADS = 0.25, 32, 30, 3  # SmolLM2-135M
 PROMPT_TOKENS = 1100
+SHARED, OWN = 768, 500  # the whole prompt's blocks its compaction freed (published), then a story's tokens
 FIRST_STEPS = 16
 #: I = 384 tokens per head between chunks (>= B' = 288 of an 1100-token prompt), evictions at multiples of
 #: 256 computed tokens (vLLM's steps take up to 2048): after 512, 768 and 1024
@@ -182,6 +187,31 @@ def kept_context(server, dump_dir, hf, chunked) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def shared(server, dump_dir, hf, whole, kept_context) -> dict:
+    """A prompt whose first SHARED tokens are the whole prompt's published blocks, then its own OWN."""
+    model, tokenizer = hf
+    prompt_ids = whole["prompt_ids"][:SHARED] + travel_prompt(tokenizer, OWN, seed=9)
+    before, hits = set(dump_dir.glob("*.pt")), server.metric_value(HITS)
+    tokens, vllm_logprobs = generate_in_vllm(server, prompt_ids, [], new_tokens=64)
+    hit = server.metric_value(HITS) - hits
+    own = kept_of(new_records(dump_dir, before, len(prompt_ids)))
+    prefix = torch.arange(SHARED).expand(HEADS, -1)
+    kept = [KeptTokens(torch.cat([prefix, k.indices], dim=1), k.counts + SHARED) for k in own]
+    everything = [KeptTokens.everything(HEADS, len(prompt_ids)) for _ in kept]
+    return {
+        "prompt_len": len(prompt_ids),
+        "hit": hit,
+        "own": torch.stack([k.counts for k in own]),  # [L, H] entries of its own part
+        "own_indices": own,
+        "tokens": tokens,
+        "vllm_logprobs": vllm_logprobs,
+        "masked": teacher_forced(model, prompt_ids, tokens, kept),
+        "full": teacher_forced(model, prompt_ids, tokens, everything),
+        "usage_after": server.wait_for_metric(USAGE, 0.0, 60.0),
+    }
+
+
 def plan_for(prompt_len: int, budget: float, schedule: dict | None = None):
     params = {"budget_scope": "model"}
     raw = {"method": "kvzap", "budget": budget, "params": params, **(schedule or {})}
@@ -260,3 +290,25 @@ def test_a_readers_answer_equals_hf_over_the_creators_entries(kept_context: dict
         kept_context["logprobs"], kept_context["tokens"], kept_context["masked"], kept_context["full"],
         min_moved=5,
     )  # fmt: skip
+
+
+# ----- a shared prefix ------------------------------------------------------------------------------------
+def test_a_shared_prefix_is_read_from_the_cache_and_only_the_own_part_is_ranked(shared: dict) -> None:
+    assert shared["hit"] == SHARED  # vLLM's own counter: the whole prompt published its freed blocks
+    private = plan_for(shared["prompt_len"] - SHARED, BUDGET)
+    assert private.compacts
+    counts = shared["own"]
+    assert int(counts.sum()) == HEADS * sum(private.layer_budgets)
+    assert len(set(counts.sum(dim=1).tolist())) > 1, "the layers' shares differ"
+    for kept in shared["own_indices"]:  # its own part only: the prefix is held whole, never ranked
+        positions = kept.indices[kept.indices >= 0]
+        assert int(positions.min()) >= SHARED and int(positions.max()) == shared["prompt_len"] - 1
+    assert shared["usage_after"] == 0.0
+
+
+def test_a_sharers_decoding_matches_hf_keeping_the_prefix_and_the_same_entries(shared: dict) -> None:
+    assert len(shared["tokens"]) == 64
+    assert_agrees_along_the_run(shared["vllm_logprobs"], shared["tokens"], shared["masked"])
+    masked = logprob_gap(shared["vllm_logprobs"], shared["tokens"], shared["masked"])
+    full = logprob_gap(shared["vllm_logprobs"], shared["tokens"], shared["full"])
+    assert float(masked.mean()) < float(full.mean()), (masked.mean(), full.mean())  # the entries held decide
