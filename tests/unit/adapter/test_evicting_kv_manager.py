@@ -239,11 +239,14 @@ def test_with_an_fp8_cache_compacting_requests_read_the_prefix_cache_as_with_bf1
         assert not quantised.skips_prefix_cache(request)
 
 
-def test_a_request_pooling_its_blocks_across_layers_neither_reads_nor_publishes(monkeypatch):
-    """``budget_scope: "model"``: a compacting request's kept blocks hold every layer's entries, so it skips
-    the prefix cache and publishes nothing, while a request of the same server that keeps its whole cache
-    uses the prefix cache as usual."""
+def test_a_request_pooling_its_blocks_across_layers_reads_and_publishes_its_frozen_blocks(monkeypatch):
+    """``budget_scope: "model"``: a compacting request's kept entries of every layer fill the blocks after its
+    freed range, so like a per-layer plan it reads the prefix cache and publishes the blocks its compaction
+    frees (never the kept ones); with a threshold (an adaptive plan) it skips the cache and publishes
+    nothing."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    from vllm_kvevict.layout.shared_prefix import publishable_tokens
 
     published = []
     monkeypatch.setattr(
@@ -251,11 +254,16 @@ def test_a_request_pooling_its_blocks_across_layers_neither_reads_nor_publishes(
         "cache_blocks",
         lambda self, request, num_tokens, *a, **k: published.append((request, num_tokens)),
     )
-    pooled = EvictionConfig("kvzap", 256, {"budget_scope": "model"})
-    manager, _ = make_manager(config=pooled)
-    compacting, whole = _request(4000), _request(4000, {"kv_eviction": "none"})
-    assert manager.skips_prefix_cache(compacting) and not manager.skips_prefix_cache(whole)
-    for r in (compacting, whole):
-        manager.admit_request(r.request_id, r.sampling_params)
-        manager.cache_blocks(r, r.num_prompt_tokens, replay_boundaries=[])
-    assert published == [(compacting, 0), (whole, 4000)]
+    pooled = {"budget_scope": "model"}
+    for params, reads in ((pooled, True), ({**pooled, "threshold": 0.0}, False)):
+        published.clear()
+        manager, _ = make_manager(config=EvictionConfig("kvzap", 256, params))
+        compacting, whole = _request(4000), _request(4000, {"kv_eviction": "none"})
+        assert manager.skips_prefix_cache(compacting) is not reads and not manager.skips_prefix_cache(whole)
+        for r in (compacting, whole):
+            manager.admit_request(r.request_id, r.sampling_params)
+            manager.cache_blocks(r, r.num_prompt_tokens, replay_boundaries=[])
+        plan = manager.request_plan(compacting.request_id, 4000)
+        frozen = publishable_tokens(plan, 0) if reads else 0
+        assert not reads or 0 < frozen == plan.blocks_to_free * plan.block_size < 4000
+        assert published == [(compacting, frozen), (whole, 4000)]
