@@ -250,6 +250,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--method", default="ada-snapkv")
     parser.add_argument("--budget", default="0.25")
+    parser.add_argument("--eviction-config", default=None, help="the eviction server's --kv-eviction-config")
     parser.add_argument("--kv-cache-space-gib", type=float, default=1)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="--num-gpu-blocks-override of both")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on both (default: compiled)")
@@ -269,13 +270,13 @@ def main() -> int:
     common = ["--max-model-len", str(longest + args.output_len + 64)]
     if args.num_kv_blocks is not None:
         common += ["--num-gpu-blocks-override", str(args.num_kv_blocks)]
+    eviction = [*common, "--kv-eviction", args.method, "--kv-budget", args.budget]
+    if args.eviction_config:
+        eviction += ["--kv-eviction-config", args.eviction_config]
     choices = {  # what --servers names: vanilla at vLLM's defaults, a second one (twin), the eviction server
         "vanilla": ("vanilla", common),
         "twin": ("vanilla twin", common),
-        "eviction": (
-            f"{args.method} @ {args.budget}",
-            [*common, "--kv-eviction", args.method, "--kv-budget", args.budget],
-        ),
+        "eviction": (f"{args.method} @ {args.budget} {args.eviction_config or ''}".strip(), eviction),
     }
     kinds = args.servers.split(",")
     if kinds[0] != "vanilla" or len(set(kinds)) != len(kinds) or not set(kinds) <= set(choices):

@@ -69,8 +69,9 @@ def fit_engine_to_pooled_blocks(engine_args: Any, is_cuda: bool | None = None) -
     """A request's blocks pooled across layers (``budget_scope: "model"``): the CPU backend only (vLLM's
     CPU allocation was measured; ``pooled_cache.py`` checks it) and one worker (what was tested); an fp8
     cache is served (its bytes move unchanged, each layer reads its own entries through its own scales).
-    Prefix caching stays on: a pooled request neither reads nor publishes cached blocks
-    (``shared_prefix.reads_prefix_cache``), the server's other requests do."""
+    Prefix caching stays on: a pooled request evicting its whole prompt reads and publishes cached blocks as a
+    per-layer one does (``shared_prefix.reads_prefix_cache``; its kept entries fill blocks after the ones it
+    frees)."""
     if is_cuda is None:
         from vllm.platforms import current_platform
 
