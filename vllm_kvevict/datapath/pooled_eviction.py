@@ -210,14 +210,13 @@ class PooledPromptEviction:
         plan = pooled_plan(plan, kept, heads)
         trailing = req.q_len - req.prompt_len  # tokens computed after the prompt (a recomputed request)
         held = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
-        region = self.tables.layer_blocks * heads * bs  # one layer's one-head-view slots
         moves, _ = place_across_layers(
             self.tables,
             req.index,
             self._block_table[req.index],
             (first_kept_block(plan, 0, req.seq_len, req.spare), cdiv(req.seq_len, bs) + req.spare),
             kept,
-            [held.slots + layer_idx * region for layer_idx in range(len(kept))],
+            [global_entries(self.tables, self.shape, index, held, False).slots for index in range(len(kept))],
             (trailing, req.prompt_len),
             self.check,
         )
