@@ -24,7 +24,7 @@ def random_scorer(
 ) -> SurrogateScorer:
     """A scorer of ``kind`` with seeded random weights for layers of ``kv_heads`` heads of ``head_dim``.
     per_head: block-diagonal weights, each head scored from its own features alone (what per-chunk eviction
-    needs, ``kvzap.scores_each_head_alone``); False: every head's score reads every head's features."""
+    needs, ``scores_each_head_alone``); False: every head's score reads every head's features."""
     fingerprint = fingerprint or {
         "architecture": "random",
         "num_hidden_layers": num_layers,

@@ -341,14 +341,19 @@ def evicting_tp3(model_dir, rank_binding):
 
 
 def test_tensor_parallel_3_answers_like_one_rank_and_counts_requests_once(evicting, evicting_tp3, tokenizer):
-    """Within the budget, and compacted with per-head SnapKV (each rank selects for its own KV head)."""
+    """Within the budget, and compacted with per-head SnapKV and with the learned scorer (each rank selects
+    for its own KV head; kvzap's rank scores it with its slice of the packaged scorer)."""
+    prompt = travel_log(1400, tokenizer, seed=44)
     cases = [("The capital of France is", None),
-             (travel_log(1400, tokenizer, seed=44), {"kv_eviction": "snapkv", "kv_budget": 256})]
+             (prompt, {"kv_eviction": "snapkv", "kv_budget": 256}),
+             (prompt, {"kv_eviction": "kvzap", "kv_budget": 256})]  # fmt: skip
     compacted = "vllm_kvevict_requests_compacted_total"
-    before = method_total(evicting_tp3, compacted, "snapkv")
+    before = {method: method_total(evicting_tp3, compacted, method) for method in ("snapkv", "kvzap")}
     for prompt, xargs in cases:
         one_rank = complete(evicting, prompt, xargs, max_tokens=24)
         three_ranks = complete(evicting_tp3, prompt, xargs, max_tokens=24)
-        assert three_ranks.choices[0].text == one_rank.choices[0].text
-    assert method_total(evicting_tp3, compacted, "snapkv") == before + 1  # not once per rank
+        assert three_ranks.choices[0].text == one_rank.choices[0].text, xargs
+    for method, count in before.items():
+        assert method_total(evicting_tp3, compacted, method) == count + 1  # not once per rank
+    assert method_total(evicting_tp3, "vllm_kvevict_policy_fallbacks_total", "kvzap") == 0.0
     assert wait_for_usage(evicting_tp3, 0.0) == 0.0

@@ -8,7 +8,7 @@ Two servers, one after the other (prefix caching on; the worker saves what each 
   compacts each request to its plan and frees the blocks; a context kept by one request (``kv_context:
   "keep"``, Ada-KV's head budgets in whole blocks) is read by the next; a request
   asking for per-chunk eviction is served, because the shipped scorer scores each head from its own head's
-  features alone (``kvzap.scores_each_head_alone``; a scorer reading every head is refused per chunk,
+  features alone (``scores_each_head_alone``; a scorer reading every head is refused per chunk,
   checked in ``tests/unit/settings/test_learned_requests.py`` and
   ``tests/unit/adapter/test_learned_scorer_startup.py``);
 - the shipped MLP scorer named with ``--kv-eviction-config '{"scorer": DIR}'``, vLLM's chunks of 512 tokens:

@@ -6,7 +6,7 @@ head, on standardised features. Weights come out in ``SurrogateScorer``'s layout
 only head h's block of features (features [N, F] are H blocks of F / H, head-major, as ``FEATURE_SETS``
 lay them out), so ``w1`` (and an MLP's ``w2``) are block-diagonal and a head's score does not depend on what
 the other heads hold in the same cache row: what per-chunk eviction needs, where after per-head eviction one
-cache row holds different tokens in different heads (``policies.kvzap.scores_each_head_alone``).
+cache row holds different tokens in different heads (``policies.surrogate_scorer.scores_each_head_alone``).
 ``joint``: every output reads every head's features (right only where all heads hold the same tokens)."""
 
 from __future__ import annotations

@@ -125,6 +125,7 @@ class KVzap(ScoredPolicy):
             scorer = served_scorer.scorer_without_directory(layer)
         else:
             scorer = served_scorer.load_scorer(self.scorer, device)
+        scorer = served_scorer.for_layer_heads(scorer, layer.num_kv_heads)  # a tensor-parallel rank's
         spec = scorer.spec
         if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
             layer.num_layers,
@@ -219,23 +220,3 @@ def learned_part(policy: object) -> KVzap | None:
     if isinstance(policy, KVzap):
         return policy
     return next((found for part in composed_parts(policy) if (found := learned_part(part))), None)
-
-
-def scores_each_head_alone(scorer: SurrogateScorer) -> bool:
-    """True when every head's score reads only that head's features (block-diagonal weights: a linear
-    scorer's ``w1``; an MLP's hidden units each reading one head's features and feeding that head alone),
-    so an entry's score does not depend on what the other heads hold in the same cache row."""
-    heads = scorer.spec.num_kv_heads
-    for layer in scorer.layers:
-        w1 = layer["w1"]  # [H * F, M]
-        reads = (w1.reshape(heads, -1, w1.shape[1]) != 0).any(dim=1)  # [H, M]: unit m reads head h
-        if scorer.spec.kind == "linear":
-            if not torch.equal(
-                reads | torch.eye(heads, dtype=torch.bool), torch.eye(heads, dtype=torch.bool)
-            ):
-                return False
-            continue
-        feeds = (layer["w2"] != 0).T  # [H, M]: unit m feeds head h
-        if bool(((reads | feeds).sum(dim=0) > 1).any()):
-            return False
-    return True

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvevict.policies.surrogate_scorer import SurrogateScorer, find_packaged_scorer, model_fingerprint
+from vllm_kvevict.policies.surrogate_scorer import (
+    SurrogateScorer,
+    find_packaged_scorer,
+    model_fingerprint,
+    scorer_for_heads,
+)
 
 if TYPE_CHECKING:
     from vllm_kvevict.policies.base import LayerKV
@@ -29,7 +34,7 @@ CALIBRATE_HINT = (
     '--kv-eviction-config \'{"scorer": "DIR"}\''
 )
 
-_served: dict[str, object] = {"model": None, "directory": None}
+_served: dict[str, object] = {"model": None, "directory": None, "heads": None}
 
 
 def serve_model(hf_config: object, model_name: str, directory: str | Path | None = None) -> str | None:
@@ -69,7 +74,35 @@ def served_scorer_problem() -> str | None:
 
 def forget_served_model() -> None:
     """Back to serving nothing (tests that call ``serve_model``)."""
-    _served.update(model=None, directory=None)
+    _served.update(model=None, directory=None, heads=None)
+
+
+def serve_heads(first: int, count: int, total: int) -> None:
+    """This process holds KV heads ``[first, first + count)`` of the model's ``total`` (a tensor-parallel
+    rank's, ``vllm_adapter/evicting_backend.py``): a scorer fitted on all of them scores these with its
+    slice for them (``for_layer_heads``)."""
+    if not 0 <= first < first + count <= total:
+        raise ValueError(f"heads [{first}, {first + count}) are not heads of a {total}-head model")
+    _served["heads"] = None if count == total else (first, count, total)
+
+
+def for_layer_heads(scorer: SurrogateScorer, num_kv_heads: int) -> SurrogateScorer:
+    """``scorer`` for a layer of ``num_kv_heads`` KV heads: itself, or on a tensor-parallel rank holding
+    those of the model's heads its slice for them (``scorer_for_heads``, made once per scorer)."""
+    heads = _served["heads"]
+    if not isinstance(heads, tuple) or scorer.spec.num_kv_heads == num_kv_heads:
+        return scorer
+    first, count, total = heads
+    if (count, total) != (num_kv_heads, scorer.spec.num_kv_heads):
+        return scorer  # not this rank's layout: the caller's shape check names the mismatch
+    key = (id(scorer), first, count)
+    if key not in _rank_scorers:
+        _rank_scorers[key] = (scorer, scorer_for_heads(scorer, first, count))  # keeps the key's id alive
+    return _rank_scorers[key][1]
+
+
+#: (id of a whole scorer, first head, head count) -> (that scorer, its slice for those heads)
+_rank_scorers: dict[tuple[int, int, int], tuple[SurrogateScorer, SurrogateScorer]] = {}
 
 
 @lru_cache(maxsize=8)

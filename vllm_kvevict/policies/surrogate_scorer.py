@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -255,3 +255,61 @@ def find_packaged_scorer(fingerprint: dict[str, object], kind: str | None = None
         if same and kind in (None, spec.get("kind")):
             found.append((spec.get("kind") != "mlp", directory))
     return min(found)[1] if found else None
+
+
+def scores_each_head_alone(scorer: SurrogateScorer) -> bool:
+    """True when every head's score reads only that head's features (block-diagonal weights: a linear
+    scorer's ``w1``; an MLP's hidden units each reading one head's features and feeding that head alone),
+    so an entry's score does not depend on what the other heads hold in the same cache row."""
+    heads = scorer.spec.num_kv_heads
+    for layer in scorer.layers:
+        w1 = layer["w1"]  # [H * F, M]
+        reads = (w1.reshape(heads, -1, w1.shape[1]) != 0).any(dim=1)  # [H, M]: unit m reads head h
+        if scorer.spec.kind == "linear":
+            if not torch.equal(
+                reads | torch.eye(heads, dtype=torch.bool), torch.eye(heads, dtype=torch.bool)
+            ):
+                return False
+            continue
+        feeds = (layer["w2"] != 0).T  # [H, M]: unit m feeds head h
+        if bool(((reads | feeds).sum(dim=0) > 1).any()):
+            return False
+    return True
+
+
+def scorer_for_heads(scorer: SurrogateScorer, first: int, count: int) -> SurrogateScorer:
+    """``scorer`` restricted to KV heads ``[first, first + count)`` (a tensor-parallel rank's heads): each of
+    those heads gets the score the whole scorer gives it, read from its own features alone. ValueError when
+    the scorer's heads do not score alone (``scores_each_head_alone``) or the range is not its heads'."""
+    spec, heads = scorer.spec, scorer.spec.num_kv_heads
+    if not 0 <= first < first + count <= heads:
+        raise ValueError(f"heads [{first}, {first + count}) are not heads of a {heads}-head scorer")
+    if not scores_each_head_alone(scorer):
+        raise ValueError(
+            f"the scorer of {spec.model_name} scores each head from every head's row; a rank holding "
+            f"{count} of its {heads} KV heads cannot use it: fit one whose heads score alone"
+        )
+    per_head = spec.input_dim // heads
+    rows, outputs = slice(first * per_head, (first + count) * per_head), slice(first, first + count)
+    layers = []
+    for layer in scorer.layers:
+        sliced = {"mean": layer["mean"][rows], "scale": layer["scale"][rows]}
+        if spec.kind == "linear":
+            sliced |= {"w1": layer["w1"][rows, outputs], "b1": layer["b1"][outputs]}
+        else:  # the hidden units that read or feed these heads (each reads and feeds one head at most)
+            units = (layer["w1"][rows] != 0).any(dim=0) | (layer["w2"][:, outputs] != 0).any(dim=1)
+            sliced |= {
+                "w1": layer["w1"][rows][:, units],
+                "b1": layer["b1"][units],
+                "w2": layer["w2"][units][:, outputs],
+                "b2": layer["b2"][outputs],
+            }
+        layers.append(sliced)
+    hidden = max(int(layer["w1"].shape[1]) for layer in layers) if spec.kind == "mlp" else None
+    if hidden is not None:  # layers may use different counts of units: pad with dead ones
+        for layer in layers:
+            pad = hidden - int(layer["w1"].shape[1])
+            layer["w1"] = torch.nn.functional.pad(layer["w1"], (0, pad))
+            layer["b1"] = torch.nn.functional.pad(layer["b1"], (0, pad))
+            layer["w2"] = torch.nn.functional.pad(layer["w2"], (0, 0, 0, pad))
+    return SurrogateScorer(replace(spec, num_kv_heads=count, hidden_dim=hidden), layers)

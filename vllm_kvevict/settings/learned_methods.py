@@ -9,7 +9,7 @@
   questions it will be asked (docs/benchmarks.md, "Kept contexts"); the request reports ``ada-kvzap`` and
   shares the entry with ``ada-kvzap`` keepers. Without a scorer it keeps the context as itself.
 - Per-chunk eviction scores held entries again after every head kept its own: it needs a scorer whose heads
-  score alone (``kvzap.scores_each_head_alone``); with any other the request is refused (400), the server at
+  score alone (``scores_each_head_alone``); with any other the request is refused (400), the server at
   start-up. The threshold mode per layer evicts whole prompts only (every head holds the count a budget sets
   between chunks). Pooled across layers (``budget_scope: "model"``) it is evicted per chunk too: between
   chunks the ranking keeps the entries above the threshold, at most the rule's ``L·H·a(n)``, after the last
@@ -22,8 +22,9 @@ from typing import Any
 
 from vllm_kvevict.policies import served_scorer
 from vllm_kvevict.policies.base import EvictionPolicy
-from vllm_kvevict.policies.kvzap import learned_part, scores_each_head_alone
+from vllm_kvevict.policies.kvzap import learned_part
 from vllm_kvevict.policies.registry import available_methods
+from vllm_kvevict.policies.surrogate_scorer import scores_each_head_alone
 
 #: A method -> the question-agnostic method it keeps a context as, where the served model has a scorer.
 KEPT_CONTEXT_AS = {"ada-snapkv": "ada-kvzap"}

@@ -34,6 +34,7 @@ from vllm_kvevict.settings.additional_config import get_eviction_config
 from vllm_kvevict.vllm_adapter import model_support
 from vllm_kvevict.vllm_adapter.echo_forward import load_chat_marks
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec, evicting_spec_from
+from vllm_kvevict.vllm_adapter.learned_scorer import serve_rank_heads
 from vllm_kvevict.vllm_adapter.pooled_cache import PooledLayoutError, pooled_cache
 
 logger = init_logger("vllm.kvevict.backend")
@@ -85,6 +86,7 @@ def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWo
             layer_blocks=vllm_config.cache_config.num_gpu_blocks or 0,
         )
         slot.worker = worker
+        serve_rank_heads(vllm_config, spec.num_kv_heads)  # a learned scorer scores this rank's KV heads
         # At start-up, not in the first request: loading the tokenizer took 0.4 s of py-spy samples there.
         worker.use_chat_marks(load_chat_marks(vllm_config))
         logger.info(

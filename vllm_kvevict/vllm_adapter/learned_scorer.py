@@ -17,8 +17,8 @@ import logging
 from typing import Any
 
 from vllm_kvevict.policies import served_scorer
-from vllm_kvevict.policies.kvzap import KVzap, learned_part, scores_each_head_alone
-from vllm_kvevict.policies.surrogate_scorer import model_fingerprint
+from vllm_kvevict.policies.kvzap import KVzap, learned_part
+from vllm_kvevict.policies.surrogate_scorer import model_fingerprint, scores_each_head_alone
 from vllm_kvevict.settings.learned_methods import chunked_problem
 
 logger = logging.getLogger("vllm.kvevict")
@@ -57,6 +57,8 @@ def learned_scorer_refusal(vllm_config: Any) -> str | None:
             return f"kv eviction refused: {config.method} with threshold_scope=layer: {exc}"
     if learned is not None and config.chunked and (chunked := chunked_problem(config.method, learned)):
         return f"kv eviction refused: {chunked}"
+    if learned is not None and (parallel := tensor_parallel_problem(config.method, learned, vllm_config)):
+        return f"kv eviction refused: {parallel}"
     if decoding is not None and decode is not None:
         refusal = decode_problem(decode.method, decoding, model_config.hf_config, name)
         if refusal is not None:
@@ -81,6 +83,42 @@ def threshold_problem(method: str, threshold: float, vllm_config: Any) -> str | 
             "pipeline parallel size 1) or give a fixed budget (drop the threshold)"
         )
     return None
+
+
+def tensor_parallel_problem(method: str, learned: KVzap, vllm_config: Any) -> str | None:
+    """Why ``learned``'s scorer cannot score on this server's tensor-parallel ranks, else None: each rank
+    holds its own KV heads and scores them with its slice of the scorer (``served_scorer.for_layer_heads``),
+    which exists only for a scorer whose heads score alone."""
+    ranks = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    directory = learned.scorer or served_scorer.served_scorer_dir()
+    if ranks == 1 or directory is None or scores_each_head_alone(served_scorer.load_scorer(str(directory))):
+        return None
+    return (
+        f"{method} on {ranks} tensor-parallel ranks: scorer {directory} scores each head from every head's "
+        "row, and each rank holds only its own KV heads; fit one whose heads score alone (calibrate "
+        "without --heads joint) or serve it with --tensor-parallel-size 1"
+    )
+
+
+def rank_heads(total: int, local: int, rank: int, ranks: int) -> tuple[int, int]:
+    """(first, count) of the model's ``total`` KV heads that tensor-parallel ``rank`` of ``ranks`` holds
+    (``local`` of them): consecutive slices, or with more ranks than heads each head replicated on
+    ``ranks / total`` consecutive ranks (vLLM's split of KV heads)."""
+    first = rank * local if ranks <= total else rank * total // ranks
+    return first, local
+
+
+def serve_rank_heads(vllm_config: Any, local_heads: int) -> None:
+    """Record which of the model's KV heads this worker process holds (``served_scorer.serve_heads``), so
+    a learned scorer fitted on all of them scores this rank's with its slice for them."""
+    ranks = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    if ranks == 1:
+        return  # every head: the scorer as it is
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    first, count = rank_heads(total, local_heads, get_tensor_model_parallel_rank(), ranks)
+    served_scorer.serve_heads(first, count, total)
 
 
 def decode_problem(method: str, learned: KVzap, hf_config: Any, model_name: str) -> str | None:

@@ -13,8 +13,7 @@ import torch
 from transformers import AutoConfig, GPT2Config
 
 from vllm_kvevict.cli.main import main
-from vllm_kvevict.policies.kvzap import scores_each_head_alone
-from vllm_kvevict.policies.surrogate_scorer import SurrogateScorer, model_fingerprint
+from vllm_kvevict.policies.surrogate_scorer import SurrogateScorer, model_fingerprint, scores_each_head_alone
 
 pytestmark = pytest.mark.model
 

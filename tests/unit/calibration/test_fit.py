@@ -10,8 +10,12 @@ import torch
 from vllm_kvevict.calibration.config import FitConfig
 from vllm_kvevict.calibration.fit import fit_mlp, fit_ridge, predict
 from vllm_kvevict.calibration.metrics import held_out_fit, r2_per_head, top_overlap
-from vllm_kvevict.policies.kvzap import scores_each_head_alone
-from vllm_kvevict.policies.surrogate_scorer import ScorerSpec, SurrogateScorer, kv_pair_norm_features
+from vllm_kvevict.policies.surrogate_scorer import (
+    ScorerSpec,
+    SurrogateScorer,
+    kv_pair_norm_features,
+    scores_each_head_alone,
+)
 
 
 def planted(n: int = 4000, features: int = 12, heads: int = 3, seed: int = 0):

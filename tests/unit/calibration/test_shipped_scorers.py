@@ -1,5 +1,5 @@
 """The scorers that ship for the bundled model score each KV head from its own head's features alone, so
-per-chunk eviction is served with them (``kvzap.scores_each_head_alone``), and their weights are float16."""
+per-chunk eviction is served with them (``scores_each_head_alone``), and their weights are float16."""
 
 from __future__ import annotations
 
@@ -7,8 +7,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_kvevict.policies.kvzap import scores_each_head_alone
-from vllm_kvevict.policies.surrogate_scorer import PACKAGED_SCORERS, WEIGHTS_FILE, SurrogateScorer
+from vllm_kvevict.policies.surrogate_scorer import (
+    PACKAGED_SCORERS,
+    WEIGHTS_FILE,
+    SurrogateScorer,
+    scores_each_head_alone,
+)
 
 SHIPPED = ("smollm2-135m-instruct-linear", "smollm2-135m-instruct-mlp")
 

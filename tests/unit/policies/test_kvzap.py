@@ -16,8 +16,9 @@ from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import LayerKV
 from vllm_kvevict.policies.between_chunks import between_chunks
 from vllm_kvevict.policies.kept_masks import safeguard_size
-from vllm_kvevict.policies.kvzap import KVzap, learned_part, scores_each_head_alone
+from vllm_kvevict.policies.kvzap import KVzap, learned_part
 from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.policies.surrogate_scorer import scores_each_head_alone
 
 N, BUDGET = 120, 48
 
