@@ -5,10 +5,11 @@ Every vLLM process (API server, EngineCore, workers) runs it with its config thr
 (``plugin.install_eviction_if_configured``): it records the served model and its scorer
 (``policies/served_scorer.py``) so all of them resolve a policy without a scorer directory alike, and it
 refuses, in one line before any weight loads, a server whose method needs a scorer the model has none of,
-that asks for the threshold mode where it cannot be served (several workers, a decode-time cap, per-chunk
-eviction with a per-layer budget), or that scores held entries again (chunk by chunk, or decode-time caps)
-with a scorer whose heads do not score alone: after per-head eviction one cache row holds different tokens
-in different heads.
+that asks for the threshold mode where it cannot be served (several workers, per-chunk eviction with a
+per-layer budget), or that needs a scorer whose heads score alone and has another: one that scores held
+entries again (chunk by chunk, or decode-time caps; after per-head eviction one cache row holds different
+tokens in different heads) or that runs on several tensor-parallel ranks (each scores its own heads with its
+slice of the scorer, ``serve_rank_heads``).
 """
 
 from __future__ import annotations
