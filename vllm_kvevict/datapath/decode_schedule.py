@@ -38,13 +38,13 @@ class DecodeRecord:
     row: int
     num_layers: int
     positions: list[torch.Tensor | None] = field(default_factory=list)
-    admitted: RequestPlan | None = None
+    admitted: RequestPlan = field(init=False)
     anchor: int = 0
     states: list[DecodeState | None] = field(default_factory=list)
     peaks: list[tuple[int, list[list[int]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.admitted = self.admitted or self.plan
+        self.admitted = self.plan
         self.positions = [None] * self.num_layers
         self.states = [None] * self.num_layers
         self.anchor = self.plan.prompt_len
@@ -133,7 +133,7 @@ class DecodeSchedule:
             record.row = self.ring.take_row()
             record.positions = [None] * self.num_layers
             record.states = [None] * self.num_layers
-            record.plan = record.admitted or record.plan  # a recomputed prompt keeps its own bound again
+            record.plan = record.admitted  # a recomputed prompt reports its own bound again
             record.anchor = record.plan.prompt_len
             self._slot_ids = None
 

@@ -137,7 +137,7 @@ def place_across_layers(
     first_block, num_blocks = blocks
     count, trailing_from = trailing
     assigned, taken = [], 0
-    for layer_kept, slots in zip(kept, held_slots, strict=True):
+    for layer_idx, (layer_kept, slots) in enumerate(zip(kept, held_slots, strict=True)):
         counts = layer_kept.counts.to(device=slots.device, dtype=torch.int64)
         total = int(counts.sum())
         table = store.assign(
@@ -150,7 +150,7 @@ def place_across_layers(
             check,
             shared_blocks(shared, bs),
             pool_start=taken,
-            group=len(assigned),
+            group=layer_idx,
         )
         taken += int(table.cursor)
         assigned.append((table, total))

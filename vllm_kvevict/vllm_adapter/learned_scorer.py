@@ -90,7 +90,7 @@ def tensor_parallel_problem(method: str, learned: KVzap, vllm_config: Any) -> st
     """Why ``learned``'s scorer cannot score on this server's tensor-parallel ranks, else None: each rank
     holds its own KV heads and scores them with its slice of the scorer (``served_scorer.for_layer_heads``),
     which exists only for a scorer whose heads score alone."""
-    ranks = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    ranks = tensor_parallel_ranks(vllm_config)
     directory = learned.scorer or served_scorer.served_scorer_dir()
     if ranks == 1 or directory is None or scores_each_head_alone(served_scorer.load_scorer(str(directory))):
         return None
@@ -99,6 +99,11 @@ def tensor_parallel_problem(method: str, learned: KVzap, vllm_config: Any) -> st
         "row, and each rank holds only its own KV heads; fit one whose heads score alone (calibrate "
         "without --heads joint) or serve it with --tensor-parallel-size 1"
     )
+
+
+def tensor_parallel_ranks(vllm_config: Any) -> int:
+    """The server's tensor-parallel size (1 where its config says none)."""
+    return getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
 
 
 def rank_heads(total: int, local: int, rank: int, ranks: int) -> tuple[int, int]:
@@ -112,7 +117,7 @@ def rank_heads(total: int, local: int, rank: int, ranks: int) -> tuple[int, int]
 def serve_rank_heads(vllm_config: Any, local_heads: int) -> None:
     """Record which of the model's KV heads this worker process holds (``served_scorer.serve_heads``), so
     a learned scorer fitted on all of them scores this rank's with its slice for them."""
-    ranks = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    ranks = tensor_parallel_ranks(vllm_config)
     if ranks == 1:
         return  # every head: the scorer as it is
     from vllm.distributed import get_tensor_model_parallel_rank
