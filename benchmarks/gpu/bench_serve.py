@@ -33,6 +33,8 @@ from vllm_kvevict.bench.metrics_poller import MetricsPoller
 #: vllm bench serve's result keys the table reports.
 REPORTED = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
             "completed", "duration")
+
+
 def dataset_args(args: argparse.Namespace) -> list[str]:
     """``vllm bench serve``'s dataset flags: random prompts, or one shared prefix (``--prefix-len``)."""
     if args.prefix_len:
@@ -47,18 +49,41 @@ def dataset_args(args: argparse.Namespace) -> list[str]:
 
 def bench_command(server: BundleServer, model_dir: Path, args: argparse.Namespace, result: Path,
                   budget: str | None) -> list[str]:
+    xargs = None if budget is None else {"kv_budget": float(budget)}
+    return client_command(server, model_dir, dataset_args(args), args.num_prompts, result, xargs)
+
+
+def client_command(server: BundleServer, model_dir: Path, dataset: list[str], num_prompts: int, result: Path,
+                   xargs: dict | None) -> list[str]:
+    """``vllm bench serve`` against ``server``: ``dataset``'s flags, rate inf, the result JSON to ``result``;
+    ``xargs`` go with every request (``vllm_xargs``: a per-request budget or method)."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
         "--base-url", server.root_url, "--endpoint", "/v1/completions", "--model", server.served_model_name,
-        "--tokenizer", str(model_dir), *dataset_args(args),
-        "--num-prompts", str(args.num_prompts), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
+        "--tokenizer", str(model_dir), *dataset,
+        "--num-prompts", str(num_prompts), "--request-rate", "inf", "--ignore-eos", "--seed", "0",
         "--num-warmups", "2", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result.parent),
         "--result-filename", result.name,
     ]
-    if budget is not None:
-        command += ["--extra-body", json.dumps({"vllm_xargs": {"kv_budget": float(budget)}})]
+    if xargs:
+        command += ["--extra-body", json.dumps({"vllm_xargs": xargs})]
     return command
+
+
+def measure(server: BundleServer, command: list[str], result: Path, timeout_s: float) -> dict:
+    """Run one ``vllm bench serve`` ``command`` (its JSON to ``result``, its output to ``result``'s ``.log``)
+    while polling the server's ``/metrics``: the reported keys and the peaks, or ``{"error": ...}``."""
+    with MetricsPoller(f"{server.root_url}/metrics", interval_s=0.25) as poller:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    result.with_suffix(".log").write_text(" ".join(command) + "\n" + completed.stdout + completed.stderr)
+    if completed.returncode != 0:
+        return {"error": f"vllm bench serve exited {completed.returncode}"}
+    data = json.loads(result.read_text())
+    row = {key: data.get(key) for key in REPORTED}
+    row.update(max_running=poller.peaks.max_running, mean_running=round(poller.peaks.mean_running, 2),
+               max_kv_usage=poller.peaks.max_kv_usage, preemptions=poller.peaks.preemptions)
+    return row
 
 
 def run_one(label: str, server: BundleServer, model_dir: Path, args: argparse.Namespace, out: Path,
@@ -66,16 +91,8 @@ def run_one(label: str, server: BundleServer, model_dir: Path, args: argparse.Na
     result = out / f"bench-{label}.json"
     command = bench_command(server, model_dir, args, result, budget)
     before = prefix_counters(server) if args.prefix_len else {}
-    with MetricsPoller(f"{server.root_url}/metrics", interval_s=0.25) as poller:
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout_s)
-    (out / f"bench-{label}.log").write_text(" ".join(command) + "\n" + completed.stdout + completed.stderr)
-    if completed.returncode != 0:
-        return {"label": label, "error": f"vllm bench serve exited {completed.returncode}"}
-    data = json.loads(result.read_text())
-    row = {"label": label, **{key: data.get(key) for key in REPORTED}}
-    row.update(max_running=poller.peaks.max_running, mean_running=round(poller.peaks.mean_running, 2),
-               max_kv_usage=poller.peaks.max_kv_usage, preemptions=poller.peaks.preemptions)
-    if args.prefix_len:
+    row = {"label": label, **measure(server, command, result, args.run_timeout_s)}
+    if args.prefix_len and "error" not in row:
         after = prefix_counters(server)
         row["prefix_hit_tokens"] = after[HITS] - before[HITS]
         prompt_tokens = after[PROMPT_TOKENS] - before[PROMPT_TOKENS]

@@ -26,11 +26,14 @@ class BundleServer(VLLMServer):
     """``python -m vllm.entrypoints.cli.main serve MODEL`` with :data:`serve_flags.SERVER_ENV`."""
 
     def __init__(self, model_dir: Path, args: Iterable[str], log_path: Path, env: dict | None = None,
-                 startup_timeout_s: float = 300.0) -> None:
-        args = [*args, "--gpu-memory-utilization", GPU_MEMORY_SHARE]
+                 startup_timeout_s: float = 300.0, memory_share: str = GPU_MEMORY_SHARE,
+                 served_model_name: str = serve_flags.SERVED_MODEL_NAME) -> None:
+        """``memory_share``: the ``--gpu-memory-utilization`` of this server (a shape's bench sizes it from
+        the shape, ``shapes.memory_share``); ``served_model_name``: the name requests and results give."""
+        args = [*args, "--gpu-memory-utilization", memory_share]
         super().__init__(
             model_dir, extra_args=args, env={**serve_flags.SERVER_ENV, **(env or {})},
-            served_model_name=serve_flags.SERVED_MODEL_NAME, startup_timeout_s=startup_timeout_s,
+            served_model_name=served_model_name, startup_timeout_s=startup_timeout_s,
             log_path=log_path, enforce_eager=False, cpu_setup=False,
         )
 
