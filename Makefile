@@ -8,7 +8,10 @@ PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 8000
 METHOD ?= ada-snapkv
-BUDGET ?= 1024
+# Which packaged model `make serve` prepares and serves: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b
+# (vllm-kvevict prepare-model --help).
+MODEL ?= smollm2-135m
+BUDGET ?= 0.25
 # 32-token blocks: the accounting rule rounds kept tokens up to whole blocks, so smaller blocks free more
 # (docs/history/2026-11-21-benchmarks-capacity-32-token-blocks.md); vLLM's CPU backend accepts multiples of 32.
 BLOCK_SIZE ?= 32
@@ -64,20 +67,22 @@ cpu-tools:
 	  || echo "libtcmalloc-minimal4 not installed: servers run without tcmalloc"; }
 
 model: install
-	$(VENV)/bin/vllm-kvevict prepare-model
+	$(VENV)/bin/vllm-kvevict prepare-model --model $(MODEL)
 
 # The dtype (bf16 where the CPU has it natively, else float32), LD_PRELOAD and VLLM_USE_AOT_COMPILE come
 # from cpu_setup.py, the same choice as bench, eval --compare and the tests.
 serve: install cpu-tools
-	@dir=$$($(VENV)/bin/vllm-kvevict prepare-model --quiet) && \
+	@dir=$$($(VENV)/bin/vllm-kvevict prepare-model --model $(MODEL) --quiet) && \
 	  dtype=$$($(PY) -m vllm_kvevict.cpu_setup dtype) && setup_env=$$($(PY) -m vllm_kvevict.cpu_setup env 2>/dev/null) && \
 	  echo "Serving $$dir on http://$(HOST):$(PORT)/v1 with --kv-eviction $(METHOD) --kv-budget $(BUDGET)" && \
 	  env $$setup_env VLLM_USE_V2_MODEL_RUNNER=0 VLLM_CPU_KVCACHE_SPACE=$(KV_CACHE_GIB) $(VENV)/bin/vllm serve "$$dir" \
-	    --served-model-name SmolLM2-135M-Instruct --host $(HOST) --port $(PORT) --dtype $$dtype \
+	    --served-model-name "$$(basename "$$dir")" --host $(HOST) --port $(PORT) --dtype $$dtype \
 	    --kv-eviction $(METHOD) --kv-budget $(BUDGET) --block-size $(BLOCK_SIZE)
 
+# The suite's real models: SmolLM2-135M-Instruct everywhere, Qwen2.5-Coder-0.5B-Instruct in its Qwen tests.
 test: install install-ref test-tools cpu-tools
 	$(VENV)/bin/vllm-kvevict prepare-model
+	$(VENV)/bin/vllm-kvevict prepare-model --model qwen2.5-coder-0.5b
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 

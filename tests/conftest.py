@@ -124,3 +124,11 @@ def model_dir() -> Path:
     from vllm_kvevict.cli.prepare_model import prepared_model_dir
 
     return prepared_model_dir()
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir() -> Path:
+    """Directory of the converted, verified Qwen2.5-Coder-0.5B-Instruct (``make test`` prepares it first)."""
+    from vllm_kvevict.cli.prepare_model import prepared_model_dir
+
+    return prepared_model_dir(model="qwen2.5-coder-0.5b")

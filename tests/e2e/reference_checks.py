@@ -7,6 +7,10 @@ and with the full cache.
 
 from __future__ import annotations
 
+import inspect
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -68,3 +72,64 @@ def assert_agrees_along_the_run(
         f"mean {gap.mean():.4f} p99 {gap.quantile(0.99):.4f} max {gap.max():.4f} at step {int(gap.argmax())}"
     )
     assert float(near_tie_margin(tokens, evicted).max()) < 0.25
+
+
+def travel_prompt(tokenizer, num_tokens: int, seed: int = 11) -> list[int]:
+    rng = random.Random(seed)
+    names = ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi"]
+    cities = ["Paris", "Lima", "Oslo", "Cairo", "Quito", "Seoul", "Perth", "Rome"]
+    lines = ["Travel log of the club."]
+    tail = "\nNow write a long story about all these journeys, day by day.\n"
+    while len(tokenizer("\n".join(lines) + tail)["input_ids"]) < num_tokens:
+        lines.append(
+            f"On day {len(lines)}, {rng.choice(names)} went from {rng.choice(cities)} to "
+            f"{rng.choice(cities)} and paid {rng.randint(10, 99)} coins."
+        )
+    return tokenizer("\n".join(lines) + tail)["input_ids"]
+
+
+def generate_in_vllm(
+    server: Any, prompt_ids: list[int], neighbours: list[list[int]], new_tokens: int, **extra_body: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``new_tokens`` greedy tokens and their log-probabilities for ``prompt_ids``, while
+    ``neighbours`` (other prompts) run in the same batches: a short one from the start, the others arriving
+    mid-decode, so the checked request also decodes in steps where other requests prefill and compact.
+    ``extra_body`` goes into the checked request's body (e.g. ``vllm_xargs``)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
+
+    def complete(ids: list[int], max_tokens: int, delay_s: float = 0.0, extra: dict | None = None):
+        time.sleep(delay_s)
+        return client.completions.create(
+            model=server.served_model_name, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **(extra or {})},
+        )
+
+    with ThreadPoolExecutor(max_workers=1 + len(neighbours)) as pool:
+        checked = pool.submit(complete, prompt_ids, new_tokens, 0.0, extra_body)
+        others = [pool.submit(complete, ids, 48, 3.0 * i) for i, ids in enumerate(neighbours)]
+        result = checked.result()
+        assert all(o.result().usage.completion_tokens == 48 for o in others)
+    return tokens_and_logprobs(result.choices[0].logprobs)
+
+
+def kept_argument(evicting, kept: list) -> list:
+    """``evicting`` takes one kept set per layer, or (batched form) a list of those per batch row."""
+    batched = "kept_rows" in inspect.signature(evicting).parameters
+    return [kept] if batched else kept
+
+
+@torch.inference_mode()
+def teacher_forced(model, prompt_ids: list[int], tokens: torch.Tensor, kept) -> torch.Tensor:
+    """[T, vocab] float32 HF log-probabilities of each step along ``tokens`` with per-layer ``kept`` sets."""
+    from vllm_kvevict.hf_reference.capture import prefill
+    from vllm_kvevict.hf_reference.generation import cache_prefix, evicting
+
+    prompt = prefill(model, torch.tensor(prompt_ids), capture=False)
+    cache = cache_prefix(model, prompt)
+    with evicting(model, kept_argument(evicting, kept), len(prompt_ids)):
+        out = model(input_ids=tokens[None, :-1], past_key_values=cache, use_cache=True)
+    # Step 0 comes from the prefill logits, before any eviction (as in vLLM).
+    logits = torch.cat([prompt.last_logits[None], out.logits[0].float()])
+    return torch.log_softmax(logits, dim=-1)

@@ -12,9 +12,6 @@ A full-cache HF run is the control: vLLM must side with the masked run where the
 
 from __future__ import annotations
 
-import random
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +20,11 @@ import torch
 from reference_checks import (
     assert_agrees_along_the_run,
     assert_vllm_sides_with_the_eviction,
+    generate_in_vllm,
     logprob_gap,
     near_tie_margin,
-    tokens_and_logprobs,
+    teacher_forced,
+    travel_prompt,
 )
 
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
@@ -70,68 +69,6 @@ class Run:
         return logprob_gap(self.vllm_logprobs, self.tokens, logprobs)
 
 
-def travel_prompt(tokenizer, num_tokens: int, seed: int = 11) -> list[int]:
-    rng = random.Random(seed)
-    names = ["Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi"]
-    cities = ["Paris", "Lima", "Oslo", "Cairo", "Quito", "Seoul", "Perth", "Rome"]
-    lines = ["Travel log of the club."]
-    tail = "\nNow write a long story about all these journeys, day by day.\n"
-    while len(tokenizer("\n".join(lines) + tail)["input_ids"]) < num_tokens:
-        lines.append(
-            f"On day {len(lines)}, {rng.choice(names)} went from {rng.choice(cities)} to "
-            f"{rng.choice(cities)} and paid {rng.randint(10, 99)} coins."
-        )
-    return tokenizer("\n".join(lines) + tail)["input_ids"]
-
-
-def generate_in_vllm(
-    server: VLLMServer, prompt_ids: list[int], neighbours: list[list[int]], new_tokens: int = NEW_TOKENS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``new_tokens`` greedy tokens and their log-probabilities for ``prompt_ids``, while
-    ``neighbours`` (other prompts) run in the same batches: a short one from the start, the others arriving
-    mid-decode, so the checked request also decodes in steps where other requests prefill and compact."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.base_url, api_key="unused", timeout=1800, max_retries=0)
-
-    def complete(ids: list[int], max_tokens: int, delay_s: float = 0.0):
-        time.sleep(delay_s)
-        return client.completions.create(
-            model=server.served_model_name, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=1,
-            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-        )
-
-    with ThreadPoolExecutor(max_workers=1 + len(neighbours)) as pool:
-        checked = pool.submit(complete, prompt_ids, new_tokens)
-        others = [pool.submit(complete, ids, 48, 3.0 * i) for i, ids in enumerate(neighbours)]
-        result = checked.result()
-        assert all(o.result().usage.completion_tokens == 48 for o in others)
-    return tokens_and_logprobs(result.choices[0].logprobs)
-
-
-def kept_argument(evicting, kept: list) -> list:
-    """``evicting`` takes one kept set per layer, or (batched form) a list of those per batch row."""
-    import inspect
-
-    batched = "kept_rows" in inspect.signature(evicting).parameters
-    return [kept] if batched else kept
-
-
-@torch.inference_mode()
-def teacher_forced(model, prompt_ids: list[int], tokens: torch.Tensor, kept) -> torch.Tensor:
-    """[T, vocab] float32 HF log-probabilities of each step along ``tokens`` with per-layer ``kept`` sets."""
-    from vllm_kvevict.hf_reference.capture import prefill
-    from vllm_kvevict.hf_reference.generation import cache_prefix, evicting
-
-    prompt = prefill(model, torch.tensor(prompt_ids), capture=False)
-    cache = cache_prefix(model, prompt)
-    with evicting(model, kept_argument(evicting, kept), len(prompt_ids)):
-        out = model(input_ids=tokens[None, :-1], past_key_values=cache, use_cache=True)
-    # Step 0 comes from the prefill logits, before any eviction (as in vLLM).
-    logits = torch.cat([prompt.last_logits[None], out.logits[0].float()])
-    return torch.log_softmax(logits, dim=-1)
-
-
 @pytest.fixture(scope="module")
 def run(model_dir, tmp_path_factory) -> Run:
     from vllm_kvevict.hf_reference.model import load_reference_model
@@ -144,7 +81,7 @@ def run(model_dir, tmp_path_factory) -> Run:
     neighbours = [travel_prompt(tokenizer, 60, seed=1), travel_prompt(tokenizer, 700, seed=2),
                   travel_prompt(tokenizer, 900, seed=3)]
     with VLLMServer(model_dir, extra_args=SERVER_ARGS, env={DEBUG_DUMP_ENV: str(dump_dir)}) as server:
-        tokens, vllm_logprobs = generate_in_vllm(server, prompt_ids, neighbours)
+        tokens, vllm_logprobs = generate_in_vllm(server, prompt_ids, neighbours, NEW_TOKENS)
     records = [torch.load(path) for path in dump_dir.glob("*.pt")]
     assert sorted(r["prompt_len"] for r in records) == sorted(len(p) for p in (prompt_ids, *neighbours[1:]))
     (record,) = [r for r in records if r["prompt_len"] == len(prompt_ids)]

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.cli.model_conversion import VERIFY_QUESTION
+from vllm_kvevict.cli.model_catalog import SMOLLM2
 from vllm_kvevict.server_process import ServerStartError, VLLMServer, free_port, vllm_executable
 
-QUESTION = VERIFY_QUESTION  # the one prepare-model verified with HF transformers; a clear greedy margin
+QUESTION = SMOLLM2.verify_question  # the one prepare-model verified with HF transformers; clear margin
 
 
 @pytest.fixture(scope="module")

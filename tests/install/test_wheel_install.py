@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.cli.model_conversion import VERIFY_QUESTION
+from vllm_kvevict.cli.model_catalog import SMOLLM2
 from vllm_kvevict.server_process import VLLMServer, vllm_executable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -206,7 +206,7 @@ def test_uninstalling_the_plugin_leaves_plain_vllm_serve_working(fresh_env):
     with fresh_env.server() as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
         response = client.chat.completions.create(
-            model=server.served_model_name, messages=[{"role": "user", "content": VERIFY_QUESTION}],
+            model=server.served_model_name, messages=[{"role": "user", "content": SMOLLM2.verify_question}],
             temperature=0, max_tokens=24,
         )
         assert "Paris" in response.choices[0].message.content

