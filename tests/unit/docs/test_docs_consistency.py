@@ -1,6 +1,10 @@
 """The lists the docs give stay true: methods against the policy registry, flags against the real
 ``vllm serve`` parser, presets against the package data.
 
+Every page (``ALL_DOCS``) is read for method settings, backticked method lists, quoted "invalid choice"
+lines (against the parser's choices) and preset names; troubleshooting.md's quoted preset list is the package
+data, and policies.md's table and usage.md's decode row name every registered method.
+
 Methods are asked from the registry (``policies.registry.method_names``), never listed here. A doc names
 methods in three forms, each checked where it occurs:
 
@@ -47,6 +51,14 @@ CHECKED_DOCS = (
     ROOT / "docs" / "troubleshooting.md",
     ROOT / "docs" / "compatibility.md",
     ROOT / "CONTRIBUTING.md",
+)
+#: every page a reader may open (docs/history/ is earlier text kept unchanged): its method settings and
+#: backticked method lists are checked, and the presets it names
+ALL_DOCS = (
+    README,
+    ROOT / "CONTRIBUTING.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "benchmarks" / "gpu" / "README.md",
 )
 PRESETS = ROOT / "vllm_kvevict" / "presets"
 #: the docs' example of a method that does not exist (quoted in error lines)
@@ -121,8 +133,16 @@ def prose_lists(text: str, family_names: set[str]) -> list[list[str]]:
     return lists
 
 
-def method_problems(text: str, names: list[str], decode_names: list[str]) -> list[str]:
-    """What a doc names that the registry does not have, and method lists that leave one out (a backticked
+def listed(item: str, listable: set[str]) -> bool:
+    """A backticked list's item names something that exists: a name, or a pattern such as ``critical-*``
+    that some registered name matches."""
+    if item.endswith("-*"):
+        return any(name.startswith(item[:-1]) for name in listable)
+    return item in listable
+
+
+def code_problems(text: str, names: list[str], decode_names: list[str]) -> list[str]:
+    """What a doc names in code (settings, backticked lists) that the registry does not have (a backticked
     list may mix methods and packaged presets, as a list of presets does)."""
     registered = {*names, *decode_names, NO_METHOD}
     listable = registered | packaged_presets()
@@ -132,7 +152,14 @@ def method_problems(text: str, names: list[str], decode_names: list[str]) -> lis
         if name not in registered and name != BAD_EXAMPLE
     ]
     for items in backticked_lists(text, registered):
-        problems += [f"list {items} names {item!r}" for item in items if item not in listable]
+        problems += [f"list {items} names {item!r}" for item in items if not listed(item, listable)]
+    return problems
+
+
+def method_problems(text: str, names: list[str], decode_names: list[str]) -> list[str]:
+    """What a doc names that the registry does not have: in code (``code_problems``) and in parenthesised
+    prose lists of paper names."""
+    problems = code_problems(text, names, decode_names)
     family_names = families(names)
     known = family_names | {normalized(name) for name in names}
     for items in prose_lists(text, family_names):
@@ -159,6 +186,31 @@ def test_a_doc_names_only_registered_methods_and_no_partial_list(doc):
     if not doc.exists():
         pytest.skip(f"{doc.name} does not exist")
     assert method_problems(doc.read_text(), method_names(), decode_method_names()) == []
+
+
+@pytest.mark.parametrize("doc", ALL_DOCS, ids=lambda path: path.name)
+def test_every_doc_names_only_registered_methods_in_code(doc):
+    assert code_problems(doc.read_text(), method_names(), decode_method_names()) == []
+
+
+def table_methods(text: str, heading: str, header: str) -> set[str]:
+    """The backticked names in the first column of the table under ``heading`` whose header row starts with
+    ``header`` ("`ada-snapkv` / `ada-pyramidkv`" names two)."""
+    section = text[text.index(heading) :]
+    table = section[section.index(header) :]
+    rows = table[: table.index("\n\n")].splitlines()[2:]
+    return {name for row in rows for name in BACKTICKED.findall(row.split("|")[1])}
+
+
+def test_the_policies_table_names_every_registered_method():
+    text = (ROOT / "docs" / "policies.md").read_text()
+    assert table_methods(text, "# Eviction policies", "| method | paper |") == set(method_names())
+
+
+def test_usage_lists_every_decode_method():
+    row = re.search(r"^\| `--kv-decode-eviction METHOD` \| one of `([^`]+)`", USAGE.read_text(), re.M)
+    assert row, "usage.md has no --kv-decode-eviction METHOD row"
+    assert [name.strip() for name in row.group(1).split(",")] == decode_method_names()
 
 
 def test_the_pyproject_description_names_no_partial_list_of_methods():
@@ -196,6 +248,11 @@ def test_a_planted_mismatch_fails():
     assert incomplete_list(short, names) == ["expectedattention", "keydiff", "knorm", "kvzap"]
     assert method_problems(short.replace("RoCo", "FooKV"), names, decode_names) != []
     assert method_problems("`--kv-eviction ada-h2o`", names, decode_names) == ["setting names 'ada-h2o'"]
+    policies = (ROOT / "docs" / "policies.md").read_text()
+    planted = re.sub(r"^\| `kvzap` \|.*\n", "", policies, count=1, flags=re.M)
+    assert table_methods(planted, "# Eviction policies", "| method | paper |") == set(names) - {"kvzap"}
+    assert code_problems("one of `snapkv, h2o, roco, fastkv`", names, decode_names) != []
+    assert code_problems("`critical-*`, `snapkv`, `h2o`", names, decode_names) == []
 
 
 FLAGS_SCRIPT = textwrap.dedent(
@@ -209,16 +266,18 @@ FLAGS_SCRIPT = textwrap.dedent(
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     parser = make_arg_parser(FlexibleArgumentParser())
     groups = {g.title: [o for a in g._group_actions for o in a.option_strings] for g in parser._action_groups}
-    print(json.dumps({"group": groups.get("KVEviction"), "all": sorted(parser._option_string_actions)}))
+    choices = {o: list(a.choices) for a in parser._actions if a.choices for o in a.option_strings}
+    print(json.dumps({"group": groups.get("KVEviction"), "all": sorted(parser._option_string_actions),
+                      "choices": choices}))
     """
 )
 
 
 @pytest.fixture(scope="module")
-def serve_flags() -> dict[str, list[str]]:
+def serve_flags() -> dict:
     """The flags of ``vllm serve`` with the plugin loaded through its entry point (pyproject.toml), in a
     fresh interpreter (the plugin patches vLLM for the process): {"group": the KVEviction group's flags,
-    "all": every option}."""
+    "all": every option, "choices": {flag: its choices} for each flag that has them}."""
     env = {**os.environ, "VLLM_PLUGINS": "none-of-them", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, "-c", FLAGS_SCRIPT, str(ROOT / "pyproject.toml")],
@@ -249,14 +308,9 @@ def packaged_presets() -> set[str]:
 
 def preset_mentions(text: str) -> set[str]:
     """Presets a doc names: ``--kv-eviction-config NAME`` (a bare word) and ``configs/NAME.yaml`` paths."""
-    bare = re.findall(r"--kv-eviction-config[ =]([a-z0-9][a-z0-9-]*)(?![\w./-])", text)
+    bare = re.findall(r"--kv-eviction-config[ =]([a-z0-9][a-z0-9-]*)(?![\w./-]|\s+--)", text)
     paths = re.findall(r"(?:configs|presets)/([a-z0-9-]+)\.ya?ml", text)
     return {*bare, *paths} - {"nope"}  # the docs' example of a missing preset
-
-
-@pytest.mark.parametrize("doc", (README, USAGE), ids=lambda path: path.name)
-def test_the_presets_a_doc_names_ship_with_the_package(doc):
-    assert sorted(preset_mentions(doc.read_text()) - packaged_presets()) == []
 
 
 def test_usage_names_every_packaged_preset():
@@ -264,3 +318,57 @@ def test_usage_names_every_packaged_preset():
     section = text[text.index("\n### Presets\n") :]
     section = section[: section.index("\n### ", 5)]
     assert sorted(name for name in packaged_presets() if f"`{name}`" not in section) == []
+
+
+#: argparse's refusal of a value outside a flag's choices, as a doc quotes it; "..." ends an abridged list
+INVALID_CHOICE = re.compile(r"argument (--[a-z-]+): invalid choice: '[^']*' \(choose from ([^)\n]*)\)")
+
+
+def choice_problems(text: str, choices: dict[str, list[str]]) -> list[str]:
+    """Each quoted "invalid choice" line whose list is not the parser's choices for that flag (an abridged
+    list, ending in ``...``, must be their beginning)."""
+    problems = []
+    for flag, quoted in INVALID_CHOICE.findall(text):
+        items = [item.strip() for item in quoted.split(",")]
+        abridged = items[-1] == "..."
+        names = [item.strip("'") for item in items[:-1] if abridged] or [item.strip("'") for item in items]
+        real = choices.get(flag, [])
+        if (real[: len(names)] if abridged else real) != names:
+            problems.append(f"{flag}: quoted {names}, the parser has {real}")
+    return problems
+
+
+@pytest.mark.parametrize("doc", ALL_DOCS, ids=lambda path: path.name)
+def test_a_quoted_invalid_choice_line_lists_the_parsers_choices(doc, serve_flags):
+    assert choice_problems(doc.read_text(), serve_flags["choices"]) == []
+
+
+def test_troubleshooting_quotes_every_choice_flag_of_the_plugin(serve_flags):
+    quoted = {flag for flag, _ in INVALID_CHOICE.findall((ROOT / "docs" / "troubleshooting.md").read_text())}
+    assert sorted(set(serve_flags["group"]) & set(serve_flags["choices"]) - quoted) == []
+
+
+def test_a_planted_choice_mismatch_fails(serve_flags):
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    planted = text.replace(", 'kvzap', 'ada-kvzap')", ")", 1)
+    assert planted != text
+    assert [problem.split(":")[0] for problem in choice_problems(planted, serve_flags["choices"])] == [
+        "--kv-eviction"
+    ]
+
+
+#: the preset list of the "no preset named" refusal (``policies/presets.py``) as troubleshooting.md quotes it
+PRESET_LIST = re.compile(r"no preset named '[^']*'; presets: ([a-z0-9, -]+) \(")
+
+
+def test_troubleshooting_quotes_the_packaged_presets():
+    found = PRESET_LIST.findall((ROOT / "docs" / "troubleshooting.md").read_text())
+    assert found, "troubleshooting.md quotes no preset list"
+    assert [sorted(item.strip() for item in names.split(",")) for names in found] == [
+        sorted(packaged_presets())
+    ] * len(found)
+
+
+@pytest.mark.parametrize("doc", ALL_DOCS, ids=lambda path: path.name)
+def test_the_presets_any_doc_names_ship_with_the_package(doc):
+    assert sorted(preset_mentions(doc.read_text()) - packaged_presets()) == []
