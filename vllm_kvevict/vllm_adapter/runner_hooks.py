@@ -16,7 +16,12 @@ from typing import Any
 
 from vllm_kvevict import metrics
 from vllm_kvevict.datapath.worker import StepInputs
-from vllm_kvevict.vllm_adapter.vllm_private import hold_runner_worker, runner_worker
+from vllm_kvevict.vllm_adapter.vllm_private import (
+    async_output_target,
+    hold_runner_worker,
+    runner_worker,
+    single_type_managers,
+)
 
 
 def initialize_kv_cache(original, runner, *args: Any, **kwargs: Any):
@@ -66,8 +71,7 @@ def sample_tokens(original, runner, *args: Any, **kwargs: Any):
     if bounds:
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-        # An async output holds the ModelRunnerOutput the scheduler will get (vLLM 0.32.0's attribute).
-        target = getattr(output, "_model_runner_output", output)
+        target = async_output_target(output)
         if target is None or target is EMPTY_MODEL_RUNNER_OUTPUT:
             worker.records.kept_bounds.update(bounds)  # a shared constant: the next output carries them
         else:
@@ -143,7 +147,7 @@ def _extra_args(runner, req_id: str) -> dict[str, Any] | None:
 
 
 def get_computed_blocks(original, manager, request, *args: Any, **kwargs: Any):
-    single_types = manager.coordinator.single_type_managers
+    single_types = single_type_managers(manager)
     if any(getattr(m, "keeps_context", None) and m.keeps_context(request) for m in single_types):
         return _kept_context_blocks(original, manager, request, *args, **kwargs)
     for single_type in single_types:
@@ -157,7 +161,7 @@ def _kept_context_blocks(original, manager, request, *args: Any, **kwargs: Any):
     """A ``kv_context: "keep"`` request starts from a kept context of its setting (layout/context_reuse.py)
     or computes its whole prompt: it never reads vLLM's ordinary prefix cache. A request vLLM itself keeps
     off the cache (prompt logprobs) computes its prompt; one KV-cache group only."""
-    single_types = manager.coordinator.single_type_managers
+    single_types = single_type_managers(manager)
     if not request.get_skip_reading_prefix_cache() and len(single_types) == 1:
         hit = single_types[0].kept_context_hit(request)
         if hit is not None:
@@ -181,7 +185,7 @@ def allocate_slots(
     # computed at the request's first step, and the worker keeps them all, as blocks it does not own.
     external = kwargs.get("num_external_computed_tokens", 0)
     cached = request.num_computed_tokens + num_new_computed_tokens + external
-    for single_type in manager.coordinator.single_type_managers:
+    for single_type in single_type_managers(manager):
         admit = getattr(single_type, "admit_request", None)
         if admit is not None:
             admit(request.request_id, request.sampling_params, cached, request)
@@ -189,7 +193,7 @@ def allocate_slots(
 
 
 def free_request(original, manager, request, *args: Any, **kwargs: Any) -> None:
-    for single_type in manager.coordinator.single_type_managers:
+    for single_type in single_type_managers(manager):
         finish = getattr(single_type, "finish_request", None)
         if finish is not None:
             finish(request)
@@ -230,7 +234,7 @@ def split_prefill_chunk(
 
 def _manager_methods(scheduler, name: str) -> list:
     """The evicting managers' method ``name`` (e.g. ``chunk_stride_of``), bound; empty without eviction."""
-    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    managers = single_type_managers(scheduler.kv_cache_manager)
     return [getattr(m, name) for m in managers if hasattr(m, name)]
 
 

@@ -1,12 +1,14 @@
 """Every read or call of a private part of vLLM that is not a wrapper (those are in ``vllm_patches.py``), in
 one place: each names the vLLM symbol, the version checked (``TESTED_VLLM_VERSION``, 0.32.0) and why the
-public API does not do. A vLLM upgrade re-checks this file and ``vllm_patches.py``, nothing else.
+public API does not do. Every part of vLLM the plugin relies on is listed in ``vllm_boundary.py``, which a
+test checks against the installed vLLM: a vLLM upgrade starts there.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,6 +30,24 @@ def runner_worker(runner: Any) -> Any:
 def hold_runner_worker(runner: Any, worker: Any) -> None:
     """``runner`` holds ``worker`` from now on (``runner_worker``)."""
     setattr(runner, _RUNNER_WORKER, worker)
+
+
+def async_output_target(output: Any) -> Any:
+    """The ``ModelRunnerOutput`` the scheduler will get for ``output`` (itself unless it is an async output).
+
+    ``AsyncGPUModelRunnerOutput._model_runner_output`` (vLLM 0.32.0): an async output holds the output it
+    resolves to and has no public accessor before ``get_output()``, which waits for the device; the worker
+    puts its kept bounds on it (``runner_hooks.sample_tokens``)."""
+    return getattr(output, "_model_runner_output", output)
+
+
+def single_type_managers(kv_cache_manager: Any) -> Sequence[Any]:
+    """The per-group managers behind a scheduler's ``KVCacheManager`` (the evicting ones among them).
+
+    ``KVCacheManager.coordinator.single_type_managers`` (vLLM 0.32.0): the KV-cache manager hands its
+    managers request ids only, and the hooks that see a ``Request`` reach the evicting managers through it
+    (``runner_hooks.py``)."""
+    return kv_cache_manager.coordinator.single_type_managers
 
 
 def insert_block_hash(block_pool: Any, block_hash: bytes, block: Any) -> None:
