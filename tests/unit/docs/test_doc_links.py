@@ -1,6 +1,6 @@
-"""Every relative link in README.md and docs/*.md points to a file that exists, and every ``#anchor`` to a
-heading of its target, by GitHub's heading-slug rule. docs/history/ is left out: its files are earlier text
-kept unchanged, links included."""
+"""Every relative link in README.md, CONTRIBUTING.md, docs/*.md and benchmarks/gpu/README.md points to a
+file that exists, and every ``#anchor`` to a heading of its target, by GitHub's heading-slug rule.
+docs/history/ is left out: its files are earlier text kept unchanged, links included."""
 
 from __future__ import annotations
 
@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-#: The pages a reader starts from: the README and the docs (not docs/history/, kept as it was written).
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+#: The pages a reader starts from: the README, CONTRIBUTING, the docs (not docs/history/, kept as it was
+#: written) and the GPU job's notes.
+PAGES = [
+    REPO / "README.md",
+    REPO / "CONTRIBUTING.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    REPO / "benchmarks" / "gpu" / "README.md",
+]
 
 #: ``[text](target)`` and ``![alt](target)``; the target ends at whitespace or the closing parenthesis.
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
