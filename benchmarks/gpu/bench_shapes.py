@@ -1,9 +1,11 @@
-"""Stage ``bench <shape>``: ``vllm bench serve`` on one model shape (``shapes.py``), vanilla against eviction.
+"""Stages ``bench <shape>``: ``vllm bench serve`` on model shapes (``shapes.py``), vanilla against eviction.
 
-    python3 -m benchmarks.gpu.bench_shapes SHAPE_DIR OUT_DIR [--prompt-lens 8192,16384] [--output-len 256]
-        [--dry-run]
+    python3 -m benchmarks.gpu.bench_shapes SHAPE_DIR [SHAPE_DIR ...] OUT_DIR [--prompt-lens 8192,16384]
+        [--output-len 256] [--dry-run]
 
-``SHAPE_DIR`` is a folder ``shapes.write_model_dir`` made (config and stand-in tokenizer; dummy weights).
+``SHAPE_DIR`` is a folder ``shapes.write_model_dir`` made (config and stand-in tokenizer; dummy weights);
+the servers of several start together (one start for shapes whose servers fit the GPU side by side), then
+each shape's runs go in turn.
 One vanilla (``TRITON_ATTN``) and one eviction server (``CUSTOM``, ada-snapkv at 25 %) start together on the
 same KV pool, sized from the shape so that vanilla holds ``POOL_REQUESTS`` requests of the shortest workload
 (half as many of one twice as long), each with the GPU memory share its weights, pool and activations need.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 import urllib.error
@@ -185,9 +188,68 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_result(result: dict, roles: dict[str, BundleServer], out: Path, name: str) -> None:
+    result["ratios"] = ratios(result["rows"])
+    result["missing_c_ops"] = sorted({op for server in roles.values() for op in server.missing_c_ops()})
+    (out / f"bench-{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out / f"bench-{name}.md").write_text(markdown(result))
+
+
+class Bench:
+    """One shape's servers, runs and result in a ``bench_shapes`` process."""
+
+    def __init__(self, model_dir: Path, args: argparse.Namespace, memory: int, gpu: str) -> None:
+        shape = shapes.shape_of(model_dir)
+        if shape is None:
+            raise SystemExit(f"{model_dir} has no {shapes.SHAPE_FILE}: write it with benchmarks.gpu.shapes")
+        self.shape, self.model_dir, self.args = shape, model_dir, args
+        lens = tuple(int(n) for n in args.prompt_lens.split(","))
+        self.plan = plan(shape, model_dir, lens, args.output_len, memory)
+        self.roles = servers(shape, model_dir, self.plan, args.out / "logs")
+        self.result: dict = {"shape": asdict(shape), "gpu": gpu, "output_len": args.output_len,
+                             "plan": self.plan, "rows": [], "ratios": []}
+
+    def command(self, run: dict) -> list[str]:
+        result_path = self.args.out / f"bench-{self.shape.name}-{run['label']}.json"
+        flags = dataset(run["prompt_len"], self.args.output_len)
+        server = self.roles[run["server"]]
+        return client_command(server, self.model_dir, flags, run["num_prompts"], result_path, run["xargs"])
+
+    def write_commands(self) -> None:
+        name, out = self.shape.name, self.args.out
+        commands = {"servers": {role: server.command for role, server in self.roles.items()},
+                    "clients": {run["label"]: self.command(run) for run in self.plan["runs"]}}
+        (out / f"commands-bench-{name}.json").write_text(json.dumps(commands, indent=1) + "\n")
+        (out / f"plan-bench-{name}.json").write_text(json.dumps(self.plan, indent=1) + "\n")
+
+    def run(self) -> None:
+        """Every run on the started servers, the result written after each (a stage cut short keeps them)."""
+        context, name = self.plan["kept_context"], self.shape.name
+        if context["scorer"] is None:
+            answer = refusal(self.roles["eviction"], {"kv_eviction": context["method"],
+                                                      "kv_budget": context["budget"]})
+            self.result["kept_context_refusal"] = answer
+            if answer is None:
+                self.result["error"] = f"{context['method']} was served on {name}, for which no scorer ships"
+        for run in self.plan["runs"]:
+            row = measure(self.roles[run["server"]], self.command(run),
+                          self.args.out / f"bench-{name}-{run['label']}.json", self.args.run_timeout_s)
+            self.result["rows"].append(with_limits({"label": run["label"], **row}, run, self.shape,
+                                                   self.args.output_len, self.plan["pool_bytes"]))
+            self.write()
+
+    def write(self) -> None:
+        write_result(self.result, self.roles, self.args.out, self.shape.name)
+
+    @property
+    def ok(self) -> bool:
+        return "error" not in self.result and all("error" not in row for row in self.result["rows"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir", type=Path, help="a shape's folder (benchmarks.gpu.shapes write)")
+    parser.add_argument("model_dirs", type=Path, nargs="+",
+                        help="shape folders (benchmarks.gpu.shapes write); their servers start together")
     parser.add_argument("out", type=Path)
     parser.add_argument("--prompt-lens", default=",".join(map(str, PROMPT_LENS)))
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
@@ -195,62 +257,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="write OUT/commands-bench-<shape>.json and plan-bench-<shape>.json only")
     args = parser.parse_args(argv)
-    shape = shapes.shape_of(args.model_dir)
-    if shape is None:
-        parser.error(f"{args.model_dir} has no {shapes.SHAPE_FILE}: write it with benchmarks.gpu.shapes")
-    logs = args.out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
     memory, gpu = gpu_bytes()
-    lens = tuple(int(n) for n in args.prompt_lens.split(","))
-    result: dict = {"shape": asdict(shape), "gpu": gpu, "output_len": args.output_len, "rows": [],
-                    "ratios": []}
     try:
-        planned = plan(shape, args.model_dir, lens, args.output_len, memory)
+        benches = [Bench(model_dir, args, memory, gpu) for model_dir in args.model_dirs]
     except shapes.ShapeDoesNotFit as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    result["plan"] = planned
-    roles = servers(shape, args.model_dir, planned, logs)
-    name = shape.name
-
-    def command(run: dict) -> list[str]:
-        result_path = args.out / f"bench-{name}-{run['label']}.json"
-        flags = dataset(run["prompt_len"], args.output_len)
-        return client_command(roles[run["server"]], args.model_dir, flags, run["num_prompts"], result_path,
-                              run["xargs"])
-
+    together = sum(2 * bench.plan["memory_share"] for bench in benches)
+    if together > shapes.TWO_SERVERS_SHARE:
+        names = ", ".join(bench.shape.name for bench in benches)
+        print(f"error: the servers of {names} ask for {together:.2f} of the GPU together, over "
+              f"{shapes.TWO_SERVERS_SHARE}: bench them in separate stages", file=sys.stderr)
+        return 1
     if args.dry_run:
-        commands = {"servers": {role: server.command for role, server in roles.items()},
-                    "clients": {run["label"]: command(run) for run in planned["runs"]}}
-        (args.out / f"commands-bench-{name}.json").write_text(json.dumps(commands, indent=1) + "\n")
-        (args.out / f"plan-bench-{name}.json").write_text(json.dumps(planned, indent=1) + "\n")
+        for bench in benches:
+            bench.write_commands()
         return 0
+    # The job's `timeout` ends a stage with SIGTERM: exit through the stack, so that the servers stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
+    current = benches[0]
     try:
         with ExitStack() as stack:
-            start_all(stack, list(roles.values()))
-            result["startup_s"] = round(time.monotonic() - started, 1)
-            context = planned["kept_context"]
-            if context["scorer"] is None:
-                xargs = {"kv_eviction": context["method"], "kv_budget": context["budget"]}
-                answer = refusal(roles["eviction"], xargs)
-                result["kept_context_refusal"] = answer
-                if answer is None:
-                    result["error"] = f"{context['method']} was served on {name}, for which no scorer ships"
-            for run in planned["runs"]:
-                row = measure(roles[run["server"]], command(run),
-                              args.out / f"bench-{name}-{run['label']}.json", args.run_timeout_s)
-                result["rows"].append(with_limits({"label": run["label"], **row}, run, shape, args.output_len,
-                                                  planned["pool_bytes"]))
-    except Exception as error:  # noqa: BLE001 - recorded with what ran
-        result["error"] = f"{type(error).__name__}: {error}"
-    result["ratios"] = ratios(result["rows"])
-    result["missing_c_ops"] = sorted({op for server in roles.values() for op in server.missing_c_ops()})
-    (args.out / f"bench-{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (args.out / f"bench-{name}.md").write_text(markdown(result))
-    print(markdown(result))
-    ok = "error" not in result and all("error" not in row for row in result["rows"])
-    return 0 if ok else 1
+            start_all(stack, [server for bench in benches for server in bench.roles.values()])
+            for bench in benches:
+                bench.result["startup_s"] = round(time.monotonic() - started, 1)
+            for current in benches:
+                current.run()
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - recorded with what ran
+        current.result["error"] = f"{type(error).__name__}: {error}"
+    for bench in benches:
+        bench.write()
+        print(markdown(bench.result))
+    return 0 if all(bench.ok for bench in benches) else 1
 
 
 if __name__ == "__main__":

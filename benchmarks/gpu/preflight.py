@@ -158,7 +158,14 @@ def check_commands(path: Path) -> dict:
     return {"servers": servers, "clients": clients}
 
 
-def run(role: str, model_dir: str, mock_cuda: bool, commands: list[Path] = ()) -> dict:
+def shape_model(role: str, shape_dir: Path) -> dict:
+    """A model shape's folder (``shapes.write_model_dir``) through the role's engine config onto the meta
+    device: its config parses in vLLM and the architecture builds with the role's attention."""
+    return construct_model(engine_config(role, str(shape_dir)))
+
+
+def run(role: str, model_dir: str, mock_cuda: bool, commands: list[Path] = (), shape_dirs: list[Path] = ()
+        ) -> dict:
     """Each step's result; ``ok`` is True when all passed."""
     result: dict = {"role": role, "serve_args": serve_args(role, model_dir)[1:], "steps": {}}
     trace = LookupTrace()
@@ -187,6 +194,8 @@ def run(role: str, model_dir: str, mock_cuda: bool, commands: list[Path] = ()) -
         for path in commands:
             step(f"command lines {path.name}", lambda path=path: check_commands(path))
         step("model on meta", lambda: construct_model(_current_config()))
+        for path in shape_dirs:
+            step(f"model on meta {path.name}", lambda path=path: shape_model(role, path))
         step("weak_ref_tensor", _weak_ref_tensor)
     except BaseException:  # noqa: BLE001 - the failed step is in the result
         pass
@@ -216,6 +225,10 @@ def _describe(config) -> dict:
         "block_size": config.cache_config.block_size,
         "cache_dtype": str(config.cache_config.cache_dtype),
         "kv_eviction": (config.additional_config or {}).get("kv_eviction"),
+        "architecture": config.model_config.architectures[0],
+        "max_model_len": config.model_config.max_model_len,
+        "num_gpu_blocks_override": config.cache_config.num_gpu_blocks_override,
+        "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
     }
 
 
@@ -259,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--commands", type=Path, nargs="*", default=[],
                         help="commands-*.json a stage's --dry-run wrote: each command line is parsed too")
+    parser.add_argument("--shapes", type=Path, nargs="*", default=[],
+                        help="model shape folders (benchmarks.gpu.shapes write): each built on meta too")
     args = parser.parse_args(argv)
-    result = run(args.role, args.model_dir, args.mock_cuda, args.commands)
+    result = run(args.role, args.model_dir, args.mock_cuda, args.commands, args.shapes)
     text = json.dumps(result, indent=1, default=str)
     if args.json:
         args.json.write_text(text + "\n")

@@ -24,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu import build_bundle, downloads, vllm_tree  # noqa: E402
+from benchmarks.gpu import build_bundle, downloads, job_plan, shapes, vllm_tree  # noqa: E402
 
 pytestmark = [pytest.mark.model]
 MIB = 2**20
@@ -163,10 +163,10 @@ def test_stub_registers_only_ops_vllm_looks_up_and_they_resolve(dry_run):
 
 def test_every_command_line_of_the_job_parses_in_vllm(dry_run):
     out = dry_run[1]
-    bench = step(out, "eviction", "command lines commands-bench.json")
+    bench = step(out, "eviction", "command lines commands-bench-smollm2-135m.json")
     assert bench["servers"]["vanilla"]["attention_backend"] == "TRITON_ATTN"
     assert bench["servers"]["eviction"]["kv_eviction"]["method"] == "ada-snapkv"
-    assert bench["clients"]["ada-snapkv-0.1"]["extra_body"] == {"vllm_xargs": {"kv_budget": 0.1}}
+    assert bench["clients"]["16k-ada-snapkv-0.1"]["extra_body"] == {"vllm_xargs": {"kv_budget": 0.1}}
     assert {c["request_rate"] for c in bench["clients"].values()} == {float("inf")}
     graphs = step(out, "eviction", "command lines commands-bench-graphs.json")
     assert {s["cudagraph_mode"] for s in graphs["servers"].values()} == {"PIECEWISE"}
@@ -184,9 +184,9 @@ def test_the_scorer_and_fp8_stages_command_lines_parse_in_vllm(dry_run):
     scorer = step(out, "eviction", "command lines commands-correctness-kvzap.json")
     assert scorer["servers"]["eviction"]["kv_eviction"]["method"] == "kvzap"
     assert scorer["servers"]["vanilla"]["kv_eviction"] is None
-    scorer_bench = step(out, "eviction", "command lines commands-bench-kvzap.json")
-    assert set(scorer_bench["clients"]) == {"vanilla", "ada-kvzap-0.25"}
-    assert scorer_bench["servers"]["eviction"]["kv_eviction"]["method"] == "ada-kvzap"
+    shape_bench = step(out, "eviction", "command lines commands-bench-smollm2-135m.json")  # its bench row
+    assert shape_bench["clients"]["8k-ada-kvzap-0.25"]["extra_body"] == {
+        "vllm_xargs": {"kv_eviction": "ada-kvzap", "kv_budget": 0.25}}
     for name in ("commands-correctness-fp8.json", "commands-bench-fp8.json"):
         fp8 = step(out, "eviction", f"command lines {name}")
         assert {s["cache_dtype"] for s in fp8["servers"].values()} == {"fp8"}
@@ -208,3 +208,49 @@ def test_eviction_flags_resolve_to_the_projects_triton_backend(dry_run):
     assert model["attention_backend"] == "CUSTOM"
     assert model["attention_impl"].startswith("vllm_kvevict.vllm_adapter.backend_cuda.")
     assert model["triton_attention_subclass"] is True
+
+
+@pytest.mark.parametrize("name", list(shapes.SHAPES))
+def test_each_shapes_bench_servers_parse_in_vllm_with_the_pool_sized_from_the_shape(dry_run, name):
+    """Issue 70: every shape's config and both servers' flags pass vLLM's own parsers on the CUDA platform,
+    on the KV pool and memory share the plan computed from the shape."""
+    out = dry_run[1]
+    planned = json.loads((out / f"plan-bench-{name}.json").read_text())
+    parsed = step(out, "eviction", f"command lines commands-bench-{name}.json")
+    shape = shapes.SHAPES[name]
+    for role, server in parsed["servers"].items():
+        assert server["architecture"] == shape.architecture
+        assert server["num_gpu_blocks_override"] == planned["pool_blocks"] == 8 * (8192 + 256) // 16
+        assert server["max_model_len"] == 16384 + 256 + 16
+        assert server["gpu_memory_utilization"] == planned["memory_share"]
+        assert server["attention_backend"] == ("TRITON_ATTN" if role == "vanilla" else "CUSTOM")
+    lengths = {c["num_prompts"] for c in parsed["clients"].values()}
+    assert lengths == {32, 16}  # 4 waves of vanilla's 8 requests at 8k, of its 4 at 16k
+
+
+@pytest.mark.parametrize("name", list(shapes.SHAPES))
+def test_each_shape_builds_in_vllm_with_the_parameters_of_its_published_model(dry_run, name):
+    """vLLM's own model of the written config (on meta, the eviction role's attention) counts the parameters
+    the shape's sizes give."""
+    model = step(dry_run[1], "eviction", f"model on meta {name}")
+    assert model["class"] == shapes.SHAPES[name].architecture
+    assert model["parameters"] == shapes.SHAPES[name].parameters()
+
+
+def test_the_kept_context_row_runs_only_where_a_scorer_ships(dry_run):
+    out = dry_run[1]
+    for name in shapes.SHAPES:
+        planned = json.loads((out / f"plan-bench-{name}.json").read_text())
+        labels = {run["label"] for run in planned["runs"]}
+        served = name == "smollm2-135m"
+        assert (planned["kept_context"]["scorer"] is not None) is served
+        assert ("16k-ada-kvzap-0.25" in labels) is served
+        assert {"8k-vanilla", "8k-ada-snapkv-0.25", "16k-ada-snapkv-0.1"} <= labels
+
+
+def test_the_dry_run_is_call_one_and_writes_every_shape(dry_run):
+    done, out, work = dry_run
+    assert "call: 1" in (out / "summary.md").read_text()
+    assert "| shape configs | rc 0 |" in (out / "summary.md").read_text()
+    assert sorted(p.name for p in (work / "shapes").iterdir()) == sorted(shapes.SHAPES)
+    assert job_plan.CALLS[1][-1] == "bench smollm2-135m+qwen2.5-1.5b"
