@@ -142,7 +142,10 @@ def shell(call: int | None) -> str:
 def show() -> str:
     lines = ["| call | stages | estimate, s | limits, s |", "|---|---|---|---|"]
     for call in CALLS:
-        stages = ", ".join(f"{name} ({STAGES[name].estimate_s})" for name in call_stages(call))
+        reused = call != min(CALLS)
+        seconds = {n: REUSED_UNPACK_S if reused and n == "unpack" else STAGES[n].estimate_s
+                   for n in call_stages(call)}
+        stages = ", ".join(f"{name} ({s})" for name, s in seconds.items())
         lines.append(f"| {call} | {stages} | {call_seconds(call)} | {call_seconds(call, 'limit_s')} |")
     return "\n".join(lines) + "\n"
 
