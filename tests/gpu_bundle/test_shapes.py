@@ -207,3 +207,37 @@ def test_every_shape_is_benched_once_and_each_groups_servers_fit_the_gpu_togethe
     for group in job_plan.BENCH_GROUPS:
         shares = [2 * shapes.memory_share(shapes.SHAPES[n], pool, max_len, h100) for n in group]
         assert sum(shares) <= shapes.TWO_SERVERS_SHARE, group
+
+
+class AnsweringServer:
+    """An HTTP server on a free port whose ``/v1/completions`` answers ``status`` with ``body``."""
+
+    def __init__(self, status: int, body: str) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - the stdlib's name
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_port}/v1"
+        self.served_model_name = "Llama-3.1-8B-shape"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize(("status", "expected"), [(400, "HTTP 400: no learned scorer ships"), (200, None)])
+def test_the_kept_context_probe_records_the_servers_refusal_or_none_when_served(status, expected):
+    body = "no learned scorer ships for Llama-3.1-8B-shape" if status == 400 else "{}"
+    server = AnsweringServer(status, body)
+    try:
+        answer = bench_shapes.refusal(server, {"kv_eviction": "ada-kvzap", "kv_budget": 0.25})
+    finally:
+        server.httpd.shutdown()
+    assert (answer is None) if expected is None else answer.startswith(expected)
