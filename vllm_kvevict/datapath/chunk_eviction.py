@@ -46,7 +46,6 @@ from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, reads_values
 from vllm_kvevict.policies.between_chunks import BetweenRule, between_chunks
-from vllm_kvevict.policies.expected_attention import uses_query_statistics
 from vllm_kvevict.policies.query_statistics import QueryStatistics
 
 
@@ -246,8 +245,9 @@ class ChunkEviction:
     def reads_statistics(self, policy: EvictionPolicy, budget: int) -> bool:
         """True when a prompt is judged by Expected Attention, as its method or by the rule between chunks
         at ``budget``: its every prompt query is then folded into running statistics."""
-        return uses_query_statistics(policy) or uses_query_statistics(
-            between_chunks(policy, self.between, budget)
+        return (
+            policy.reads_query_statistics
+            or between_chunks(policy, self.between, budget).reads_query_statistics
         )
 
     def _update_statistics(self, layer_idx: int, r: ChunkRescore, query: torch.Tensor) -> None:

@@ -3,16 +3,17 @@
 
 After the step that brings a request from n0 to n1 computed tokens, each layer reads what it holds (the
 entries it kept at its last eviction, in any layer's region of the request's blocks, then the chunk) and
-scores every entry by its own cache row (``KVzap.entry_scores``), forcing by position what the method always
-keeps: the prompt's first ``sinks`` tokens, the newest ``window`` arrived tokens (the prompt's real last
-window at its last chunk) and tokens after the prompt (a recomputed request). No entry moves before the last
-layer has run (a move into another layer's region would overwrite rows that layer still reads), so each
-layer stashes its held slots, positions and scores; after the last layer the entries of every layer and head
-are ranked together — ``L · H · a(n1)`` kept between chunks, the per-layer rule's total, so the scheduler's
-offset is unchanged, and ``H · Σ_l B_l`` after the last chunk — every layer's table is assigned from the
-request's one pool from the rule's first kept block, and one ``Moves`` over the whole allocation makes them.
-A kept context's creator (``KVzap.head_unit`` > 1) keeps every (layer, head) count in whole sub-blocks, its
-tokens after the context in pool entries after every layer's context (``place_across_layers``).
+scores every entry by its own cache row (the policy's ``entry_scores``), forcing by position what the method
+always keeps (``forced_by_position``; KVzap: the prompt's first ``sinks`` tokens, the newest ``window``
+arrived ones — the prompt's real last window at its last chunk — and those after the prompt, a recomputed
+request). No entry moves before the last layer has run (a move into another layer's region would overwrite
+rows that layer still reads), so each layer stashes its held slots, positions and scores; after the last layer
+the entries of every layer and head are ranked together — ``L · H · a(n1)`` kept between chunks, the per-layer
+rule's total, so the scheduler's offset is unchanged, and ``H · Σ_l B_l`` after the last chunk — every layer's
+table is assigned from the request's one pool from the rule's first kept block, and one ``Moves`` over the
+whole allocation makes them. A kept context's creator (``KVzap.head_unit`` > 1) keeps every (layer, head)
+count in whole sub-blocks, its tokens after the context in pool entries after every layer's context
+(``place_across_layers``).
 
 A token's score is its own row's, so after the last chunk a request holds what whole-prompt eviction keeps of
 the same rows whenever ``a(n) ≥ B'`` (every entry the final ranking keeps outranks all but ``L·H·B'`` others
@@ -41,8 +42,7 @@ from vllm_kvevict.datapath.shared_reads import HeldReads
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
-from vllm_kvevict.policies.base import KeptTokens, LayerKV
-from vllm_kvevict.policies.kvzap import KVzap
+from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy
 
 if TYPE_CHECKING:
     from vllm_kvevict.datapath.chunk_eviction import ChunkRescore
@@ -82,7 +82,7 @@ class PooledChunks:
         """Read and score what ``layer_idx`` of ``r`` holds (``held``: slots of the whole allocation) and
         keep it until the last layer; a failing scorer is logged and counted."""
         policy = r.policy
-        assert isinstance(policy, KVzap), "only kvzap pools its budget across layers"
+        assert isinstance(policy, ScoredPolicy) and policy.pools_layers, "only a pooling scorer is ranked so"
         ranked, shared = held.width - self.trailing(r), r.shared
         positions = held.positions[:, shared:ranked]  # a shared prefix is neither read nor judged
         keys, values = reads.read(held.slots[:, shared:ranked].clamp(min=0), 0, True)  # padding: masked below
@@ -97,7 +97,7 @@ class PooledChunks:
         scores = scores_or_fallback(policy, layer, self.budget(r, layer_idx), r.req_id, own_rows=True)
         if scores is not None:
             window_end = r.prompt_len if r.final else r.seq_len
-            forced = (positions < policy.sinks) | (positions >= window_end - policy.window)
+            forced = policy.forced_by_position(positions, window_end)
             scores = torch.where(forced & (positions >= 0), float("inf"), scores)
             scores = torch.nn.functional.pad(scores, (shared, 0), value=float("-inf"))  # [H, ranked]
         stashed = StashedLayer(held.slots, held.positions, ranked, scores, shared)

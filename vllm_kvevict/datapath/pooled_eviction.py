@@ -30,7 +30,6 @@ from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block, shared_blocks
 from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy
 from vllm_kvevict.policies.kept_masks import across_layers_mask, whole_unit_mask
-from vllm_kvevict.policies.kvzap import KVzap
 
 
 def kept_across_layers(
@@ -48,7 +47,7 @@ def scores_or_fallback(
     policy: ScoredPolicy, layer: LayerKV, budget: int, req_id: str, own_rows: bool = False
 ) -> torch.Tensor | None:
     """The guarded scores [H, n] float32 of one layer of a request whose budget is pooled across layers
-    (``guarded_scores``), those at or below a KVzap threshold (``KVzap.layer_threshold``) as ``-inf``
+    (``guarded_scores``), those at or below the policy's floor (``kept_score_floor``: a threshold) as ``-inf``
     (never kept), or None when the policy failed (logged and counted; the ranking then keeps each layer's
     newest entries)."""
     try:
@@ -56,8 +55,9 @@ def scores_or_fallback(
     except PolicyFault as exc:
         log_fallback(policy_label(policy), req_id, layer.layer_idx, str(exc), budget)
         return None
-    if isinstance(policy, KVzap) and policy.threshold is not None:
-        scores = torch.where(scores > policy.layer_threshold(layer), scores, float("-inf"))
+    floor = policy.kept_score_floor(layer)
+    if floor is not None:
+        scores = torch.where(scores > floor, scores, float("-inf"))
     return scores
 
 

@@ -189,6 +189,24 @@ class EvictionPolicy(ABC):
         the layers' and heads' counts differ, and the request's blocks are pooled across layers."""
         return False
 
+    @property
+    def reads_query_statistics(self) -> bool:
+        """True when it (or a policy it composes) scores with running statistics of every prompt query
+        (Expected Attention), which a caller evicting chunk by chunk must carry across the chunks."""
+        return any(
+            part.reads_query_statistics for part in composed_parts(self) if isinstance(part, EvictionPolicy)
+        )
+
+    def kept_score_floor(self, layer: LayerKV) -> float | None:
+        """The score an entry of ``layer`` must exceed to be kept at all when layers are ranked together
+        (``pools_layers``; KVzap's threshold), or None: no floor."""
+        return None
+
+    def forced_by_position(self, positions: torch.Tensor, window_end: int) -> torch.Tensor:
+        """Bool mask of held entries at ``positions`` (any shape, -1 padding) that a ranking across layers
+        keeps whatever their scores, the newest arrived token being ``window_end - 1``: none by default."""
+        return torch.zeros_like(positions, dtype=torch.bool)
+
     def query_window(self, num_tokens: int) -> int:
         """How many trailing prompt queries ``select`` needs in ``LayerKV.queries`` (0: none)."""
         return 0

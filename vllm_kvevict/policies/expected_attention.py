@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.policies.attention_scores import extend_forward
-from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_fraction, check_int, composed_parts
+from vllm_kvevict.policies.base import EvictionPolicy, LayerKV, ScoredPolicy, check_fraction, check_int
 from vllm_kvevict.policies.query_statistics import QueryStatistics
 
 #: kvpress's leaderboard entry (``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``); its press default is 0.
@@ -77,6 +77,10 @@ class ExpectedAttention(ScoredPolicy):
     def min_budget(self) -> int:
         return self.sinks + self.window
 
+    @property
+    def reads_query_statistics(self) -> bool:
+        return True
+
     def query_window(self, num_tokens: int) -> int:
         return num_tokens
 
@@ -123,7 +127,5 @@ class ExpectedAttention(ScoredPolicy):
 
 def uses_query_statistics(policy: object) -> bool:
     """True when ``policy`` or a policy it composes (``inner``, ``first``, ``second``) scores with Expected
-    Attention, whose callers carry the running query statistics across prompt chunks."""
-    if isinstance(policy, ExpectedAttention):
-        return True
-    return any(uses_query_statistics(part) for part in composed_parts(policy))
+    Attention (``EvictionPolicy.reads_query_statistics``); False for anything that is no policy."""
+    return isinstance(policy, EvictionPolicy) and policy.reads_query_statistics

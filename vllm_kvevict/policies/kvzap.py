@@ -159,6 +159,13 @@ class KVzap(ScoredPolicy):
     def pools_layers(self) -> bool:
         return self.budget_scope == "model"
 
+    def kept_score_floor(self, layer: LayerKV) -> float | None:
+        return None if self.threshold is None else self.layer_threshold(layer)
+
+    def forced_by_position(self, positions: torch.Tensor, window_end: int) -> torch.Tensor:
+        """The prompt's first ``sinks`` tokens and the newest ``window`` arrived ones (and any after them)."""
+        return (positions < self.sinks) | (positions >= window_end - self.window)
+
     def kept_context_form(self, block_size: int) -> EvictionPolicy | None:
         """Itself per layer (the same count in every head and layer); ranked across layers, the counts of
         every (layer, head) in whole ``block_size`` sub-blocks (``head_unit``); None with a threshold (a

@@ -134,9 +134,10 @@ class EvictionConfig:
                 f"kv_eviction.params={self.params!r} must be a JSON object such as '{{\"window\": 32}}'"
             )
         try:
-            self.build_policy()
+            policy = self.build_policy()
         except (TypeError, ValueError) as exc:
             raise EvictionConfigError(f"kv_eviction.params for {self.method!r}: {exc}") from exc
+        object.__setattr__(self, "_pools_layers", policy.pools_layers)  # asked of the policy, once
         if self.prefill not in PREFILL_MODES:
             raise EvictionConfigError(
                 f"kv_eviction.prefill={self.prefill!r} is not valid; valid: {', '.join(PREFILL_MODES)}"
@@ -175,8 +176,9 @@ class EvictionConfig:
 
     @property
     def pools_layers(self) -> bool:
-        """True when a request's blocks are pooled across layers (``budget_scope: "model"``, kvzap)."""
-        return self.method == "kvzap" and self.params.get("budget_scope") == "model"  # policies/kvzap.py
+        """True when a request's blocks are pooled across layers: the method's policy says so
+        (``EvictionPolicy.pools_layers``; kvzap's ``budget_scope: "model"``), decided once per setting."""
+        return self._pools_layers
 
     def _check_pooled(self) -> None:
         """A budget pooled across layers takes a decode-time cap that ranks every layer's held entries
