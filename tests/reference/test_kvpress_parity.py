@@ -189,6 +189,38 @@ def real_prompt_ids(tokenizer) -> torch.Tensor:
     return ids
 
 
+def layers_of(model, tokenizer, indices: tuple[int, ...]) -> list[LayerKV]:
+    """Layers ``indices`` of ``model`` on the real 512-token chat prompt, captured post-RoPE (each keeps
+    its true layer_idx and num_layers, which PyramidKV's budgets use)."""
+    layers = capture_layers(model, real_prompt_ids(tokenizer), query_window=64)
+    return [layers[idx] for idx in indices]
+
+
+def expected_layers_of(
+    model, tokenizer, indices: tuple[int, ...]
+) -> tuple[list[LayerKV], list[torch.Tensor]]:
+    """The same layers with all 512 post-RoPE queries (ours) and the q_proj outputs, i.e. the queries
+    before RoPE, taken from the model itself (kvpress's)."""
+    modules = attention_modules(model)
+    head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else (
+        model.config.hidden_size // model.config.num_attention_heads)
+    prerope: dict[int, torch.Tensor] = {}
+    hooks = [
+        modules[idx].q_proj.register_forward_hook(
+            lambda _module, _args, out, idx=idx: prerope.__setitem__(
+                idx, out[0].detach().float().reshape(out.shape[1], -1, head_dim).transpose(0, 1).clone()
+            )
+        )
+        for idx in indices
+    ]
+    try:
+        layers = capture_layers(model, real_prompt_ids(tokenizer), query_window=None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [layers[idx] for idx in indices], [prerope[idx] for idx in indices]
+
+
 @pytest.fixture(scope="module")
 def reference_model(model_dir: Path):
     return load_reference_model(model_dir)
@@ -196,39 +228,39 @@ def reference_model(model_dir: Path):
 
 @pytest.fixture(scope="module")
 def real_layers(reference_model) -> list[LayerKV]:
-    """Layers ``REAL_LAYER_INDICES`` of the bundled model on a real 512-token chat prompt, captured
-    post-RoPE (each keeps its true layer_idx and num_layers = 30, which PyramidKV's budgets use)."""
-    model, tokenizer = reference_model
-    layers = capture_layers(model, real_prompt_ids(tokenizer), query_window=64)
-    return [layers[idx] for idx in REAL_LAYER_INDICES]
+    """Layers ``REAL_LAYER_INDICES`` of the bundled model on the real prompt."""
+    return layers_of(*reference_model, REAL_LAYER_INDICES)
 
 
 @pytest.fixture(scope="module")
 def real_expected_layers(reference_model) -> tuple[list[LayerKV], list[torch.Tensor]]:
-    """The same layers with all 512 post-RoPE queries (ours) and the q_proj outputs, i.e. the queries
-    before RoPE, taken from the model itself (kvpress's)."""
-    model, tokenizer = reference_model
-    modules = attention_modules(model)
-    prerope: dict[int, torch.Tensor] = {}
-    hooks = [
-        modules[idx].q_proj.register_forward_hook(
-            lambda _module, _args, out, idx=idx: prerope.__setitem__(
-                idx, out[0].detach().float().reshape(out.shape[1], -1, 64).transpose(0, 1).clone()
-            )
-        )
-        for idx in REAL_LAYER_INDICES
-    ]
-    try:
-        layers = capture_layers(model, real_prompt_ids(tokenizer), query_window=None)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [layers[idx] for idx in REAL_LAYER_INDICES], [prerope[idx] for idx in REAL_LAYER_INDICES]
+    return expected_layers_of(*reference_model, REAL_LAYER_INDICES)
+
+
+#: Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 query heads on 2 KV heads: groups of 7, QKV bias): the
+#: methods the issue names, on its first, last and three layers between.
+QWEN_LAYER_INDICES = (0, 6, 12, 18, 23)
+QWEN_METHODS = ("snapkv", "ada-snapkv")
+
+
+@pytest.fixture(scope="module")
+def qwen_model(qwen_model_dir: Path):
+    return load_reference_model(qwen_model_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen_layers(qwen_model) -> list[LayerKV]:
+    return layers_of(*qwen_model, QWEN_LAYER_INDICES)
+
+
+@pytest.fixture(scope="module")
+def qwen_expected_layers(qwen_model) -> tuple[list[LayerKV], list[torch.Tensor]]:
+    return expected_layers_of(*qwen_model, QWEN_LAYER_INDICES)
 
 
 @pytest.fixture(scope="module")
 def kvpress_kept(
-    real_layers: list[LayerKV], real_expected_layers, tmp_path_factory
+    real_layers: list[LayerKV], real_expected_layers, qwen_layers, qwen_expected_layers, tmp_path_factory
 ) -> dict[str, dict[str, torch.Tensor]]:
     """kvpress's kept masks for the random, real and hand cases, from one ``.venv-ref`` subprocess."""
     hand_jobs = [
@@ -241,6 +273,9 @@ def kvpress_kept(
         "hand": case_dict(hand_layers(), hand_jobs),
         "random-expected": expected_case(*random_expected_layers(RANDOM_N), expected_jobs(RATIOS)),
         "real-expected": expected_case(*real_expected_layers, expected_jobs(RATIOS)),
+        "qwen": case_dict(qwen_layers, [j for j in jobs_for(RATIOS) if j["press"] in QWEN_METHODS
+                                        and not j["params"]]),
+        "qwen-expected": expected_case(*qwen_expected_layers, expected_jobs(RATIOS)),
     }
     return run_kvpress(cases, tmp_path_factory.mktemp("kvpress"))
 
@@ -310,6 +345,21 @@ def test_expected_attention_keeps_the_same_tokens_as_kvpress(
         assert_same_kept(
             ours, kvpress_kept[f"{case}-expected"][f"{method}@{ratio}"], f"{case} {method}@{ratio}"
         )
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("method", QWEN_METHODS + EXPECTED_METHODS)
+def test_qwen2_gqa7_tensors_keep_the_same_tokens_as_kvpress(
+    kvpress_kept, qwen_layers, qwen_expected_layers, method: str, ratio: float
+) -> None:
+    """The real Qwen2.5-Coder-0.5B (GQA groups of 7): the group mean, Ada-KV's allocation over its two
+    heads and the Expected Attention statistics keep kvpress's tokens."""
+    expected = method in EXPECTED_METHODS
+    layers = qwen_expected_layers[0] if expected else qwen_layers
+    ours = our_kept(method, layers, ratio, **method_params(method))
+    theirs = kvpress_kept["qwen-expected" if expected else "qwen"][f"{method}@{ratio}"]
+    assert ours.shape[1] == 2
+    assert_same_kept(ours, theirs, f"qwen {method}@{ratio}")
 
 
 @pytest.mark.parametrize("method", sorted(HAND_EXPECTED))
