@@ -25,11 +25,11 @@ differ from a whole prompt's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
+from vllm_kvevict.datapath.chunk_rescore import ChunkRescore
 from vllm_kvevict.datapath.layer_eviction import HeldEntries
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.pooled_eviction import (
@@ -43,9 +43,6 @@ from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy
-
-if TYPE_CHECKING:
-    from vllm_kvevict.datapath.chunk_eviction import ChunkRescore
 
 
 @dataclass(frozen=True)
