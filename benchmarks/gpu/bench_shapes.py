@@ -9,7 +9,8 @@ each shape's runs go in turn.
 One vanilla (``TRITON_ATTN``) and one eviction server (``CUSTOM``, ada-snapkv at 25 %) start together on the
 same KV pool, sized from the shape so that vanilla holds ``POOL_REQUESTS`` requests of the shortest workload
 (half as many of one twice as long), each with the GPU memory share its weights, pool and activations need.
-For each prompt length: random prompts of exactly that length, ``OUTPUT_LEN`` output tokens, rate inf,
+Prefix caching is off on both (each run draws the same seeded prompts). For each prompt length: random
+prompts of exactly that length, ``OUTPUT_LEN`` output tokens, rate inf,
 ``PROMPT_WAVES`` times the requests vanilla holds (enough to fill 25 %'s capacity; the 10 % row is capped by
 the prompt count where its limit is higher, and its running requests show it); rows: vanilla, ada-snapkv at
 25 % (the server's) and 10 % (per request), and the method the project keeps contexts with by default
@@ -47,6 +48,7 @@ BUDGETS = (0.25, 0.1)
 #: Prompts per length: this many times what vanilla holds at once.
 PROMPT_WAVES = 4
 RUN_TIMEOUT_S = 240.0
+NO_PREFIX_CACHING = "--no-enable-prefix-caching"
 
 
 def kept_context(model_dir: Path) -> dict:
@@ -106,7 +108,9 @@ def dataset(prompt_len: int, output_len: int) -> list[str]:
 
 
 def servers(shape: shapes.Shape, model_dir: Path, planned: dict, logs: Path) -> dict[str, BundleServer]:
-    pool = serve_flags.pool_args(planned["pool_blocks"])
+    # No prefix caching: every run of a server draws the same seeded prompts, and its warm-up requests are the
+    # run's first; a cache would serve later runs' prompts from earlier ones'.
+    pool = [*serve_flags.pool_args(planned["pool_blocks"]), NO_PREFIX_CACHING]
     max_len, share = planned["max_model_len"], f"{planned['memory_share']:.2f}"
     flags = {"vanilla": serve_flags.vanilla_args(max_len),
              "eviction": serve_flags.eviction_args(max_len, method=METHOD, budget=str(BUDGETS[0]))}

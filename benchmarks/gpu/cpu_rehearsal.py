@@ -65,7 +65,7 @@ def rehearse_bench(model_dir: Path, out: Path) -> dict:
     held = shapes.pool_bytes(bench.shape, pool, block_size=CPU_BLOCK_SIZE)
     bench.plan.update(pool_blocks=pool, pool_bytes=held, block_size=CPU_BLOCK_SIZE)
     flags = ["--load-format", "dummy", "--block-size", str(CPU_BLOCK_SIZE), "--max-model-len",
-             str(bench.plan["max_model_len"]), *serve_flags.pool_args(pool)]
+             str(bench.plan["max_model_len"]), *serve_flags.pool_args(pool), bench_shapes.NO_PREFIX_CACHING]
     eviction = ["--kv-eviction", bench_shapes.METHOD, "--kv-budget", str(bench_shapes.BUDGETS[0])]
     name = bench.shape.served_model_name
     logs = out / "logs"

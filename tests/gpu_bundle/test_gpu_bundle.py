@@ -224,6 +224,8 @@ def test_each_shapes_bench_servers_parse_in_vllm_with_the_pool_sized_from_the_sh
         assert server["max_model_len"] == 16384 + 256 + 16
         assert server["gpu_memory_utilization"] == planned["memory_share"]
         assert server["attention_backend"] == ("TRITON_ATTN" if role == "vanilla" else "CUSTOM")
+    commands = json.loads((out / f"commands-bench-{name}.json").read_text())
+    assert all("--no-enable-prefix-caching" in command for command in commands["servers"].values())
     lengths = {c["num_prompts"] for c in parsed["clients"].values()}
     assert lengths == {32, 16}  # 4 waves of vanilla's 8 requests at 8k, of its 4 at 16k
 
