@@ -1,6 +1,6 @@
 """Every read or call of a private part of vLLM that is not a wrapper (those are in ``vllm_patches.py``), in
 one place: each names the vLLM symbol, the version checked (``TESTED_VLLM_VERSION``, 0.32.0) and why the
-public API does not do. Every part of vLLM the plugin relies on is listed in ``vllm_boundary.py``, which a
+public API does not do. Every part of vLLM the plugin relies on is listed in ``vllm_boundary/``, which a
 test checks against the installed vLLM: a vLLM upgrade starts there.
 """
 

@@ -1,4 +1,4 @@
-"""The listing of every part of vLLM the plugin relies on (``vllm_adapter/vllm_boundary.py``) holds against
+"""The listing of every part of vLLM the plugin relies on (``vllm_adapter/vllm_boundary/``) holds against
 the installed vLLM, and nothing of vLLM is used that it does not list.
 
 The first tests fail when vLLM moves or changes a listed part (a module, a name, a method's parameters, an
@@ -25,18 +25,18 @@ def test_the_listing_was_checked_on_the_installed_vllm() -> None:
     assert __version__.split("+")[0] == boundary.CHECKED_VLLM_VERSION
 
 
-@pytest.mark.parametrize("entry", boundary.IMPORTS, ids=lambda e: f"{e.module}:{e.names}")
-def test_every_listed_import_resolves(entry: boundary.Imported) -> None:
+@pytest.mark.parametrize("entry", boundary.IMPORTS, ids=lambda e: f"{e.owner}:{e.names}")
+def test_every_listed_import_resolves(entry: boundary.VllmPart) -> None:
     assert sources.import_problem(entry) is None
 
 
-@pytest.mark.parametrize("entry", METHODS, ids=lambda e: f"{e.use}:{e.owner.rpartition('.')[2]}.{e.name}")
-def test_every_listed_method_keeps_its_parameters(entry: boundary.Method) -> None:
+@pytest.mark.parametrize("entry", METHODS, ids=lambda e: f"{e.use}:{e.owner.rpartition('.')[2]}.{e.names}")
+def test_every_listed_method_keeps_its_parameters(entry: boundary.VllmPart) -> None:
     assert sources.method_problem(entry) is None
 
 
 @pytest.mark.parametrize("entry", boundary.READ, ids=lambda e: e.owner.rpartition(".")[2])
-def test_every_listed_attribute_is_still_defined(entry: boundary.Attributes) -> None:
+def test_every_listed_attribute_is_still_defined(entry: boundary.VllmPart) -> None:
     assert sources.attributes_problem(entry) is None
 
 
@@ -46,6 +46,13 @@ def test_every_entry_says_why_and_how_it_is_used() -> None:
     assert {m.use for m in boundary.WRAPPED} == {"wraps"}
     assert {m.use for m in boundary.OVERRIDDEN} == {"overrides"}
     assert {m.use for m in boundary.CALLED} == {"calls"}
+    assert {e.use for e in boundary.IMPORTS} == {"imports"}
+    assert {e.use for e in boundary.READ} == {"reads"}
+
+
+def test_an_entry_of_no_known_use_is_refused() -> None:
+    with pytest.raises(ValueError, match="use='patches' is not valid; valid: imports, wraps"):
+        boundary.VllmPart("patches", "vllm.v1.core.sched.scheduler.Scheduler", "schedule", "planted")
 
 
 def test_no_module_imports_an_unlisted_part_of_vllm() -> None:
@@ -59,13 +66,13 @@ def test_no_module_imports_an_unlisted_part_of_vllm() -> None:
 
 def test_every_wrapper_of_vllm_patches_is_listed() -> None:
     tree = sources.parsed(str(sources.PACKAGE / "vllm_adapter" / "vllm_patches.py"))
-    listed = {(m.owner.rpartition(".")[2], m.name) for m in boundary.WRAPPED}
+    listed = {(m.owner.rpartition(".")[2], m.names) for m in boundary.WRAPPED}
     assert sources.wrapped_in(tree) - listed == set()
 
 
 def test_every_override_of_a_vllm_method_is_listed() -> None:
     subclassing = [name for name, path in sources.plugin_modules() if sources.imports_vllm(path)]
-    listed = {(sources.resolve(m.owner), m.name) for m in boundary.OVERRIDDEN}
+    listed = {(sources.resolve(m.owner), m.names) for m in boundary.OVERRIDDEN}
     unlisted = set()
     for module_name in subclassing:
         for base, name in sources.overridden_by(module_name):
@@ -82,7 +89,7 @@ def test_a_changed_signature_is_reported() -> None:
 
 
 def test_a_method_vllm_no_longer_has_is_reported() -> None:
-    planted = dataclasses.replace(boundary.CALLED[0], name="_insert_block_hash_renamed")
+    planted = dataclasses.replace(boundary.CALLED[0], names="_insert_block_hash_renamed")
     assert "no such method" in str(sources.method_problem(planted))
 
 
@@ -92,8 +99,8 @@ def test_a_missing_attribute_is_reported() -> None:
 
 
 def test_a_moved_module_or_name_is_reported() -> None:
-    moved = boundary.Imported("vllm.v1.core.kv_cache_utils_moved", "resolve_block_hashes", "planted")
-    renamed = boundary.Imported("vllm.v1.core.kv_cache_utils", "resolve_block_hashes_renamed", "planted")
+    moved = boundary.imported("vllm.v1.core.kv_cache_utils_moved", "resolve_block_hashes", "planted")
+    renamed = boundary.imported("vllm.v1.core.kv_cache_utils", "resolve_block_hashes_renamed", "planted")
     assert sources.import_problem(moved) is not None
     assert "not found" in str(sources.import_problem(renamed))
 

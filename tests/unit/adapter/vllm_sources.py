@@ -1,7 +1,7 @@
 """What the installed vLLM defines, read from its source files (never from the classes at run time: the
 plugin's wrappers replace methods in the test process), and what the plugin's own modules take from vLLM.
 
-Each ``*_problem`` function returns why an entry of ``vllm_adapter/vllm_boundary.py`` no longer holds, or
+Each ``*_problem`` function returns why an entry of ``vllm_adapter/vllm_boundary/`` no longer holds, or
 None.
 """
 
@@ -14,7 +14,7 @@ import inspect
 import pathlib
 from collections.abc import Iterator
 
-from vllm_kvevict.vllm_adapter.vllm_boundary import Attributes, Imported, Method
+from vllm_kvevict.vllm_adapter.vllm_boundary import VllmPart
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[3] / "vllm_kvevict"
 
@@ -66,32 +66,32 @@ def parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
     return tuple(names if static else names[1:])
 
 
-def method_problem(entry: Method) -> str | None:
+def method_problem(entry: VllmPart) -> str | None:
     try:
         cls = resolve(entry.owner)
     except (ImportError, AttributeError) as exc:
         return f"{entry.owner}: {exc}"
-    node = function_node(cls, entry.name)
+    node = function_node(cls, entry.names)
     if node is None:
-        return f"{entry.owner}.{entry.name}: no such method"
+        return f"{entry.owner}.{entry.names}: no such method"
     found = parameters(node)
     if found != entry.parameters:
-        return f"{entry.owner}.{entry.name}: parameters {found}, listed {entry.parameters}"
+        return f"{entry.owner}.{entry.names}: parameters {found}, listed {entry.parameters}"
     return None
 
 
-def import_problem(entry: Imported) -> str | None:
+def import_problem(entry: VllmPart) -> str | None:
     try:
-        module = importlib.import_module(entry.module)
+        module = importlib.import_module(entry.owner)
     except ImportError as exc:
-        return f"{entry.module}: {exc}"
-    for name in entry.imported:
+        return f"{entry.owner}: {exc}"
+    for name in entry.listed:
         if hasattr(module, name):
             continue
         try:
-            importlib.import_module(f"{entry.module}.{name}")
+            importlib.import_module(f"{entry.owner}.{name}")
         except ImportError:
-            return f"{entry.module}.{name}: not found"
+            return f"{entry.owner}.{name}: not found"
     return None
 
 
@@ -135,7 +135,7 @@ def class_level_names(node: ast.ClassDef) -> set[str]:
     return found
 
 
-def attributes_problem(entry: Attributes) -> str | None:
+def attributes_problem(entry: VllmPart) -> str | None:
     try:
         cls = resolve(entry.owner)
     except (ImportError, AttributeError) as exc:
@@ -147,7 +147,7 @@ def attributes_problem(entry: Attributes) -> str | None:
             defined |= class_level_names(node) | assigned_names(parsed(inspect.getsourcefile(base)))
     if entry.set_in:
         defined |= assigned_names(parsed(inspect.getsourcefile(importlib.import_module(entry.set_in))))
-    missing = [name for name in entry.attributes if name not in defined and not hasattr(cls, name)]
+    missing = [name for name in entry.listed if name not in defined and not hasattr(cls, name)]
     return f"{entry.owner}: no {', '.join(missing)}" if missing else None
 
 
@@ -167,10 +167,10 @@ def _is_vllm(module: str) -> bool:
     return module == "vllm" or module.startswith("vllm.")
 
 
-def unlisted_imports(tree: ast.AST, listed: tuple[Imported, ...]) -> list[str]:
+def unlisted_imports(tree: ast.AST, listed: tuple[VllmPart, ...]) -> list[str]:
     """``module.name`` of each vLLM import in ``tree`` that no entry of ``listed`` names."""
-    names = {(entry.module, name) for entry in listed for name in entry.imported}
-    modules = {entry.module for entry in listed}
+    names = {(entry.owner, name) for entry in listed for name in entry.listed}
+    modules = {entry.owner for entry in listed}
     return [
         f"line {line}: {module}{'.' + name if name else ''}"
         for line, module, name in vllm_imports(tree)
