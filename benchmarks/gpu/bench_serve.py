@@ -112,14 +112,19 @@ def ratios(rows: list[dict]) -> list[dict]:
     for row in rows[1:]:
         if "error" in row or "error" in base:
             continue
-        out.append({
-            "label": row["label"],
-            "output_tok_s": row["output_throughput"] / base["output_throughput"],
-            "max_running": row["max_running"] / max(base["max_running"], 1),
-            "ttft_p50": row["median_ttft_ms"] / base["median_ttft_ms"],
-            "tpot_p50": row["median_tpot_ms"] / base["median_tpot_ms"],
-        })
+        out.append(ratios_against(row, base))
     return out
+
+
+def ratios_against(row: dict, base: dict) -> dict:
+    """``row``'s output tok/s, requests running at once, TTFT and TPOT medians as ratios to ``base``'s."""
+    return {
+        "label": row["label"],
+        "output_tok_s": row["output_throughput"] / base["output_throughput"],
+        "max_running": row["max_running"] / max(base["max_running"], 1),
+        "ttft_p50": row["median_ttft_ms"] / base["median_ttft_ms"],
+        "tpot_p50": row["median_tpot_ms"] / base["median_tpot_ms"],
+    }
 
 
 def markdown(result: dict) -> str:

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks.gpu import serve_flags, shapes
-from benchmarks.gpu.bench_serve import client_command, measure
+from benchmarks.gpu.bench_serve import client_command, measure, ratios_against
 from benchmarks.gpu.servers import BundleServer, start_all
 
 PROMPT_LENS = (8192, 16384)
@@ -152,14 +152,8 @@ def ratios(rows: list[dict]) -> list[dict]:
         base = vanilla.get(row["prompt_len"])
         if row["label"].endswith("-vanilla") or base is None or "error" in row:
             continue
-        out.append({
-            "label": row["label"],
-            "output_tok_s": row["output_throughput"] / base["output_throughput"],
-            "max_running": row["max_running"] / max(base["max_running"], 1),
-            "ttft_p50": row["median_ttft_ms"] / base["median_ttft_ms"],
-            "tpot_p50": row["median_tpot_ms"] / base["median_tpot_ms"],
-            "capacity_limit": row["capacity_limit"], "decode_limit": row["decode_limit"],
-        })
+        out.append({**ratios_against(row, base),
+                    "capacity_limit": row["capacity_limit"], "decode_limit": row["decode_limit"]})
     return out
 
 
