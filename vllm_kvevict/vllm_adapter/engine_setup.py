@@ -15,7 +15,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_kvevict.settings.additional_config import ADDITIONAL_CONFIG_KEY, eviction_config_from_additional
+from vllm_kvevict.settings.additional_config import (
+    ADDITIONAL_CONFIG_KEY,
+    eviction_config_from_additional,
+    with_eviction,
+)
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.parsers import EvictionConfigError
 from vllm_kvevict.vllm_adapter.engine_requirements import fit_engine_to_eviction
@@ -50,7 +54,7 @@ def apply_eviction_from_additional_config(engine_args: Any) -> None:
     if config is None:
         return
     fit_engine_to_eviction(engine_args, config)
-    engine_args.additional_config = {**additional, ADDITIONAL_CONFIG_KEY: config.to_dict()}
+    engine_args.additional_config = with_eviction(additional, config)
     # Per-request vllm_xargs (SamplingParams.extra_args) are checked like the API server checks them.
     add_request_validator(engine_args, config)
     mark_guarded(engine_args)
@@ -69,9 +73,7 @@ def apply_eviction_to_engine_args(args: argparse.Namespace, engine_args: Any) ->
         config = eviction_config_from_args(args, engine_args.additional_config)
         if config is None:
             return
-        additional = dict(engine_args.additional_config or {})
-        additional[ADDITIONAL_CONFIG_KEY] = config.to_dict()
-        engine_args.additional_config = additional
+        engine_args.additional_config = with_eviction(engine_args.additional_config, config)
         fit_engine_to_eviction(engine_args, config)
     except EvictionConfigError as exc:  # UnsupportedEngineSetting included
         raise SystemExit(f"{CLI_ERROR_PREFIX}{exc}") from None

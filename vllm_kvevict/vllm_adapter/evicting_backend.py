@@ -72,7 +72,8 @@ def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWo
     slot = _making_builders.get() or WorkerSlot()
     worker = slot.worker
     if worker is None:
-        config = spec.eviction_config()
+        config = spec.eviction
+        assert config is not None  # evicting_spec_from sets it
         worker = EvictionWorker(
             policy=config.build_policy(),
             budget=config.budget,

@@ -12,7 +12,6 @@ the manager frees the blocks that bound leaves from then on (``note_kept_bounds`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from vllm.config import get_current_vllm_config_or_none
@@ -23,10 +22,9 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvevict import metrics
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv, with_kept_bound
-from vllm_kvevict.layout.context_reuse import context_plan, entry_blocks, keeps_entry
+from vllm_kvevict.layout.context_reuse import entry_blocks, keeps_entry
 from vllm_kvevict.layout.shared_prefix import (
     freed_range,
-    private_plan,
     publishable_tokens,
     reads_prefix_cache,
     spare_blocks,
@@ -56,14 +54,15 @@ class EvictingAttentionManager(FullAttentionManager):
 
     def __init__(self, kv_cache_spec: EvictingAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
-        config = kv_cache_spec.eviction_config()
+        config = kv_cache_spec.eviction
+        assert config is not None  # evicting_spec_from sets it
         block_size = kv_cache_spec.block_size
         num_layers = kv_cache_spec.num_model_layers
 
         self.settings = RequestSettings(config, block_size, num_layers)
         self.plan_for = self.settings.plan_for
-        # request -> its own planner, for requests with a per-request setting (vllm_xargs)
-        self.request_planners: dict[str, Callable[[int], RequestPlan]] = {}
+        # request -> its own setting, for requests with a per-request setting (vllm_xargs)
+        self.request_settings: dict[str, ResolvedSetting] = {}
         # request -> prompt tokens it found in the prefix cache when it was admitted (shared blocks)
         self.shared_tokens: dict[str, int] = {}
         self.saved_blocks: dict[str, int] = {}  # request -> blocks freed (metrics)
@@ -102,9 +101,9 @@ class EvictingAttentionManager(FullAttentionManager):
             self.prompt_lens[request_id] = request.num_prompt_tokens
         setting = self.settings.resolve(getattr(sampling_params, "extra_args", None))
         if setting is None:
-            self.request_planners.pop(request_id, None)
+            self.request_settings.pop(request_id, None)
         else:
-            self.request_planners[request_id] = setting.plan_for
+            self.request_settings[request_id] = setting
         if cached_tokens > 0:
             self.shared_tokens[request_id] = cached_tokens
         else:
@@ -136,11 +135,11 @@ class EvictingAttentionManager(FullAttentionManager):
     def request_plan(self, request_id: str, num_prompt_tokens: int) -> RequestPlan:
         """The plan of one request's private part: its own setting when it has one, else the server's; an
         adaptive plan with the kept bound its worker reported, once it has."""
-        planner = self.request_planners.get(request_id, self.plan_for)
         shared = self.shared_tokens.get(request_id, 0)
-        if request_id in self.context_requests:
-            return context_plan(planner, num_prompt_tokens, shared, self.block_size, self.num_layers)
-        plan = private_plan(planner, num_prompt_tokens, shared, self.settings.server.min_freed_share)
+        setting = self.request_settings.get(request_id)
+        plan = self.settings.plan(setting, num_prompt_tokens, shared)  # as the worker derives it
+        if setting is not None and setting.keeps_context:
+            return plan
         bound = self.kept_bounds.get(request_id)
         return plan if bound is None else with_kept_bound(plan, bound)
 
@@ -340,7 +339,7 @@ class EvictingAttentionManager(FullAttentionManager):
     def free(self, request_id: str) -> None:
         super().free(request_id)
         self.kept_bounds.pop(request_id, None)
-        self.request_planners.pop(request_id, None)
+        self.request_settings.pop(request_id, None)
         self.shared_tokens.pop(request_id, None)
         self.context_requests.pop(request_id, None)
         self.pending_contexts.pop(request_id, None)

@@ -17,7 +17,7 @@ from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, BETWEEN_SCORERS
 from vllm_kvevict.policies.decode.decode_registry import decode_method_names
 from vllm_kvevict.policies.presets import Preset
 from vllm_kvevict.policies.registry import available_methods, method_names
-from vllm_kvevict.settings.additional_config import ADDITIONAL_CONFIG_KEY, eviction_config_from_additional
+from vllm_kvevict.settings.additional_config import ADDITIONAL_CONFIG_KEY, from_wire
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.decode_config import DECODE_ALLOCATIONS, NO_DECODE, implied_decode
 from vllm_kvevict.settings.parsers import (
@@ -216,7 +216,7 @@ def eviction_config_from_args(
     decode = decode_from_args(args, existing_decode)
     if decode is not None:
         merged["decode"] = decode
-    return eviction_config_from_additional({ADDITIONAL_CONFIG_KEY: merged})
+    return from_wire(merged)
 
 
 def decode_from_args(args: argparse.Namespace, existing: Any) -> dict[str, Any] | None:

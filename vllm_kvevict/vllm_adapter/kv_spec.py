@@ -6,7 +6,6 @@ spec registry gives it its own scheduler-side manager (``evicting_kv_manager.py`
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -14,7 +13,7 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 from vllm_kvevict.layout.shared_prefix import spare_columns_for
-from vllm_kvevict.settings.additional_config import eviction_config_from_json, get_eviction_config
+from vllm_kvevict.settings.additional_config import get_eviction_config
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.request_settings import RequestSettings
 
@@ -23,15 +22,15 @@ from vllm_kvevict.settings.request_settings import RequestSettings
 class EvictingAttentionSpec(FullAttentionSpec):
     """Full attention whose prompt cache is evicted per head after prefill.
 
-    eviction: the EvictionConfig as JSON (specs travel from workers to the EngineCore by pickle and must
-        stay hashable, so it is a string).
+    eviction: the server's EvictionConfig, typed (specs travel from workers to the EngineCore and back by
+        pickle, and must stay hashable: ``EvictionConfig.__hash__``).
     num_model_layers: attention layers of the model (PyramidKV budgets depend on the depth).
     spare_columns: block-table columns each worker row has past ``cdiv(max_len, block_size)``, for the
         spare blocks a compacting request may be given (``shared_prefix.spare_blocks``; 0: prefix caching
         off, never given).
     """
 
-    eviction: str = ""
+    eviction: EvictionConfig | None = None
     num_model_layers: int = 1
     spare_columns: int = 0
 
@@ -46,9 +45,6 @@ class EvictingAttentionSpec(FullAttentionSpec):
         return cls(
             **inherited, eviction=eviction, num_model_layers=num_model_layers, spare_columns=spare_columns
         )
-
-    def eviction_config(self) -> EvictionConfig:
-        return eviction_config_from_json(self.eviction)
 
     def max_num_blocks_per_req(self, vllm_config: Any, max_len: int) -> int:
         """The worker's block-table width: vLLM's, plus the columns spare blocks may take."""
@@ -71,18 +67,16 @@ def evicting_spec_from(spec: AttentionSpec) -> AttentionSpec:
         )
     inherited = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec)}
     num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
-    eviction = json.dumps(config.to_dict(), sort_keys=True)
     spare_columns = 0
     if vllm_config.cache_config.enable_prefix_caching:
         max_len = vllm_config.model_config.max_model_len
-        spare_columns = server_spare_columns(eviction, spec.block_size, num_layers, max_len)
+        spare_columns = server_spare_columns(config, spec.block_size, num_layers, max_len)
     return EvictingAttentionSpec(
-        **inherited, eviction=eviction, num_model_layers=num_layers, spare_columns=spare_columns
+        **inherited, eviction=config, num_model_layers=num_layers, spare_columns=spare_columns
     )
 
 
 @functools.lru_cache(maxsize=8)
-def server_spare_columns(eviction: str, block_size: int, num_layers: int, max_len: int) -> int:
+def server_spare_columns(config: EvictionConfig, block_size: int, num_layers: int, max_len: int) -> int:
     """``shared_prefix.spare_columns_for`` of the server's setting (computed once, not once per layer)."""
-    config = eviction_config_from_json(eviction)
     return spare_columns_for(RequestSettings(config, block_size, num_layers).plan_for, max_len)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Awaitable, Callable
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from vllm_kvevict.settings.additional_config import eviction_config_from_json
+from vllm_kvevict.settings.additional_config import from_wire, to_wire
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.parsers import EvictionConfigError
 from vllm_kvevict.settings.request_settings import parse_override
@@ -42,12 +41,7 @@ MIDDLEWARE_PATH = f"{__name__}.VllmXargsMiddleware"
 
 def publish_server_config(config: EvictionConfig) -> None:
     """Make the server's setting visible to this process and the API server processes it spawns."""
-    os.environ[SERVER_CONFIG_ENV] = json.dumps(config.to_dict(), sort_keys=True)
-
-
-@lru_cache(maxsize=4)
-def _server_config(text: str) -> EvictionConfig:
-    return eviction_config_from_json(text)
+    os.environ[SERVER_CONFIG_ENV] = json.dumps(to_wire(config), sort_keys=True)
 
 
 def xargs_problem(extra_args: Any) -> str | None:
@@ -56,7 +50,7 @@ def xargs_problem(extra_args: Any) -> str | None:
     if not text or not isinstance(extra_args, dict):
         return None  # no eviction on this server (the keys are not read anywhere), or vLLM rejects the type
     try:
-        parse_override(extra_args, _server_config(text))
+        parse_override(extra_args, from_wire(text))  # validated once per process (from_wire)
     except EvictionConfigError as exc:
         return str(exc)
     return None

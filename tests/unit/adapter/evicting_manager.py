@@ -3,8 +3,6 @@ the manager tests of prefill, per-chunk and decode-time eviction)."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 from vllm.v1.core.block_pool import BlockPool
 
@@ -29,7 +27,7 @@ def evicting_manager(
         num_kv_heads=3,
         head_size=64,
         dtype=dtype,
-        eviction=json.dumps(config.to_dict()),
+        eviction=config,
         num_model_layers=30,
         spare_columns=spare_columns,
     )

@@ -250,7 +250,7 @@ def scheduler_manager() -> KVCacheManager:
     vllm_patches.install_eviction_hooks()
     spec = EvictingAttentionSpec(
         block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=torch.bfloat16,
-        eviction=json.dumps(SERVER.to_dict(), sort_keys=True), num_model_layers=LAYERS,
+        eviction=SERVER, num_model_layers=LAYERS,
     )
     group = KVCacheGroupSpec(["l"], spec)
     config = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=[group])
