@@ -14,8 +14,8 @@ import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.query_ring import QueryRing, RingWrites
-from vllm_kvevict.layout.accounting import NEVER, RequestPlan, cdiv, evicted_offset
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
+from vllm_kvevict.layout.request_plan import NEVER, RequestPlan, cdiv, evicted_offset
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, DecodeState
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_kvevict.layout.accounting import RequestPlan
+from vllm_kvevict.layout.request_plan import RequestPlan
 
 
 def context_len(prompt_len: int, block_size: int) -> int:
@@ -56,8 +56,7 @@ def keeps_entry(plan: RequestPlan) -> bool:
 
 def reader_plan(prompt_len: int, shared_tokens: int, block_size: int, num_layers: int) -> RequestPlan:
     """A reader's own tokens (after the C entry tokens), kept whole: nothing compacts, nothing is freed."""
-    own = max(0, prompt_len - shared_tokens)
-    return RequestPlan(own, block_size, (own,) * num_layers, own, 0, False)
+    return RequestPlan.whole(max(0, prompt_len - shared_tokens), block_size, num_layers)
 
 
 def context_plan(

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vllm_kvevict.layout.accounting import RequestPlan, cdiv
+from vllm_kvevict.layout.request_plan import RequestPlan, cdiv
 
 
 def reads_prefix_cache(plan: RequestPlan) -> bool:
@@ -65,7 +65,7 @@ def private_plan(
     plan = plan_for(private)
     if private and reads_prefix_cache(plan) and worth_compacting(plan, prompt_len, min_freed_share):
         return plan
-    return RequestPlan(private, plan.block_size, (private,) * len(plan.layer_budgets), private, 0, False)
+    return RequestPlan.whole(private, plan.block_size, len(plan.layer_budgets))
 
 
 def worth_compacting(plan: RequestPlan, prompt_len: int, min_freed_share: float) -> bool:

@@ -8,13 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from vllm_kvevict.layout.accounting import (
-    NEVER,
-    cdiv,
-    evicted_offset,
-    plan_request,
-    with_decode_cap,
-)
+from vllm_kvevict.layout.accounting import cdiv, plan_request, with_decode_cap
+from vllm_kvevict.layout.request_plan import NEVER, evicted_offset
 from vllm_kvevict.policies.registry import build_policy
 
 NUM_LAYERS = 30
