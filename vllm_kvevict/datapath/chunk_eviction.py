@@ -26,20 +26,13 @@ import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_rescore import ChunkRescore
+from vllm_kvevict.datapath.executor import LayerCommit, LayerWork
 from vllm_kvevict.datapath.kept_selection import PrefillChoice
-from vllm_kvevict.datapath.layer_eviction import (
-    HeldEntries,
-    LayerTables,
-    LayerTarget,
-    evict_layer,
-    held_in_store,
-)
+from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTarget, held_in_store
 from vllm_kvevict.datapath.moves import CacheRows, Moves
-from vllm_kvevict.datapath.placement import standard_entries
-from vllm_kvevict.datapath.pooled_chunks import PooledChunks
-from vllm_kvevict.datapath.pooled_eviction import global_entries
+from vllm_kvevict.datapath.placement import Placement, standard_entries
+from vllm_kvevict.datapath.pooled_eviction import pooled_plan
 from vllm_kvevict.datapath.prompt_queries import PromptQueries
-from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.datapath.shared_reads import HeldReads
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
@@ -74,13 +67,12 @@ class ChunkEviction:
         self.positions: dict[str, list[torch.Tensor | None]] = {}  # req -> per layer [H, a] held positions
         self.queries = PromptQueries(shape.num_layers)  # the newest prompt queries, per request and layer
         self.held_end: dict[str, int] = {}  # req -> tokens computed at its last eviction (later: all held)
-        self.pooled = PooledChunks(shape, tables)  # requests whose blocks are pooled across layers
-        #: req -> what every layer holds after a pooled re-score (read by the step after the last layer)
-        self.pooled_kept: dict[str, list[KeptTokens]] = {}
+        #: req -> what each layer holds after this step's re-score (taken by the step after the last layer)
+        self.evicted: dict[str, list[KeptTokens | None]] = {}
 
     def drop(self, req_id: str) -> None:
         self.statistics.pop(req_id, None)
-        self.pooled_kept.pop(req_id, None)
+        self.evicted.pop(req_id, None)
         self.positions.pop(req_id, None)
         self.queries.drop(req_id)
         self.held_end.pop(req_id, None)
@@ -96,7 +88,7 @@ class ChunkEviction:
     ) -> HeldRows:
         """``held`` of ``layer_idx`` and its prompt entries' keys (and values, unless not ``with_values``),
         read from the cache through ``reads`` (a shared prefix once per layer and step)."""
-        held = self.held(layer_idx, r, block_row, check)
+        held = self.held(layer_idx, r, block_row, check)  # never ranked across layers (the echo)
         scored = held.width - r.trailing
         keys, values = reads.read(held.slots[:, :scored], r.shared, with_values)
         return HeldRows(held, keys, values)
@@ -110,20 +102,23 @@ class ChunkEviction:
         policy: EvictionPolicy,
         block_row: torch.Tensor,
         o_proj: torch.Tensor | None,
-        timer: StepTimer,
-        tables: LayerTables,
+        commit: LayerCommit,
     ) -> tuple[Moves, KeptTokens]:
         """The deferred re-score of ``layer_idx`` (``question_echo``) over ``held`` (read once, for the echo's
         attention too): judged by ``policy`` (the method's copy that reads echo queries; between chunks the
         between-chunks rule around it) from the chunk's own last window and the echo's queries echo_query
-        [W, Hq, D]. After the prompt's last chunk its queries are dropped after the last layer."""
-        assert r.deferred, "only a deferred re-score is judged by an echo"
-        result = self._rescore(
-            layer_idx, r, block_row, echo_query, held, o_proj, timer, tables, (policy, echo_query)
-        )
-        if r.final and layer_idx == self.shape.num_layers - 1:
-            self.queries.drop(r.req_id)
-        return result
+        [W, Hq, D]. Returns the moves and what the layer holds now. After the prompt's last chunk its queries
+        are dropped after the last layer."""
+        assert r.deferred and not commit.across_layers, "only a deferred re-score is judged by an echo"
+        choice = self._choice(layer_idx, r, held, echo_query, o_proj, (policy, echo_query))
+        moves = commit.run(self._work(layer_idx, r, block_row, held.held, choice, r.trailing))
+        kept = self.evicted[r.req_id][layer_idx]
+        if layer_idx == self.shape.num_layers - 1:
+            self.evicted.pop(r.req_id)
+            if r.final:
+                self.queries.drop(r.req_id)
+        assert moves is not None and kept is not None
+        return moves, kept
 
     def held(
         self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, check: bool = True
@@ -150,51 +145,101 @@ class ChunkEviction:
         query: torch.Tensor,
         rows: CacheRows,
         o_proj: torch.Tensor | None,
-        timer: StepTimer,
-        tables: LayerTables,
-    ) -> tuple[Moves | None, list[KeptTokens | None]]:
-        """Re-score ``layer_idx`` of every request in ``rescores`` and commit their new tables (at the last
-        layer of a table group); query [T, Hq, D] holds the step's queries. Returns the moves to make in the
-        layer's cache and what each request holds now (positions [H, M] -1 padded, counts [H])."""
-        moves, results = [], []
+        commit: LayerCommit,
+    ) -> Moves | None:
+        """Re-score ``layer_idx`` of every request in ``rescores`` that evicts in this forward and commit its
+        new table (at the last layer of a table group; ranked across layers: at the last layer); query
+        [T, Hq, D] holds the step's queries. Returns the moves to make in the layer's cache; what each
+        layer holds now is in ``evicted`` (positions [H, M] -1 padded, counts [H])."""
+        moves = []
         reads = HeldReads(rows)
         for r in rescores:
             self._update_statistics(layer_idx, r, query)
-            result = None
-            if r.rescores_now and r.policy.pools_layers:
-                pooled = self._rescore_pooled(layer_idx, r, block_table[r.slot], reads, tables.check)
-                if pooled is not None:
-                    moves.append(pooled)
-            elif r.rescores_now:
+            if r.rescores_now:
                 block_row = block_table[r.slot]
-                # the last chunk is judged by its method; between chunks by a rule that may read values
-                with_values = not r.final or reads_values(r.policy)
-                held = self.read_held(layer_idx, r, block_row, reads, tables.check, with_values)
-                move, result = self._rescore(layer_idx, r, block_row, query, held, o_proj, timer, tables)
-                moves.append(move)
-            results.append(result)
+                held = commit.view(self.held(layer_idx, r, block_row, commit.tables.check), layer_idx)
+                if commit.across_layers:
+                    work = self._ranked_work(layer_idx, r, block_row, held, reads)
+                else:
+                    # the last chunk is judged by its method; between chunks by a rule that may read values
+                    with_values = not r.final or reads_values(r.policy)
+                    keys, values = reads.read(held.slots[:, : held.width - r.trailing], r.shared, with_values)
+                    choice = self._choice(layer_idx, r, HeldRows(held, keys, values), query, o_proj)
+                    work = self._work(layer_idx, r, block_row, held, choice, r.trailing)
+                moved = commit.run(work)
+                if moved is not None:
+                    moves.append(moved)
             if not r.final or r.deferred:
                 self.queries.save(layer_idx, r.req_id, query[r.q_start : r.q_start + r.q_len])
             elif layer_idx == self.shape.num_layers - 1:
                 self.statistics.pop(r.req_id, None)  # the prompt is complete: no later chunk reads them
-        return Moves.join(moves), results
+        return Moves.join(moves)
 
-    def _rescore_pooled(
-        self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, reads: HeldReads, check: bool
-    ) -> Moves | None:
-        """A request whose blocks are pooled across layers (``pooled_chunks.py``): this layer is read and
-        scored; after the last layer every layer is ranked, placed and moved at once."""
+    def _ranked_work(
+        self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, held: HeldEntries, reads: HeldReads
+    ) -> LayerWork:
+        """``layer_idx`` of ``r`` ranked across layers: every held entry scored by its own cache row, what the
+        method keeps by position forced kept (``forced_by_position``). Tokens after the prompt (a recomputed
+        request, a kept context's creator) are the last columns while the request holds vLLM's layout and
+        are kept whole; a compacted request's heads hold ragged counts: they are ranked, forced kept."""
         assert not r.deferred, "a pooled budget is judged without the question echo"
-        held = self.held(layer_idx, r, block_row, check)
-        held = global_entries(self.tables, self.shape, layer_idx, held, r.compacted)
-        self.pooled.stash(layer_idx, r, held, reads)
-        if layer_idx < self.shape.num_layers - 1:
-            return None
-        moves, kept = self.pooled.compact(r, block_row, check)
-        for index, layer_kept in enumerate(kept):
-            self._commit(index, r, layer_kept.indices)
-        self.pooled_kept[r.req_id] = kept
-        return moves
+        trailing = 0 if r.compacted else r.trailing
+        ranked = held.width - trailing
+        positions = held.positions[:, r.shared : ranked]  # a shared prefix is neither read nor judged
+        keys, values = reads.read(held.slots[:, r.shared : ranked].clamp(min=0), 0, True)  # padding: masked
+        assert values is not None
+        layer = LayerKV(
+            keys=keys,
+            values=values.to(keys.dtype),
+            queries=keys[:, :0],
+            layer_idx=layer_idx,
+            num_layers=self.shape.num_layers,
+        )
+        window_end = r.prompt_len if r.final else r.seq_len
+        forced = r.policy.forced_by_position(positions, window_end) & (positions >= 0)
+        budget = self._budget(r, layer_idx) + r.trailing - trailing
+        choice = PrefillChoice(r.policy, layer, budget, r.shared, own_rows=True, forced=forced)
+        return self._work(layer_idx, r, block_row, held, choice, trailing)
+
+    def _work(
+        self,
+        layer_idx: int,
+        r: ChunkRescore,
+        block_row: torch.Tensor,
+        held: HeldEntries,
+        choice: PrefillChoice,
+        trailing: int,
+    ) -> LayerWork:
+        """The layer's work: ``choice`` over ``held``, into the blocks the rule keeps after this chunk, the
+        last ``trailing`` held entries of each head kept whole, a shared prefix kept where it is."""
+        plan, heads = r.plan, self.shape.num_kv_heads
+        adaptive = r.final and plan.adaptive  # the scores set the count, under the budget (accounting.py)
+
+        def pooled_first(kept: list[KeptTokens]) -> int:
+            return first_kept_block(pooled_plan(plan, kept, heads), r.shared, r.seq_len, r.spare)
+
+        target = LayerTarget(
+            r.slot,
+            r.req_id,
+            block_row,
+            first_kept_block(plan, r.shared, r.seq_len, r.spare),
+            cdiv(r.seq_len, self.shape.block_size) + r.spare,
+            trailing,
+            r.shared,
+            adaptive_prompt=plan.prompt_len if adaptive else 0,
+            pooled_first=pooled_first if adaptive else None,
+        )
+
+        def placed(_: KeptTokens, placement: Placement) -> None:
+            self._commit(layer_idx, r, placement.held_positions(held.positions))
+
+        return LayerWork(layer_idx, held, choice, target, placed)
+
+    @staticmethod
+    def _budget(r: ChunkRescore, layer_idx: int) -> int:
+        """Entries per head ``layer_idx`` of ``r`` keeps: its layer budget after the last chunk, ``a(n1)``
+        before."""
+        return r.plan.layer_budgets[layer_idx] if r.final else r.plan.kept_length_at(r.seq_len - r.shared)
 
     def reads_statistics(self, policy: EvictionPolicy, budget: int) -> bool:
         """True when a prompt is judged by Expected Attention, as its method or by the rule between chunks
@@ -220,21 +265,22 @@ class ChunkEviction:
             positions = torch.arange(r.computed, r.computed + count, device=query.device)
             per_layer[layer_idx].update(query[r.q_start : r.q_start + count].transpose(0, 1), positions)
 
-    def _rescore(
+    def _choice(
         self,
         layer_idx: int,
         r: ChunkRescore,
-        block_row: torch.Tensor,
-        query: torch.Tensor,
         held: HeldRows,
+        query: torch.Tensor,
         o_proj: torch.Tensor | None,
-        timer: StepTimer,
-        tables: LayerTables,
         echo: tuple[EvictionPolicy, torch.Tensor] | None = None,
-    ) -> tuple[Moves, KeptTokens]:
+    ) -> PrefillChoice:
+        """The choice over ``held``'s prompt entries: the method's after the last chunk, the between-chunks
+        rule around it before; judged by the chunk's last window (from query [T, Hq, D]) or, with ``echo``
+        (the method's echo-reading copy, the echo's queries [W, Hq, D]), by the chunk's own window and the
+        echo's queries after it."""
         plan, keys, values = r.plan, held.keys, held.values
         scored = keys.shape[1]  # the prompt's entries; trailing tokens are kept after them
-        budget = plan.layer_budgets[layer_idx] if r.final else plan.kept_length_at(r.seq_len - r.shared)
+        budget = self._budget(r, layer_idx)
         tail = 0 if r.final else plan.trailing_held(r.seq_len - r.shared)[1]  # a trailing window, kept whole
         query_positions = None
         if echo is not None:  # the chunk's own last window, then the echo's queries after it
@@ -260,30 +306,16 @@ class ChunkEviction:
             rope_inv_freq=self.rope_inv_freq,
             query_statistics=self.statistics[r.req_id][layer_idx] if r.req_id in self.statistics else None,
         )
-        adaptive = r.final and plan.adaptive  # the scores set the count, under the budget (accounting.py)
+        adaptive = r.final and r.plan.adaptive
         budget = min(budget, scored - r.shared)
-        choice = PrefillChoice(policy, layer, budget, r.shared, uniform=not r.final, exact=not adaptive)
-        first_block = first_kept_block(plan, r.shared, r.seq_len, r.spare)
-        num_blocks = cdiv(r.seq_len, self.shape.block_size) + r.spare
-        target = LayerTarget(
-            r.slot,
-            r.req_id,
-            block_row,
-            first_block,
-            num_blocks,
-            r.trailing,
-            r.shared,
-            adaptive_prompt=plan.prompt_len if adaptive else 0,
-        )
-        result = evict_layer(layer_idx, held.held, choice, target, tables, timer)
-        kept = result.held_positions(held.held)
-        self._commit(layer_idx, r, kept.indices)
-        return result.moves, kept
+        return PrefillChoice(policy, layer, budget, r.shared, uniform=not r.final, exact=not adaptive)
 
-    def _commit(self, layer_idx: int, r: ChunkRescore, kept: torch.Tensor) -> None:
-        """Record the layer's held positions (read only by this layer's next re-score)."""
+    def _commit(self, layer_idx: int, r: ChunkRescore, held: KeptTokens) -> None:
+        """Record what the layer holds now: its positions (read by this layer's next re-score) and, for
+        the step, its kept (``evicted``)."""
         per_layer = self.positions.setdefault(r.req_id, [None] * self.shape.num_layers)
-        per_layer[layer_idx] = kept
+        per_layer[layer_idx] = held.indices
+        self.evicted.setdefault(r.req_id, [None] * self.shape.num_layers)[layer_idx] = held
         if layer_idx == self.shape.num_layers - 1:
             self.held_end[r.req_id] = r.seq_len
             self.tables.mark_compacted(r.slot, r.spare)

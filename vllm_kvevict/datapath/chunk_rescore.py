@@ -1,5 +1,5 @@
 """A request whose prompt is evicted while it arrives, as one step's per-chunk re-score sees it
-(``chunk_eviction.py`` runs it; ``pooled_chunks.py`` ranks it across layers)."""
+(``chunk_eviction.py`` describes its layers; ``executor.py`` runs them)."""
 
 from __future__ import annotations
 

@@ -1,32 +1,25 @@
-"""The decode-time cap's re-score, one layer after its attention: read what each head holds from the cache
-(the backend's cache rows: the keys and values the method reads, dequantised on an fp8 cache, as one
-``HeldLayer`` with the layer index), fold the ring's queries into the method's state (``observe``), ask
-``select`` for at most ``a(t)`` entries per head (``RequestPlan.kept_length``, the same for every layer;
-ragged with Ada-style allocation as long as the layer total fits), place the kept entries in sub-blocks of
-the blocks the request keeps, and return the moves. When a request re-scores is ``decode_schedule.py``'s.
+"""The decode-time cap's re-score, one layer after its attention, as a ``LayerWork`` for the executor: what
+each head holds, read from the cache (the backend's cache rows: the keys and values the method reads,
+dequantised on an fp8 cache, as one ``HeldLayer`` with the layer index); the method's choice of at most
+``a(t)`` entries per head (``RequestPlan.kept_length``, the same for every layer; ragged with Ada-style
+allocation as long as the layer total fits), after folding the ring's queries into its state (``observe``),
+or its scores where the layers are ranked together; the blocks the request keeps. When a request re-scores
+is ``decode_schedule.py``'s.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from vllm_kvevict.datapath.decode_schedule import DecodeRecord, DecodeSchedule, Rescore
-from vllm_kvevict.datapath.layer_eviction import (
-    HeldEntries,
-    LayerTables,
-    LayerTarget,
-    evict_layer,
-    held_in_store,
-)
+from vllm_kvevict.datapath.executor import LayerCommit, LayerWork
+from vllm_kvevict.datapath.kept_selection import log_fallback
+from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTarget, held_in_store
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.placement import standard_entries
-from vllm_kvevict.datapath.policy_guard import guarded
-from vllm_kvevict.datapath.pooled_decode import PooledDecode
-from vllm_kvevict.datapath.pooled_eviction import global_entries
-from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded, policy_label
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.policies.base import KeptTokens
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy, DecodeState, gather_padded
@@ -61,6 +54,25 @@ class DecodeChoice:
     def rejected(self) -> None:
         self.record.states[self.held.layer_idx] = None
 
+    @property
+    def head_unit(self) -> int:
+        return 1
+
+    def scores(self, req_id: str) -> torch.Tensor | None:
+        """The method's scores [H, W] of the held entries (``+inf`` at what it always keeps, ``-inf`` at
+        padding), guarded (NaN, exceptions, shape); None when it failed (logged and counted)."""
+        shape = tuple(self.held.positions.shape)
+
+        def problem(scores: torch.Tensor) -> str | None:
+            found = tuple(scores.shape)
+            return None if found == shape else f"scores of shape {found}, the layer holds {shape}"
+
+        try:
+            return guarded(self.policy, lambda: self.policy.scores(None, self.held).float(), problem)
+        except PolicyFault as exc:
+            log_fallback(policy_label(self.policy), req_id, self.held.layer_idx, str(exc), self.budget)
+            return None
+
     def _select(self) -> KeptTokens:
         policy, held = self.policy, self.held
         state = self.record.states[held.layer_idx]
@@ -81,13 +93,8 @@ class DecodeChoice:
 
 
 class DecodeEviction(DecodeSchedule):
-    """Decode-time caps of the requests on one worker: the schedule (``DecodeSchedule``) and the re-score
-    (per layer, or ranked across layers after the last one where blocks are pooled across layers)."""
-
-    @functools.cached_property
-    def pooled(self) -> PooledDecode:
-        """The re-scores ranked across layers (blocks pooled across layers, ``pooled_decode.py``)."""
-        return PooledDecode(self.policy, self.shape, self.tables)
+    """Decode-time caps of the requests on one worker: the schedule (``DecodeSchedule``) and the re-score's
+    description of each layer (``LayerWork``), run by the step's ``LayerCommit``."""
 
     # ----- re-score -------------------------------------------------------------------------------------
     def rescore_layer(
@@ -96,14 +103,13 @@ class DecodeEviction(DecodeSchedule):
         rescores: list[Rescore],
         block_table: torch.Tensor,
         rows: CacheRows,
-        timer: StepTimer,
-        tables: LayerTables,
+        commit: LayerCommit,
     ) -> Moves | None:
         """Re-score ``layer_idx`` of every request in ``rescores`` and commit their new tables; returns the
         moves to make in the layer's cache (sources and destinations may overlap: gather, then scatter)."""
         if not rescores:
             return None
-        moves = [self._rescore(layer_idx, r, block_table[r.slot], rows, timer, tables) for r in rescores]
+        moves = [commit.run(self._work(layer_idx, r, block_table[r.slot], rows, commit)) for r in rescores]
         if layer_idx == self.num_layers - 1:
             for r in rescores:
                 self._finish(r)
@@ -144,31 +150,25 @@ class DecodeEviction(DecodeSchedule):
             keys = rows.read_keys(slots).reshape(heads, width, -1)
         return HeldLayer(positions, keys, values, layer_idx, self.num_layers)
 
-    def _rescore(
-        self,
-        layer_idx: int,
-        r: Rescore,
-        block_row: torch.Tensor,
-        rows: CacheRows,
-        timer: StepTimer,
-        tables: LayerTables,
-    ) -> Moves | None:
+    def _work(
+        self, layer_idx: int, r: Rescore, block_row: torch.Tensor, rows: CacheRows, commit: LayerCommit
+    ) -> LayerWork:
+        """One layer of ``r``'s re-score: what it holds, the method's choice down to ``a(t)``, the blocks the
+        plan keeps at ``r.generated``; the record then holds the layer's new positions."""
         record, plan = r.record, r.record.plan
-        held = self.held(layer_idx, r, block_row, tables.check)
+        held = self.held(layer_idx, r, block_row, commit.tables.check)
         self._dump_lengths(layer_idx, r, held)
-        if self.tables.layer_blocks:  # blocks pooled across layers: ranked together after the last layer
-            held = global_entries(self.tables, self.shape, layer_idx, held, r.compacted)
-            layer = self.held_layer(layer_idx, held.positions, held.slots, rows)
-            return self.pooled.rescore(layer, held.slots, r, block_row, timer, tables.check)
+        held = commit.view(held, layer_idx)
         layer = self.held_layer(layer_idx, held.positions, held.slots, rows)
         queries = self._queries(layer_idx, r) if self.policy.query_window else None
         choice = self.choice(record, layer, queries, plan.kept_length(r.generated))
-        first_block = plan.blocks_freed(r.generated)
         num_blocks = cdiv(plan.prompt_len + r.generated, self.block_size)
-        target = LayerTarget(r.slot, r.req_id, block_row, first_block, num_blocks)
-        result = evict_layer(layer_idx, held, choice, target, tables, timer)
-        record.positions[layer_idx] = gather_padded(held.positions, result.kept.indices, -1)
-        return result.moves
+        target = LayerTarget(r.slot, r.req_id, block_row, plan.blocks_freed(r.generated), num_blocks)
+
+        def placed(kept: KeptTokens, _: object) -> None:
+            record.positions[layer_idx] = gather_padded(held.positions, kept.indices, -1)
+
+        return LayerWork(layer_idx, held, choice, target, placed)
 
     def _dump_lengths(self, layer_idx: int, r: Rescore, held: HeldEntries) -> None:
         """Each head's held count before the re-score, for the debug dump (when it is on)."""

@@ -11,15 +11,23 @@ from typing import Protocol
 
 import torch
 
-from vllm_kvevict.datapath.policy_guard import PolicyFault, fault, guarded_select, policy_label
-from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV
+from vllm_kvevict.datapath.policy_guard import (
+    PolicyFault,
+    fault,
+    guarded_scores,
+    guarded_select,
+    policy_label,
+)
+from vllm_kvevict.policies.base import EvictionPolicy, KeptTokens, LayerKV, ScoredPolicy
 
 logger = logging.getLogger("vllm.kvevict.selection")
 
 
 class LayerChoice(Protocol):
     """How one mode chooses a layer's kept entries: ``budget`` entries per head (on average; ``exact``: the
-    guard holds the layer to exactly H x budget), never one of the first ``shared`` held entries."""
+    guard holds the layer to exactly H x budget), never one of the first ``shared`` held entries. Ranked
+    across layers, it gives its scores instead (``scores``), and ``head_unit`` > 1 keeps every head's count
+    a multiple of it (a kept context in whole sub-blocks)."""
 
     policy: object
     budget: int
@@ -30,6 +38,14 @@ class LayerChoice(Protocol):
         """Indices [H, M] (-1 padded) into the held entries and counts [H]; raises ``PolicyFault``."""
         ...
 
+    def scores(self, req_id: str) -> torch.Tensor | None:
+        """Guarded scores [H, n] float32 of the last n judged entries (``+inf``: always kept, ``-inf``:
+        never), or None when the policy failed (logged and counted: every layer keeps its newest)."""
+        ...
+
+    @property
+    def head_unit(self) -> int: ...
+
     def rejected(self) -> None:
         """The choice failed and the fallback keeps the layer (a stateful policy forgets its state)."""
         ...
@@ -38,7 +54,8 @@ class LayerChoice(Protocol):
 @dataclass
 class PrefillChoice:
     """A prefill policy's choice over ``layer`` (the held prompt entries), exactly H x ``budget``;
-    ``uniform``: ``budget`` in every head (the rule between chunks)."""
+    ``uniform``: ``budget`` in every head (the rule between chunks). Ranked across layers: ``own_rows``,
+    each entry scored by its own cache row, and ``forced`` [H, n] bool, entries always kept by position."""
 
     policy: EvictionPolicy
     layer: LayerKV
@@ -46,6 +63,19 @@ class PrefillChoice:
     shared: int = 0
     uniform: bool = False
     exact: bool = True
+    own_rows: bool = False
+    forced: torch.Tensor | None = None
+
+    @property
+    def head_unit(self) -> int:
+        return int(getattr(self.policy, "head_unit", 1))
+
+    def scores(self, req_id: str) -> torch.Tensor | None:
+        assert isinstance(self.policy, ScoredPolicy), "only a scoring policy is ranked across layers"
+        scores = scores_or_fallback(self.policy, self.layer, self.budget, req_id, self.own_rows)
+        if scores is not None and self.forced is not None:
+            scores = torch.where(self.forced, float("inf"), scores)
+        return scores
 
     def choose(self) -> KeptTokens:
         kept = guarded_select(self.policy, self.layer, self.budget, self.shared)
@@ -82,6 +112,24 @@ def select_kept(
     valid[:, :shared] = False
     choice = PrefillChoice(policy, layer, budget, shared, uniform)
     return kept_or_newest(choice, valid, req_id, layer.layer_idx)
+
+
+def scores_or_fallback(
+    policy: ScoredPolicy, layer: LayerKV, budget: int, req_id: str, own_rows: bool = False
+) -> torch.Tensor | None:
+    """The guarded scores [H, n] float32 of one layer of a request whose budget is pooled across layers
+    (``guarded_scores``), those at or below the policy's floor (``kept_score_floor``: a threshold) as ``-inf``
+    (never kept), or None when the policy failed (logged and counted; the ranking then keeps each layer's
+    newest entries)."""
+    try:
+        scores = guarded_scores(policy, layer, budget, own_rows).float()
+    except PolicyFault as exc:
+        log_fallback(policy_label(policy), req_id, layer.layer_idx, str(exc), budget)
+        return None
+    floor = policy.kept_score_floor(layer)
+    if floor is not None:
+        scores = torch.where(scores > floor, scores, float("-inf"))
+    return scores
 
 
 def newest_entries(valid: torch.Tensor, budget: int) -> KeptTokens:

@@ -1,13 +1,13 @@
-"""One layer of one request evicted, the same for the three modes (whole prompt, per chunk, decode cap):
-held entries -> rows read -> guarded selection -> sub-block assignment -> placement -> ``Moves``. The modes
-differ only in where the policy, its budget and the held entries come from (``LayerChoice`` and
-``HeldEntries``); this module does the rest once.
+"""One layer of one request evicted on its own, the same for every mode (``executor.EachLayer`` runs it):
+held entries -> guarded selection -> sub-block assignment -> placement -> ``Moves``. The modes differ only in
+what they describe (``executor.LayerWork``: the held entries, the choice, the target).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +28,13 @@ class HeldEntries:
     """What each head of one request's layer holds: slots [H, L] int64 one-head-view cache slots and
     positions [H, L] int64, -1 padded. ``step_row``: the held entries are rows of this step's tensors
     (position p is row ``step_row + p``, a prompt computed in this step), None: they are read from the
-    cache. The last ``trailing`` held entries of each head are kept whole after the chosen ones."""
+    cache. ``in_store``: the slots are the sub-block store's (of the whole allocation where it pools layers),
+    else the layer's own view of vLLM's standard layout."""
 
     slots: torch.Tensor
     positions: torch.Tensor
     step_row: int | None = None
+    in_store: bool = False
 
     @staticmethod
     def of_step_rows(
@@ -85,7 +87,7 @@ def held_in_store(
             f"{lengths.tolist()}"
         )
     valid = j[None, :] < lengths[:, None]
-    return HeldEntries(torch.where(valid, slots, -1), torch.where(valid, positions, -1))
+    return HeldEntries(torch.where(valid, slots, -1), torch.where(valid, positions, -1), in_store=True)
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,9 @@ class LayerTarget:
 
     ``adaptive_prompt``: the prompt length P of an adaptive plan (0: none). The layer's kept count is then
     set by its scores, and its entries start at the first block its own bound leaves (``for_kept``), at or
-    after ``first_block`` (the ceiling's, where the request's pool starts: ``pool_block``)."""
+    after ``first_block`` (the ceiling's, where the request's pool starts: ``pool_block``). Ranked across
+    layers, ``pooled_first`` (None: ``first_block``) gives the first block from every layer's kept entries
+    (an adaptive plan's bound, ``pooled_eviction.pooled_plan``)."""
 
     slot: int
     req_id: str
@@ -107,6 +111,7 @@ class LayerTarget:
     shared: int = 0
     adaptive_prompt: int = 0
     pool_block: int = -1
+    pooled_first: Callable[[list[KeptTokens]], int] | None = None
 
     def for_kept(self, total: int, heads: int, block_size: int) -> LayerTarget:
         """This target once the layer's heads keep ``total`` entries: for an adaptive plan its entries start

@@ -1,5 +1,5 @@
-"""Whole-prompt eviction with a request's blocks pooled across layers (``budget_scope: "model"``,
-``docs/design_modes.md``, "Per-layer block budgets").
+"""A request's blocks pooled across layers (``budget_scope: "model"``, ``docs/design_modes.md``,
+"Per-layer block budgets"): the ranking and placement ``executor.AcrossLayers`` runs for every mode.
 
 The entries of every layer and head are ranked together and the best ``H · Σ_l B_l`` kept (the plan's
 total), so a layer that needs more of the prompt keeps more and one that needs less gives its share away;
@@ -7,11 +7,21 @@ the request's kept blocks hold every layer's sub-blocks (``SubBlockStore`` in po
 layer's share instead of the largest one's.
 
 In the compacting step every later layer still writes its prompt into its own region of the request's
-blocks, so no layer's entries can move before the last layer has run: each layer stashes its scores
-``[H, P]`` (``stash``), and after the last layer's attention ``compact`` ranks them all, assigns every
-layer's table from the one pool (layer order, then head order) and returns one ``Moves`` over the whole
-allocation (``vllm_adapter/pooled_cache.py``): sources are read from the cache, all rows gathered before
-any is written.
+blocks, so no layer's entries can move before the last layer has run: each layer's scores are stashed, and
+after the last layer's attention they are ranked together (``kept_across_held``), every layer's table is
+assigned from the one pool (layer order, then head order, ``place_across_layers``) and one ``Moves`` over the
+whole allocation is returned (``vllm_adapter/pooled_cache.py``): sources are read from the cache, all rows
+gathered before any is written.
+
+Per chunk, each layer's held entries (the entries it kept at its last eviction, in any layer's region, then
+the chunk) are scored by their own cache rows (``entry_scores``), forcing by position what the method always
+keeps (``forced_by_position``): ``L · H · a(n1)`` are kept between chunks (the per-layer rule's total, so the
+scheduler's offset is unchanged) and ``H · Σ_l B_l`` after the last chunk; a token's score is its own row's,
+so after the last chunk a request holds what whole-prompt eviction keeps of the same rows whenever
+``a(n) ≥ B'`` (``tests/unit/datapath/test_pooled_worker.py``). A decode cap ranks ``L · H · a(t)`` the same
+way (its scorer: ``+inf`` at the sinks and each head's newest ``window``), in the blocks the per-layer rule
+keeps (``RequestPlan.blocks_freed``). A kept context's creator (``head_unit`` > 1) keeps every (layer, head)
+count in whole sub-blocks, its tokens after the context in pool entries after every layer's context.
 """
 
 from __future__ import annotations
@@ -19,16 +29,14 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
-from vllm_kvevict.datapath.kept_selection import log_fallback, newest_entries
+from vllm_kvevict.datapath.kept_selection import newest_entries
 from vllm_kvevict.datapath.layer_eviction import HeldEntries
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import Placement, place
-from vllm_kvevict.datapath.policy_guard import PolicyFault, guarded_scores, policy_label
-from vllm_kvevict.datapath.step_inputs import StepRequest
-from vllm_kvevict.layout.accounting import RequestPlan, adaptive_kept_bound, cdiv, with_kept_bound
+from vllm_kvevict.layout.accounting import RequestPlan, adaptive_kept_bound, with_kept_bound
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
-from vllm_kvevict.layout.shared_prefix import first_kept_block, shared_blocks
-from vllm_kvevict.policies.base import KeptTokens, LayerKV, ScoredPolicy
+from vllm_kvevict.layout.shared_prefix import shared_blocks
+from vllm_kvevict.policies.base import KeptTokens
 from vllm_kvevict.policies.kept_masks import across_layers_mask, whole_unit_mask
 
 
@@ -41,24 +49,6 @@ def kept_across_layers(
     ``unit``: as ``kept_across_held``."""
     every = torch.ones(heads, length, dtype=torch.bool)
     return kept_across_held(scores, budgets, [every] * len(scores), unit)
-
-
-def scores_or_fallback(
-    policy: ScoredPolicy, layer: LayerKV, budget: int, req_id: str, own_rows: bool = False
-) -> torch.Tensor | None:
-    """The guarded scores [H, n] float32 of one layer of a request whose budget is pooled across layers
-    (``guarded_scores``), those at or below the policy's floor (``kept_score_floor``: a threshold) as ``-inf``
-    (never kept), or None when the policy failed (logged and counted; the ranking then keeps each layer's
-    newest entries)."""
-    try:
-        scores = guarded_scores(policy, layer, budget, own_rows).float()
-    except PolicyFault as exc:
-        log_fallback(policy_label(policy), req_id, layer.layer_idx, str(exc), budget)
-        return None
-    floor = policy.kept_score_floor(layer)
-    if floor is not None:
-        scores = torch.where(scores > floor, scores, float("-inf"))
-    return scores
 
 
 def pooled_plan(plan: RequestPlan, kept: list[KeptTokens], heads: int) -> RequestPlan:
@@ -109,7 +99,7 @@ def global_entries(
     if compacted:
         return held
     region = tables.layer_blocks * shape.num_kv_heads * shape.block_size
-    return HeldEntries(held.slots + layer_idx * region, held.positions, held.step_row)
+    return HeldEntries(held.slots + layer_idx * region, held.positions, held.step_row, in_store=True)
 
 
 def place_across_layers(
@@ -166,58 +156,3 @@ def place_across_layers(
         placements.append(placed)
         tables.commit(layer_idx, slot, table, first_block, pool_cursor=taken)
     return Moves(torch.cat(sources), torch.cat(destinations)), placements
-
-
-class PooledPromptEviction:
-    """The step's pooled compactions: the stashed scores of each compacting request, by layer."""
-
-    def __init__(
-        self,
-        shape: CacheShape,
-        tables: BatchSubBlocks,
-        block_table: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        check: bool,
-    ) -> None:
-        self.shape = shape
-        self.tables = tables
-        self.check = check
-        self._block_table = block_table
-        self._slot_mapping = slot_mapping
-        self._scores: dict[str, list[torch.Tensor | None]] = {}
-
-    def stash(self, req: StepRequest, layer: LayerKV, budget: int) -> None:
-        """Score ``layer`` of ``req`` (its whole prompt, this step's rows) and keep the scores [H, P] until
-        the last layer; a failing policy is logged and counted, and the request keeps each layer's newest
-        entries."""
-        assert isinstance(req.policy, ScoredPolicy)
-        scores = scores_or_fallback(req.policy, layer, budget, req.req_id)
-        self._scores.setdefault(req.req_id, []).append(scores)
-
-    def compact(self, req: StepRequest) -> tuple[Moves, list[KeptTokens]]:
-        """After the last layer: rank every layer's stashed scores of ``req`` together, assign each layer's
-        table from the request's one pool and return the moves over the whole allocation (global one-head
-        slots) with each layer's kept entries."""
-        plan = req.plan
-        assert plan is not None
-        heads, bs = self.shape.num_kv_heads, self.shape.block_size
-        scores = self._scores.pop(req.req_id)
-        if len(scores) != self.shape.num_layers:
-            layers = self.shape.num_layers
-            raise RuntimeError(f"request {req.req_id}: {len(scores)} of {layers} layers were scored")
-        unit = int(getattr(req.policy, "head_unit", 1))  # a kept context: whole sub-blocks per head
-        kept = kept_across_layers(scores, plan.layer_budgets, heads, req.prompt_len, unit)
-        plan = pooled_plan(plan, kept, heads)
-        trailing = req.q_len - req.prompt_len  # tokens computed after the prompt (a recomputed request)
-        held = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
-        moves, _ = place_across_layers(
-            self.tables,
-            req.index,
-            self._block_table[req.index],
-            (first_kept_block(plan, 0, req.seq_len, req.spare), cdiv(req.seq_len, bs) + req.spare),
-            kept,
-            [global_entries(self.tables, self.shape, index, held, False).slots for index in range(len(kept))],
-            (trailing, req.prompt_len),
-            self.check,
-        )
-        return moves, kept

@@ -1,7 +1,8 @@
 """Whole-prompt eviction: a prompt computed in one step is scored from the keys, values and queries the
 layer has in hand, and its kept entries move from the standard-layout slots it was just written to into
 the sub-blocks the request keeps. A recomputed request whose decode cap already applies evicts down to that
-cap in the same step. Built once per step for the requests whose prompt completes in it."""
+cap in the same step. Built once per step for the requests whose prompt completes in it; each layer of each
+request is described as a ``LayerWork`` and run by the step's ``LayerCommit``."""
 
 from __future__ import annotations
 
@@ -10,20 +11,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
+from vllm_kvevict.datapath.executor import LayerCommit, LayerWork
 from vllm_kvevict.datapath.kept_selection import PrefillChoice, select_kept
-from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTables, LayerTarget, evict_layer
+from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTarget
 from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.placement import place
-from vllm_kvevict.datapath.pooled_decode import PooledTarget
-from vllm_kvevict.datapath.pooled_eviction import PooledPromptEviction, global_entries
-from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
+from vllm_kvevict.datapath.placement import Placement, place
+from vllm_kvevict.datapath.pooled_eviction import pooled_plan
+from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import first_kept_block
 from vllm_kvevict.policies.base import KeptTokens, LayerKV
 from vllm_kvevict.policies.decode.decode_policy import gather_padded
-from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 if TYPE_CHECKING:
     from vllm_kvevict.datapath.decode_rescore import DecodeEviction
@@ -39,30 +39,25 @@ class PromptEviction:
         requests: list[StepRequest],
         shape: CacheShape,
         tables: BatchSubBlocks,
-        block_table: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        steps: tuple[torch.Tensor, torch.Tensor],
         o_proj: dict[int, torch.Tensor],
         rope_inv_freq: torch.Tensor | None,
         decode: DecodeEviction | None,
         records: EvictionRecords,
-        timer: StepTimer,
-        layer_tables: LayerTables,
+        commit: LayerCommit,
         cap_starts: CapStarts,
     ) -> None:
         self.requests = requests
         self.shape = shape
         self.tables = tables
+        self._block_table, self._slot_mapping = steps  # vLLM's block table [R', W], slot mapping [T']
         self.o_proj = o_proj
         self.rope_inv_freq = rope_inv_freq
         self.decode = decode
         self.records = records
-        self.timer = timer
-        self._block_table = block_table
-        self._slot_mapping = slot_mapping
-        self._tables = layer_tables
+        self.commit = commit
         self.cap_starts = cap_starts  # what a decode cap starts from (committed after the step)
         self._kept: dict[str, list[KeptTokens]] = {}  # req -> per layer, until its last layer
-        self.pooled = PooledPromptEviction(shape, tables, block_table, slot_mapping, layer_tables.check)
 
     def compact_layer(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -72,65 +67,53 @@ class PromptEviction:
         the cache's device; only host-known sizes are used to build them."""
         if not self.requests:
             return None
-        moves: list[Moves | None] = []
+        moves = []
         for req in self.requests:
             if req.decode is not None:
-                moves.append(self._compact_with_cap(req, layer_idx, query, key, value))
-                continue
-            plan, policy = req.plan, req.policy
-            assert plan is not None and policy is not None
-            if policy.pools_layers:
-                moves.append(self._compact_pooled(req, layer_idx, query, key, value))
-                continue
-            held = HeldEntries.of_step_rows(
-                self._slot_mapping, req.q_start, req.q_len, self.shape.num_kv_heads, self.shape.block_size
-            )
-            choice = PrefillChoice(
-                policy,
-                self._layer(req, layer_idx, query, key, value),
-                self._budget(req, layer_idx),
-                exact=not plan.adaptive,
-            )
-            first_block = first_kept_block(plan, 0, req.seq_len, req.spare)
-            num_blocks = cdiv(req.seq_len, self.shape.block_size) + req.spare
-            target = LayerTarget(
-                req.index,
-                req.req_id,
-                self._block_table[req.index],
-                first_block,
-                num_blocks,
-                req.q_len - req.prompt_len,
-                adaptive_prompt=plan.prompt_len if plan.adaptive else 0,
-            )
-            result = evict_layer(layer_idx, held, choice, target, self._tables, self.timer)
-            moves.append(result.moves)
-            self.cap_starts.keep(
-                req.req_id, layer_idx, result.kept.indices.to(torch.int64)
-            )  # a cap starts here
-            self._finish_layer(req, layer_idx, result.kept)
-        return Moves.join([m for m in moves if m is not None])
+                work = self._capped_work(req, layer_idx, query, key, value)
+            else:
+                work = self._prompt_work(req, layer_idx, query, key, value)
+            moved = self.commit.run(work)
+            if moved is not None:
+                moves.append(moved)
+        return Moves.join(moves)
 
-    def _compact_pooled(
+    def _held(self, req: StepRequest, layer_idx: int) -> HeldEntries:
+        """Every row ``req`` computed in this step, as its heads hold them in the layer's cache."""
+        heads, bs = self.shape.num_kv_heads, self.shape.block_size
+        held = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
+        return self.commit.view(held, layer_idx)
+
+    def _prompt_work(
         self, req: StepRequest, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> Moves | None:
-        """A request whose blocks are pooled across layers: this layer's scores are stashed; after the last
-        layer every layer is ranked, placed and moved at once (``pooled_eviction.py``)."""
-        with self.timer.phase("selection"):
-            layer = self._layer(req, layer_idx, query, key, value)
-            self.pooled.stash(req, layer, self._budget(req, layer_idx))
-        if layer_idx < self.shape.num_layers - 1:
-            return None
-        with self.timer.phase("selection"):
-            moves, kept = self.pooled.compact(req)
-        for index, layer_kept in enumerate(kept):
-            self.cap_starts.keep(req.req_id, index, layer_kept.indices.to(torch.int64))  # a cap starts here
-            self._finish_layer(req, index, layer_kept)
-        return moves
+    ) -> LayerWork:
+        """The prompt of ``req`` in ``layer_idx``: its policy's choice down to the layer budget, the tokens
+        computed after the prompt (a recomputed request) kept whole after it."""
+        plan, policy = req.plan, req.policy
+        assert plan is not None and policy is not None
+        layer = self._layer(req, layer_idx, query, key, value)
+        choice = PrefillChoice(policy, layer, plan.layer_budgets[layer_idx], exact=not plan.adaptive)
+        heads = self.shape.num_kv_heads
 
-    @staticmethod
-    def _budget(req: StepRequest, layer_idx: int) -> int:
-        assert req.plan is not None
-        return req.plan.layer_budgets[layer_idx]
+        def pooled_first(kept: list[KeptTokens]) -> int:
+            return first_kept_block(pooled_plan(plan, kept, heads), 0, req.seq_len, req.spare)
+
+        target = LayerTarget(
+            req.index,
+            req.req_id,
+            self._block_table[req.index],
+            first_kept_block(plan, 0, req.seq_len, req.spare),
+            cdiv(req.seq_len, self.shape.block_size) + req.spare,
+            req.q_len - req.prompt_len,
+            adaptive_prompt=plan.prompt_len if plan.adaptive else 0,
+            pooled_first=pooled_first if plan.adaptive else None,
+        )
+
+        def placed(kept: KeptTokens, _: Placement) -> None:
+            self.cap_starts.keep(req.req_id, layer_idx, kept.indices.to(torch.int64))  # a cap starts here
+            self._finish_layer(req, layer_idx, kept)
+
+        return LayerWork(layer_idx, self._held(req, layer_idx), choice, target, placed)
 
     def _layer(
         self, req: StepRequest, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -159,76 +142,52 @@ class PromptEviction:
             self.tables.mark_compacted(req.index, req.spare)
             self.records.compacted(req, kept_per_head)
 
-    def _compact_with_cap(
+    def _capped_work(
         self, req: StepRequest, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> Moves:
-        """A recomputed request whose decode cap already applies: the prompt's own selection (or the whole
-        prompt when its plan keeps it), then the decode method over those entries and the recomputed output,
-        down to ``a(t)``, compacted straight from this step's standard-layout slots."""
+    ) -> LayerWork:
+        """A recomputed request whose decode cap already applies: the decode method's choice down to
+        ``a(t)`` over the prompt's own selection (or the whole prompt when its plan keeps it) then the
+        recomputed output, compacted straight from this step's standard-layout slots. Ranked across layers,
+        every row it computed is judged, with no selection of the prompt first."""
         record, plan, decode = req.decode, req.plan, self.decode
         assert record is not None and plan is not None and decode is not None
-        if self.tables.layer_blocks:
-            return self._compact_pooled_with_cap(req, layer_idx, key, value)
-        bs, heads = self.shape.block_size, self.shape.num_kv_heads
+        heads, device = self.shape.num_kv_heads, key.device
         prompt_len, generated, start = req.prompt_len, req.q_len - req.prompt_len, req.q_start
-        if plan.compacts:
-            layer = self._layer(req, layer_idx, query, key, value)
-            with self.timer.phase("selection"):
-                kept = select_kept(req.policy, layer, self._budget(req, layer_idx), req.req_id)
-        else:
-            kept = KeptTokens.everything(heads, prompt_len, key.device)
-        # Candidates: the kept prompt entries then the recomputed output, per head ([H, L], -1 padded).
-        counts = kept.counts.to(device=key.device, dtype=torch.int64)
-        width = (int(counts.max()) if kept.indices.numel() else 0) + generated
-        candidates = place(kept, generated, prompt_len, int(counts.sum()) + heads * generated, key.device)
-        padded = torch.full((heads, width), -1, dtype=torch.int64, device=key.device)
-        padded[candidates.heads, candidates.index] = candidates.chosen
-        every = HeldEntries.of_step_rows(self._slot_mapping, start, req.q_len, heads, bs)
-        head_ids = torch.arange(heads, device=key.device)[:, None]
-        slots = torch.where(padded >= 0, every.slots[head_ids, padded.clamp(min=0)], -1)
-        held = HeldEntries(slots, padded, start)
-        rows = start + padded.clamp(min=0)
+        every = self._held(req, layer_idx)
+        prompt_kept = None  # the prompt's own selection (None: every row is a candidate)
+        if not self.commit.across_layers:
+            prompt_kept = KeptTokens.everything(heads, prompt_len, device)
+            if plan.compacts:
+                layer = self._layer(req, layer_idx, query, key, value)
+                with self.commit.timer.phase("selection"):
+                    budget = plan.layer_budgets[layer_idx]
+                    prompt_kept = select_kept(req.policy, layer, budget, req.req_id)
+        held = every
+        head_ids = torch.arange(heads, device=device)[:, None]
+        if prompt_kept is not None:  # candidates: the kept prompt entries then the recomputed output [H, L]
+            counts = prompt_kept.counts.to(device=device, dtype=torch.int64)
+            width = (int(counts.max()) if prompt_kept.indices.numel() else 0) + generated
+            total = int(counts.sum()) + heads * generated
+            candidates = place(prompt_kept, generated, prompt_len, total, device)
+            padded = torch.full((heads, width), -1, dtype=torch.int64, device=device)
+            padded[candidates.heads, candidates.index] = candidates.chosen
+            slots = torch.where(padded >= 0, every.slots[head_ids, padded.clamp(min=0)], -1)
+            held = HeldEntries(slots, padded, start)
+        rows = start + held.positions.clamp(min=0)
         keys, values = key[rows, head_ids], value[rows, head_ids]  # [H, L, D]
         choice = decode.recomputed_choice(
-            layer_idx, record, keys, values, padded, query[start : start + req.q_len], generated
+            layer_idx, record, keys, values, held.positions, query[start : start + req.q_len], generated
         )
-        target = LayerTarget(
-            req.index,
-            req.req_id,
-            self._block_table[req.index],
-            plan.blocks_freed(generated),
-            cdiv(req.seq_len, bs),
-        )
-        result = evict_layer(layer_idx, held, choice, target, self._tables, self.timer)
-        self.cap_starts.keep(req.req_id, layer_idx, gather_padded(padded, result.kept.indices, -1))
-        if layer_idx == self.shape.num_layers - 1:
-            self.cap_starts.anchor(req.req_id, plan.prompt_len + generated)
-        self._finish_layer(req, layer_idx, kept)
-        return result.moves
+        num_blocks = cdiv(req.seq_len, self.shape.block_size)
+        block_row = self._block_table[req.index]
+        target = LayerTarget(req.index, req.req_id, block_row, plan.blocks_freed(generated), num_blocks)
 
-    def _compact_pooled_with_cap(
-        self, req: StepRequest, layer_idx: int, key: torch.Tensor, value: torch.Tensor
-    ) -> Moves | None:
-        """A recomputed request whose decode cap already applies, its blocks pooled across layers: every
-        row it computed in this step (the prompt and the recomputed output) is judged by the decode method
-        from the step's keys and values and, after the last layer, every layer's rows are ranked together
-        down to ``L · H · a(t)`` (``pooled_decode.py``)."""
-        plan, decode = req.plan, self.decode
-        assert plan is not None and decode is not None
-        heads, bs, layers = self.shape.num_kv_heads, self.shape.block_size, self.shape.num_layers
-        generated = req.q_len - req.prompt_len
-        standard = HeldEntries.of_step_rows(self._slot_mapping, req.q_start, req.q_len, heads, bs)
-        held = global_entries(self.tables, self.shape, layer_idx, standard, compacted=False)
-        rows = slice(req.q_start, req.q_start + req.q_len)
-        keys, values = key[rows].transpose(0, 1), value[rows].transpose(0, 1)  # [H, P + t, D]
-        layer = HeldLayer(held.positions, keys, values, layer_idx, layers)
-        target = PooledTarget.at(req.index, req.req_id, self._block_table[req.index], plan, generated)
-        ranked = decode.pooled.rank(layer, held.slots, target, self.timer, self._tables.check)
-        if ranked is None:
-            return None
-        moves, positions = ranked
-        for index, kept in enumerate(positions):
-            self.cap_starts.keep(req.req_id, index, kept)
-            self._finish_layer(req, index, KeptTokens(kept, (kept >= 0).sum(dim=1)))
-        self.cap_starts.anchor(req.req_id, plan.prompt_len + generated)
-        return moves
+        def placed(kept: KeptTokens, _: Placement) -> None:
+            positions = gather_padded(held.positions, kept.indices, -1)
+            self.cap_starts.keep(req.req_id, layer_idx, positions)
+            if layer_idx == self.shape.num_layers - 1:
+                self.cap_starts.anchor(req.req_id, plan.prompt_len + generated)
+            recorded = prompt_kept if prompt_kept is not None else KeptTokens(positions, kept.counts)
+            self._finish_layer(req, layer_idx, recorded)
+
+        return LayerWork(layer_idx, held, choice, target, placed)

@@ -36,7 +36,7 @@ import torch
 
 from vllm_kvevict.datapath.chat_marks import ChatMarks
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
-from vllm_kvevict.datapath.layer_eviction import LayerTables
+from vllm_kvevict.datapath.executor import LayerCommit
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.datapath.shared_reads import HeldReads
@@ -211,7 +211,7 @@ class EchoPass:
         block_table: torch.Tensor,
         o_proj: dict[int, torch.Tensor],
         timer: StepTimer,
-        tables: LayerTables,
+        commit: LayerCommit,
     ) -> None:
         row = 0
         for r in requests:
@@ -222,7 +222,7 @@ class EchoPass:
         self._block_table = block_table
         self._o_proj = o_proj
         self._timer = timer
-        self._tables = tables
+        self._commit = commit
         self.kept: dict[str, list] = {}  # req -> per layer KeptTokens (records after the last layer)
 
     def input_ids(self, device: torch.device) -> torch.Tensor:
@@ -244,7 +244,7 @@ class EchoPass:
         for r in self.requests:
             rescore, rows_of = r.rescore, slice(r.row, r.row + r.width)
             block_row = self._block_table[rescore.slot]
-            held = self._chunks.read_held(layer_idx, rescore, block_row, reads, self._tables.check)
+            held = self._chunks.read_held(layer_idx, rescore, block_row, reads, self._commit.tables.check)
             assert held.values is not None  # read with values: the echo attends to them
             attended = echo_attention(
                 query[rows_of],
@@ -265,8 +265,7 @@ class EchoPass:
                     r.policy,
                     block_row,
                     self._o_proj.get(layer_idx),
-                    self._timer,
-                    self._tables,
+                    self._commit,
                 )
             moves.append(move)
             self.kept.setdefault(rescore.req_id, []).append(kept)

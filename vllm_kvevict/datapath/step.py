@@ -14,7 +14,7 @@ from vllm_kvevict.datapath.attention_metadata import HeadBatchBuilder, HeadSeque
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import CapStarts, Rescore
-from vllm_kvevict.datapath.layer_eviction import LayerTables
+from vllm_kvevict.datapath.executor import LayerCommit
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
@@ -45,7 +45,7 @@ class StepTools:
     records: EvictionRecords
     o_proj: dict[int, torch.Tensor]
     timer: StepTimer
-    layer_tables: LayerTables
+    commit: LayerCommit
     cap_starts: CapStarts
 
 
@@ -65,7 +65,6 @@ class EvictionStep:
         self.acts_after_attention = bool(
             work.prompts.requests or work.chunk_rescores or work.rescores or work.ring_writes
         )
-        self._chunk_kept: dict[str, list[KeptTokens]] = {}  # req -> per layer (final; all when dumping)
 
     @property
     def echo(self) -> EchoPass | None:
@@ -151,35 +150,36 @@ class EvictionStep:
         attention (the chunk is cached)."""
         if not self.work.chunk_rescores:
             return None
+        chunks = self.tools.chunks
         with self.tools.timer.phase("total"):
-            moves, results = self.tools.chunks.rescore_layer(
+            moves = chunks.rescore_layer(
                 layer_idx,
                 self.work.chunk_rescores,
                 self.metadata.block_table,
                 query,
                 rows,
                 self.tools.o_proj.get(layer_idx),
-                self.tools.timer,
-                self.tools.layer_tables,
+                self.tools.commit,
             )
-            dumping = self.tools.records.dump_dir is not None
-            for r, result in zip(self.work.chunk_rescores, results, strict=True):
-                if result is None or not (r.final or dumping):
-                    continue
-                self._chunk_kept.setdefault(r.req_id, []).append(result)
-                if r.final and not r.trailing:  # the decode cap starts from the prompt's kept entries
-                    self.tools.cap_starts.keep(r.req_id, layer_idx, result.indices)
             if layer_idx == self.metadata.shape.num_layers - 1:
+                dumping = self.tools.records.dump_dir is not None
                 for r in self.work.chunk_rescores:
                     if r.rescores_now:
-                        kept = self._chunk_kept.pop(r.req_id, None)
-                        pooled = self.tools.chunks.pooled_kept.pop(r.req_id, None)  # every layer at once
-                        if pooled is not None and (r.final or dumping):
-                            kept = pooled
-                        self.tools.records.chunk_evicted(
-                            r.as_request(), r.plan, r.final, kept, r.trailing, r.policy.name
-                        )
+                        kept = chunks.evicted.pop(r.req_id)
+                        self._chunk_evicted(r, kept, r.trailing, dumping)
             return moves
+
+    def _chunk_evicted(
+        self, r: ChunkRescore, kept: list[KeptTokens | None], trailing: int, dump: bool
+    ) -> None:
+        """Every layer of ``r`` was re-scored (``kept``: what each holds now): the decode cap starts from a
+        complete prompt's kept entries, and the request is recorded (its kept when final or dumping)."""
+        if r.final and not trailing:
+            for layer_idx, layer_kept in enumerate(kept):
+                assert layer_kept is not None
+                self.tools.cap_starts.keep(r.req_id, layer_idx, layer_kept.indices)
+        recorded = kept if r.final or dump else None
+        self.tools.records.chunk_evicted(r.as_request(), r.plan, r.final, recorded, trailing, r.policy.name)
 
     def echo_layer(self, layer_idx: int, tensors: EchoLayer, rows: CacheRows) -> None:
         """One layer of the echo forward (``question_echo.EchoPass.layer``): attention into
@@ -190,24 +190,10 @@ class EvictionStep:
         moves = echo.layer(layer_idx, tensors, rows)
         if moves is not None and moves.slots.numel():
             rows.move(moves)
-        for r in echo.requests:
-            if r.rescore.final:  # the decode cap starts from the prompt's kept entries
-                self.tools.cap_starts.keep(
-                    r.rescore.req_id, layer_idx, echo.kept[r.rescore.req_id][layer_idx].indices
-                )
         if layer_idx == self.metadata.shape.num_layers - 1:
             dumping = self.tools.records.dump_dir is not None
             for r in echo.requests:
-                rescore = r.rescore
-                kept = echo.kept.pop(rescore.req_id)
-                self.tools.records.chunk_evicted(
-                    rescore.as_request(),
-                    rescore.plan,
-                    rescore.final,
-                    kept if rescore.final or dumping else None,
-                    0,
-                    rescore.policy.name,
-                )
+                self._chunk_evicted(r.rescore, echo.kept.pop(r.rescore.req_id), 0, dumping)
 
     def rescore_layer(self, layer_idx: int, rows: CacheRows) -> Moves | None:
         """Re-score ``layer_idx`` of the requests whose decode cap re-scores in this step. Runs after the
@@ -220,8 +206,7 @@ class EvictionStep:
                 self.work.rescores,
                 self.metadata.block_table,
                 rows,
-                self.tools.timer,
-                self.tools.layer_tables,
+                self.tools.commit,
             )
             if layer_idx == self.metadata.shape.num_layers - 1:
                 for r in self.work.rescores:

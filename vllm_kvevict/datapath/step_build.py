@@ -13,6 +13,7 @@ from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
 from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import CapStarts, Rescore
+from vllm_kvevict.datapath.executor import layer_commit
 from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
@@ -58,29 +59,25 @@ def build_step(
         compacted=decided.compacted if layout is not None else None,
     )
     timer = StepTimer()
-    layer_tables = LayerTables(parts.tables, block_table.device.type == "cpu")
+    commit = layer_commit(LayerTables(parts.tables, block_table.device.type == "cpu"), parts.shape, timer)
     cap_starts = CapStarts(parts.decode.records if parts.decode is not None else {}, parts.shape.num_layers)
     prompts = PromptEviction(
         decided.compacting,
         parts.shape,
         parts.tables,
-        block_table,
-        slot_mapping,
+        (block_table, slot_mapping),
         parts.o_proj,
         parts.chunks.rope_inv_freq,
         parts.decode,
         parts.records,
-        timer,
-        layer_tables,
+        commit,
         cap_starts,
     )
     echo = None
     if decided.echo_requests:
-        echo = EchoPass(decided.echo_requests, parts.chunks, block_table, parts.o_proj, timer, layer_tables)
+        echo = EchoPass(decided.echo_requests, parts.chunks, block_table, parts.o_proj, timer, commit)
     ring_writes, rescores = decode_work
     work = StepWork(prompts, decided.chunks, rescores, ring_writes, echo)
-    tools = StepTools(
-        parts.chunks, parts.decode, parts.records, parts.o_proj, timer, layer_tables, cap_starts
-    )
+    tools = StepTools(parts.chunks, parts.decode, parts.records, parts.o_proj, timer, commit, cap_starts)
     metadata = HeadBatchBuilder(sizes, parts.shape, parts.tables, layout, block_table)
     return EvictionStep(metadata, work, tools)
