@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.layout.subblock_store import TableRows, head_token_index
+from vllm_kvevict.layout.subblock_ids import TableRows, head_token_index
 from vllm_kvevict.policies.base import KeptTokens
 
 

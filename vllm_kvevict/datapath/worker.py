@@ -34,7 +34,7 @@ from vllm_kvevict.layout.context_reuse import (
     entry_blocks,
     keeps_entry,
 )
-from vllm_kvevict.layout.subblock_store import TableRows
+from vllm_kvevict.layout.subblock_ids import TableRows
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.request_settings import RequestSettings, decode_policy

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_kvevict.layout.subblock_store import SubBlockStore, TableRows
+from vllm_kvevict.layout.subblock_ids import TableRows
+from vllm_kvevict.layout.subblock_store import SubBlockStore
 
 
 def host_to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -26,7 +26,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from vllm_kvevict.layout.subblock_store import SubBlockPoolExhausted, SubBlockStore
+from vllm_kvevict.layout.subblock_ids import SubBlockPoolExhausted
+from vllm_kvevict.layout.subblock_store import SubBlockStore
 
 
 class SubBlockTable:
