@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_kvevict.cli.model_catalog import DEFAULT_MODEL, MODELS
 from vllm_kvevict.cli.prepare_model import prepared_model_dir
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
 from vllm_kvevict.layout.accounting import cdiv
@@ -72,12 +73,14 @@ def run_setting(model_dir: Path, label: str, flags: list[str], args: argparse.Na
     """One server: its eval results file, mean score, blocks freed per compacted request and the kept share
     per task."""
     output = args.out / f"{label}.jsonl"
-    server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", "8192", *args.server_args, *flags)
+    server_args = ("--block-size", str(BLOCK_SIZE), "--max-model-len", str(args.max_model_len),
+                   *args.server_args, *flags)
     with tempfile.TemporaryDirectory() as dump_dir:
         env = {DEBUG_DUMP_ENV: dump_dir} if flags else {}
         log_path = args.out / f"{label}.log"
         with VLLMServer(model_dir, extra_args=server_args, log_path=log_path, env=env) as server:
             command = [sys.executable, "-m", "vllm_kvevict.cli.main", "eval", "--base-url", server.base_url,
+                       "--tokenizer", str(model_dir),
                        "--tasks", args.tasks, "--lengths", args.lengths, "--samples", str(args.samples),
                        "--seed", str(args.seed),
                        "--concurrency", "1", "--output", str(output), "--no-progress"]  # fmt: skip
@@ -106,13 +109,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the eval prompts' seed (another: other prompts)")
     parser.add_argument("--setting", action="append", default=[], type=json.loads, help="JSON object")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS), help="catalogued model")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="of every server")
     parser.add_argument("--vanilla", type=Path, help="a summary.json whose vanilla row to reuse (no server)")
     parser.add_argument(
         "--server-args", type=shlex.split, default=[], help="more `vllm serve` flags for every server"
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = prepared_model_dir()
+    model_dir = prepared_model_dir(model=args.model)
     settings = [(setting["label"], eviction_flags(setting)) for setting in args.setting]
     if args.vanilla is None:
         results = [run_setting(model_dir, "vanilla", [], args)]
