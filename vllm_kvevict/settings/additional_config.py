@@ -1,15 +1,10 @@
-"""The one serialised form of the server's setting, where a process boundary demands it: vLLM hands
-``additional_config["kv_eviction"]`` (a plain JSON dict, which vLLM hashes and pickles) to the API server, the
-EngineCore and every worker, and the API server's processes read the same dict as JSON text from the
-environment. ``to_wire``/``from_wire`` are the only pair that writes and reads it; past them the setting
-travels typed (an ``EvictionConfig``, e.g. inside the KV-cache spec to the scheduler and back to the workers).
-
-No vLLM import: a ``VllmConfig`` is read through its attributes only.
-"""
+"""The one serialised form of the server's setting (``to_wire``/``from_wire``), where a process boundary
+demands it: vLLM hands ``additional_config["kv_eviction"]`` (plain JSON values; vLLM hashes and pickles it) to
+every process, the API servers read its JSON text from the environment. Past it the setting travels typed
+(``EvictionConfig``, in the KV-cache spec to the scheduler and workers). No vLLM import."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from functools import lru_cache
 from typing import Any
@@ -29,16 +24,12 @@ def to_wire(config: EvictionConfig) -> dict[str, Any]:
 def from_wire(raw: Any, chunk_stride: int | None = None) -> EvictionConfig | None:
     """The setting from its wire form (a dict, its JSON text or an EvictionConfig; None or {}: eviction off),
     validated once per distinct setting and process (hot paths call this per layer and step);
-    ``chunk_stride``: the stride where the setting leaves it unset (vLLM's chunk size)."""
-    if raw is None:
-        return None
+    ``chunk_stride``: where the setting leaves it unset (vLLM's chunk size)."""
     if isinstance(raw, EvictionConfig):
-        if raw.chunk_stride is None and chunk_stride is not None:
-            return dataclasses.replace(raw, chunk_stride=chunk_stride)
-        return raw
-    if isinstance(raw, str):
+        raw = to_wire(raw)
+    elif isinstance(raw, str):
         raw = parse_params_json(raw)
-    if isinstance(raw, dict) and not raw:
+    if raw is None or isinstance(raw, dict) and not raw:
         return None
     if not isinstance(raw, dict):
         return EvictionConfig.from_dict(raw)

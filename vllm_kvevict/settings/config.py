@@ -244,26 +244,16 @@ class EvictionConfig:
         return self.prefill == "chunked" and self.keeps_chunked_prefill
 
     def to_dict(self) -> dict[str, Any]:
-        raw: dict[str, Any] = {
-            "method": self.method,
-            "budget": self.budget,
-            "params": dict(self.params),
-            "prefill": self.prefill,
-            "chunk_budget": self.chunk_budget,
-            "between": self.between,
-            "between_share": self.between_share,
-            "between_span": self.between_span,
-            "between_scorer": self.between_scorer,
-        }
-        if self.chunk_stride is not None:
-            raw["chunk_stride"] = self.chunk_stride
-        if self.trailing_window:
-            raw["trailing_window"] = self.trailing_window
-        raw["question_echo"] = self.question_echo
-        raw["echo_between_chunks"] = self.echo_between_chunks
-        raw["min_freed_share"] = self.min_freed_share
-        if self.decode is not None:
-            raw["decode"] = self.decode.to_dict()
+        """The setting as plain JSON values (``decode`` its ``DecodeConfig.to_dict``); ``from_dict`` reads it
+        back to an equal config."""
+        raw = dataclasses.asdict(self)
+        decode = raw.pop("decode")
+        if self.chunk_stride is None:
+            del raw["chunk_stride"]
+        if not self.trailing_window:
+            del raw["trailing_window"]
+        if decode is not None:
+            raw["decode"] = decode
         elif method_implies_decode_cap(self.method):  # the implied cap was turned off: say so explicitly
             raw["decode"] = {"method": NO_DECODE}
         return raw

@@ -3,6 +3,7 @@ what each KV head holds while generating, down to which cap, how often; validate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,13 +85,7 @@ class DecodeConfig:
         return build_decode_policy(self.method, **self.params)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "budget": self.budget,
-            "interval": self.interval,
-            "params": dict(self.params),
-            "allocation": self.allocation,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, raw: Any) -> DecodeConfig | None:

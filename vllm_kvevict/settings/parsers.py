@@ -51,7 +51,8 @@ def parse_budget(
             except ValueError:
                 value = raw
     if isinstance(value, bool) or not isinstance(value, int | float):
-        kind = "" if from_text and isinstance(raw, str) else f"{_kind(raw)}, "
+        named = "a string" if isinstance(raw, str) else f"a {type(raw).__name__}"
+        kind = "" if from_text and isinstance(raw, str) else f"{named}, "
         raise EvictionConfigError(f"{field_name}={raw!r} is {kind}not a number; valid: {budget_rule()}")
     if isinstance(value, float) and not 0.0 < value < 1.0 and from_text:
         # both wordings are quoted (docs/usage.md for flags and files, the API's 400s for vllm_xargs): kept
@@ -64,10 +65,6 @@ def parse_budget(
         below = f"the {minimum} {minimum_kept_by}" if minimum_kept_by else str(minimum)
         raise EvictionConfigError(f"{field_name}={value!r} is below {below}; valid: {budget_rule(minimum)}")
     return value if isinstance(value, int) else float(value)
-
-
-def _kind(raw: Any) -> str:
-    return "a string" if isinstance(raw, str) else f"a {type(raw).__name__}"
 
 
 def parse_chunk_budget(raw: Any) -> int | float:

@@ -1,14 +1,8 @@
-"""A request's own eviction setting, read from its ``vllm_xargs`` (``SamplingParams.extra_args``)::
-
-    extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_budget": 0.1}}   # or "kv_eviction": "none"
-    extra_body={"vllm_xargs": {"kv_decode_budget": 1024}}   # the server's decode method, its own cap
-    extra_body={"vllm_xargs": {"kv_prefill": "chunked"}}    # evict this prompt chunk by chunk
-    extra_body={"vllm_xargs": {"kv_eviction": "snapkv", "kv_context": "keep"}}  # keep/reuse the compacted
-                                                             # context (layout/context_reuse.py)
-
-``parse_override`` validates it against the server's setting: the API server's HTTP 400
-(``request_validation.py``) and the resolution on each side (``request_settings.py``) raise the same errors.
-"""
+"""A request's own eviction setting from its ``vllm_xargs`` (``SamplingParams.extra_args``), e.g.
+``{"kv_eviction": "snapkv", "kv_budget": 0.1}``, ``{"kv_eviction": "none"}``, ``{"kv_decode_budget": 1024}``,
+``{"kv_prefill": "chunked"}`` or ``{"kv_context": "keep"}`` (a kept context, ``layout/context_reuse.py``).
+``parse_override`` validates it against the server's setting, with the same errors for the API server's
+HTTP 400 (``request_validation.py``) and each side's resolution (``request_settings.py``)."""
 
 from __future__ import annotations
 
@@ -265,11 +259,6 @@ def decode_policy(decode: DecodeConfig) -> DecodeEvictionPolicy:
 
 
 @lru_cache(maxsize=32)
-def _policy(method: str, params_key: tuple[tuple[str, Any], ...]) -> EvictionPolicy:
-    return build_policy(method, **dict(params_key))
-
-
 def build_request_policy(method: str, server: EvictionConfig) -> EvictionPolicy:
-    """The policy of ``method`` on a server running ``server`` (built once per method and parameters)."""
-    params = method_params(method, server)
-    return _policy(method, tuple(sorted(params.items())))
+    """The policy of ``method`` on a server running ``server`` (built once per method and server)."""
+    return build_policy(method, **method_params(method, server))

@@ -35,17 +35,8 @@ from vllm_kvevict.settings.request_override import (
     parse_override,
 )
 
-__all__ = [
-    "CONTEXT_VALUES",
-    "OVERRIDE_KEYS",
-    "PREFILL_KEY",
-    "RequestOverride",
-    "RequestSettings",
-    "ResolvedSetting",
-    "decode_policy",
-    "keep_whole",
-    "parse_override",
-]
+#: read from here by datapath/ and the docs tests
+__all__ = ["CONTEXT_VALUES", "OVERRIDE_KEYS", "PREFILL_KEY", "decode_policy"]
 
 logger = logging.getLogger("vllm.kvevict")
 
@@ -73,9 +64,7 @@ class ResolvedSetting:
 def _setting_key(extra_args: Mapping[str, Any] | None) -> tuple[tuple[str, type, Any], ...] | None:
     """The per-request keys of ``extra_args`` with their types (True and 1 differ), or None when a value
     cannot be a cache key (such a value is refused anyway)."""
-    if not extra_args:
-        return ()
-    key = tuple((name, type(value), value) for name, value in extra_args.items() if name in OVERRIDE_KEYS)
+    key = tuple((k, type(v), v) for k, v in (extra_args or {}).items() if k in OVERRIDE_KEYS)
     try:
         hash(key)
     except TypeError:

@@ -29,7 +29,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm_kvevict.settings.additional_config import from_wire, to_wire
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.parsers import EvictionConfigError
-from vllm_kvevict.settings.request_settings import parse_override
+from vllm_kvevict.settings.request_override import parse_override
 
 #: JSON of the server's EvictionConfig, read by the API server processes.
 SERVER_CONFIG_ENV = "KVEVICT_SERVER_EVICTION"

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.parsers import EvictionConfigError, budget_rule, parse_budget
-from vllm_kvevict.settings.request_settings import parse_override
+from vllm_kvevict.settings.request_override import parse_override
 from vllm_kvevict.vllm_adapter.eviction_flags import add_eviction_args
 
 SERVER = EvictionConfig("snapkv", 512, {"window": 4})

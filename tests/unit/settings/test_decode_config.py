@@ -150,7 +150,7 @@ def test_an_unknown_decode_key_is_named():
 
 
 def test_a_per_request_decode_budget_needs_a_decode_method_on_the_server():
-    from vllm_kvevict.settings.request_settings import RequestOverride, parse_override
+    from vllm_kvevict.settings.request_override import RequestOverride, parse_override
 
     capped = EvictionConfig.from_dict({"method": "h2o", "budget": 512})
     assert parse_override({"kv_decode_budget": 1024}, capped) == RequestOverride("h2o", 512, 1024)

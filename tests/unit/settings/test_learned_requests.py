@@ -15,7 +15,8 @@ from vllm.exceptions import VLLMValidationError
 
 from vllm_kvevict.policies import served_scorer
 from vllm_kvevict.settings.config import EvictionConfig, EvictionConfigError
-from vllm_kvevict.settings.request_settings import RequestSettings, parse_override
+from vllm_kvevict.settings.request_override import parse_override
+from vllm_kvevict.settings.request_settings import RequestSettings
 from vllm_kvevict.vllm_adapter.request_validation import SERVER_CONFIG_ENV, validate_request_args
 
 BS, LAYERS, HEADS, DIM = 16, 4, 2, 16

@@ -20,7 +20,8 @@ from vllm.v1.sample.logits_processor import validate_logits_processors_parameter
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.parsers import EvictionConfigError
-from vllm_kvevict.settings.request_settings import RequestOverride, RequestSettings, parse_override
+from vllm_kvevict.settings.request_override import RequestOverride, parse_override
+from vllm_kvevict.settings.request_settings import RequestSettings
 from vllm_kvevict.vllm_adapter import vllm_patches
 from vllm_kvevict.vllm_adapter.evicting_kv_manager import register_evicting_spec
 from vllm_kvevict.vllm_adapter.kv_spec import EvictingAttentionSpec
