@@ -18,8 +18,9 @@ from vllm_kvevict.datapath.kept_selection import LayerChoice
 from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTables, LayerTarget, evict_layer
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import Placement
-from vllm_kvevict.datapath.pooled_eviction import global_entries, kept_across_held, place_across_layers
-from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.datapath.pooled_eviction import kept_across_held, place_across_layers
+from vllm_kvevict.datapath.step_timer import StepTimer
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.policies.base import KeptTokens
 
 #: what a mode records of one placed layer: the choice's kept (indices into the held entries, counts [H])
@@ -131,6 +132,17 @@ class AcrossLayers:
 
 
 LayerCommit = EachLayer | AcrossLayers
+
+
+def global_entries(
+    tables: BatchSubBlocks, shape: CacheShape, layer_idx: int, held: HeldEntries, compacted: bool
+) -> HeldEntries:
+    """``held`` of ``layer_idx`` with slots of the whole allocation: a request still in vLLM's layout holds
+    its rows in its layer's own region (the store's rows of a compacted one are global already)."""
+    if compacted:
+        return held
+    region = tables.layer_blocks * shape.num_kv_heads * shape.block_size
+    return HeldEntries(held.slots + layer_idx * region, held.positions, held.step_row, in_store=True)
 
 
 def layer_commit(tables: LayerTables, shape: CacheShape, timer: StepTimer) -> LayerCommit:

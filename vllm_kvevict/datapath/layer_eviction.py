@@ -15,7 +15,7 @@ import torch
 from vllm_kvevict.datapath.kept_selection import LayerChoice, kept_or_newest
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import Placement, place, subblock_slots
-from vllm_kvevict.datapath.records import StepTimer
+from vllm_kvevict.datapath.step_timer import StepTimer
 from vllm_kvevict.layout.accounting import first_block_for_bound, layer_kept_bound
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import shared_blocks

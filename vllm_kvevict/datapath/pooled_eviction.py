@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.kept_selection import newest_entries
-from vllm_kvevict.datapath.layer_eviction import HeldEntries
 from vllm_kvevict.datapath.moves import Moves
 from vllm_kvevict.datapath.placement import Placement, place
 from vllm_kvevict.layout.accounting import RequestPlan, adaptive_kept_bound, with_kept_bound
@@ -89,17 +87,6 @@ def kept_across_held(
         units = whole_unit_mask(padded.view(-1, width), keep.view(-1, width), unit)
         keep = units.view(keep.shape) & held
     return [KeptTokens.from_mask(keep[index, :, : mask.shape[1]]) for index, mask in enumerate(valid)]
-
-
-def global_entries(
-    tables: BatchSubBlocks, shape: CacheShape, layer_idx: int, held: HeldEntries, compacted: bool
-) -> HeldEntries:
-    """``held`` of ``layer_idx`` with slots of the whole allocation: a request still in vLLM's layout holds
-    its rows in its layer's own region (the store's rows of a compacted one are global already)."""
-    if compacted:
-        return held
-    region = tables.layer_blocks * shape.num_kv_heads * shape.block_size
-    return HeldEntries(held.slots + layer_idx * region, held.positions, held.step_row, in_store=True)
 
 
 def place_across_layers(

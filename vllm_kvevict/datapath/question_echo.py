@@ -38,8 +38,8 @@ from vllm_kvevict.datapath.chat_marks import ChatMarks
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.executor import LayerCommit
 from vllm_kvevict.datapath.moves import CacheRows, Moves
-from vllm_kvevict.datapath.records import StepTimer
 from vllm_kvevict.datapath.shared_reads import HeldReads
+from vllm_kvevict.datapath.step_timer import StepTimer
 from vllm_kvevict.layout.batch_tables import host_to_device
 from vllm_kvevict.policies.base import EvictionPolicy
 

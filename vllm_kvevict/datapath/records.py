@@ -4,10 +4,7 @@ KV head (metrics), the step time by phase, and the optional debug dump of kept i
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,23 +17,6 @@ from vllm_kvevict.policies.base import KeptTokens
 
 #: When set, the worker saves each compacted request's kept indices per layer/head there (off by default).
 DEBUG_DUMP_ENV = "KVEVICT_DEBUG_DUMP_DIR"
-
-
-class StepTimer:
-    """Host time of one step's eviction work by phase (``metrics.STEP_PHASES``): ``selection`` is the
-    policies' scoring and selection, ``total`` every datapath call after attention (selection, held
-    entries, sub-block assignment and the moves' slots)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
 class EvictionRecords:

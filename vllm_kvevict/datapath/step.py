@@ -19,8 +19,9 @@ from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
 from vllm_kvevict.datapath.question_echo import EchoLayer, EchoPass
-from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
+from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.step_inputs import StepRequest
+from vllm_kvevict.datapath.step_timer import StepTimer
 from vllm_kvevict.policies.base import KeptTokens
 
 

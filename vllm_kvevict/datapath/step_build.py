@@ -18,9 +18,10 @@ from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
 from vllm_kvevict.datapath.question_echo import EchoPass
-from vllm_kvevict.datapath.records import EvictionRecords, StepTimer
+from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.step import EvictionStep, StepTools, StepWork
 from vllm_kvevict.datapath.step_plan import StepDecisions
+from vllm_kvevict.datapath.step_timer import StepTimer
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks, StepLayout
 
 
