@@ -84,21 +84,12 @@ def with_chunk_budget(
     if chunk_budget is None or not plan.compacts:
         return plan
     if trailing_window:
-        return dataclasses.replace(
-            plan,
-            chunk_stride=chunk_stride,
-            trailing_window=min(trailing_window, plan.kept_bound),
-            trailing_floor=trailing_floor,
-        )
-    if isinstance(chunk_budget, float):
-        tokens = max(int(chunk_budget * plan.kept_bound), CHUNK_BUDGET_FLOOR)
+        rule = {"trailing_window": min(trailing_window, plan.kept_bound), "trailing_floor": trailing_floor}
+    elif isinstance(chunk_budget, float):
+        rule = {"chunk_budget": max(int(chunk_budget * plan.kept_bound), CHUNK_BUDGET_FLOOR, plan.kept_bound)}
     else:
-        tokens = int(chunk_budget)
-    return dataclasses.replace(
-        plan,
-        chunk_budget=max(tokens, plan.kept_bound),
-        chunk_stride=chunk_stride,
-    )
+        rule = {"chunk_budget": max(int(chunk_budget), plan.kept_bound)}
+    return dataclasses.replace(plan, chunk_stride=chunk_stride, **rule)
 
 
 def plan_request(

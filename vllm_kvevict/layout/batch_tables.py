@@ -176,14 +176,8 @@ class BatchSubBlocks:
             single_token=bool(len(grown)) and int(grown.max()) <= 1,
         )
         self._fresh[:num_reqs] = ~compacted
-        return StepLayout(
-            token_slots=(
-                store.token_slots(None, None, q_dev, num_reqs)
-                if decode_only
-                else store.token_slots(token_req, offsets, q_dev, num_reqs)
-            ),
-            query_start_loc=qsl.to(torch.int32),
-        )
+        req_of_token, token_offset = (None, None) if decode_only else (token_req, offsets)
+        return StepLayout(store.token_slots(req_of_token, token_offset, q_dev, num_reqs), qsl.to(torch.int32))
 
     # ----- compaction -----------------------------------------------------------------------------------
     def commit(
@@ -239,12 +233,8 @@ class BatchSubBlocks:
     def _move(self, req_ids: list[str], store: SubBlockStore) -> None:
         """Requests left, arrived or moved: save the rows of compacted leavers, restore arrivals."""
         old = self._slot_ids
-        span = max(len(old), len(req_ids))
-        changed = [
-            slot
-            for slot in range(span)
-            if slot >= len(old) or slot >= len(req_ids) or old[slot] != req_ids[slot]
-        ]
+        both, span = sorted((len(old), len(req_ids)))  # slots held at the last step and now, either
+        changed = [slot for slot in range(span) if slot >= both or old[slot] != req_ids[slot]]
         leaving = [slot for slot in changed if slot < len(old) and self._compacted[slot]]
         if leaving:
             saved = store.save(host_to_device(np.array(leaving), store.device))

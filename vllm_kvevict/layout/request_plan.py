@@ -144,17 +144,10 @@ class RequestPlan:
 
     def offset(self, generated_tokens: int) -> int:
         """O(t): positions per head evicted after ``generated_tokens`` decode tokens are in the cache."""
-        return int(
-            evicted_offset(
-                self.prompt_len,
-                self.offset0,
-                self.first_rescore,
-                self.decode_cap,
-                self.decode_interval,
-                self.block_size,
-                generated_tokens,
-            )
-        )
+        return int(evicted_offset(
+            self.prompt_len, self.offset0, self.first_rescore, self.decode_cap, self.decode_interval,
+            self.block_size, generated_tokens,
+        ))
 
     def prefill_offset(self, computed_tokens: int) -> int:
         """O(n) for n = ``computed_tokens`` < P prompt tokens in the cache (per-chunk eviction)."""

@@ -58,12 +58,7 @@ class SubBlockIds:
     arithmetic, and ``assign`` / ``append_tokens``, which build a compacting request's ``TableRows``."""
 
     def __init__(
-        self,
-        num_groups: int,
-        num_kv_heads: int,
-        block_size: int,
-        width: int,
-        device: torch.device | str,
+        self, num_groups: int, num_kv_heads: int, block_size: int, width: int, device: torch.device | str,
         layer_blocks: int = 0,
     ) -> None:
         if layer_blocks < 0 or num_groups < 1:

@@ -5,9 +5,8 @@ laid out for the attention kernels: row ``(slot, head)`` of group ``g`` is the s
 ``head`` of the request in batch slot ``slot`` (vLLM's persistent input-batch order) for the layers of
 group ``g``. The kernels read head-major tables (sequence ``h * R + r``, ``block_tables`` says why): a
 mirror of ``tables`` in that order is kept and patched where the tables changed (``head_mirror.py``), so a
-steady decode step copies only the cells it wrote, not every group's tables (32 groups for Ada-KV). One
-decode step updates every row of every group with a few batched ops (``grow``, ``table_growth.py``),
-whatever the batch size, layer or head count. Which sub-blocks a row holds: ``subblock_ids.py``.
+steady decode step copies only the cells it wrote, not every group's tables (32 groups for Ada-KV). Rows
+grow in ``table_growth.py``; which sub-blocks a row holds: ``subblock_ids.py``.
 
 Groups: layers whose heads keep equal counts can share one group (SnapKV-like policies: one group for all
 layers); otherwise each layer is its own group (Ada-KV). No vLLM import.
@@ -45,14 +44,8 @@ class SubBlockStore(TableGrowth):
     """
 
     def __init__(
-        self,
-        num_groups: int,
-        num_kv_heads: int,
-        block_size: int,
-        width: int,
-        capacity: int,
-        device: torch.device | str,
-        layer_blocks: int = 0,
+        self, num_groups: int, num_kv_heads: int, block_size: int, width: int, capacity: int,
+        device: torch.device | str, layer_blocks: int = 0,
     ) -> None:
         super().__init__(num_groups, num_kv_heads, block_size, width, device, layer_blocks)
         self.capacity = 0
@@ -161,14 +154,10 @@ class SubBlockStore(TableGrowth):
         if req_of_token is None:
             offset = self._mod(self.lengths[:, :num_slots] - 1)
             return (self.tail[:, :num_slots] * self.block_size + offset).to(torch.int64)
-        else:
-            lengths = self.lengths[:, req_of_token]  # [G, T, H]
-            position = (
-                lengths
-                - q_lens.to(torch.int32)[req_of_token][None, :, None]
-                + token_offset.to(torch.int32)[None, :, None]
-            )
-            row = self._row_base[:, req_of_token]
+        lengths = self.lengths[:, req_of_token]  # [G, T, H]
+        from_end = q_lens.to(torch.int32)[req_of_token] - token_offset.to(torch.int32)  # [T], the last is 1
+        position = lengths - from_end[None, :, None]
+        row = self._row_base[:, req_of_token]
         subblocks = self.tables.view(groups, -1).gather(1, (row + self._div(position)).view(groups, -1))
         slots = subblocks.view_as(position).to(torch.int64) * self.block_size + self._mod(position)
         return slots.view(groups, -1, heads)
@@ -201,26 +190,17 @@ class SubBlockStore(TableGrowth):
         self._mirror.mark(np.array([group]), np.array([slot]))
 
     # ----- requests moving between batch slots ------------------------------------------------------------
+    def _by_slot(self) -> dict[str, torch.Tensor]:
+        """Every tensor a batch slot has rows in, by name (the slot is dim 1 of [G, S, ...], dim 0 of [S])."""
+        names = ["tables", "lengths", "tail", "cursor", "first_block"] + ["pool_cursor"] * self.pooled
+        return {name: getattr(self, name) for name in names}
+
     def save(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copies of the rows of ``slots`` [n] (requests leaving their slot)."""
-        saved = {
-            "tables": self.tables[:, slots].clone(),
-            "lengths": self.lengths[:, slots].clone(),
-            "tail": self.tail[:, slots].clone(),
-            "cursor": self.cursor[:, slots].clone(),
-            "first_block": self.first_block[slots].clone(),
-        }
-        if self.pooled:
-            saved["pool_cursor"] = self.pool_cursor[slots].clone()
-        return saved
+        """Copies of the rows of ``slots`` [n] int64 (requests leaving their slot), stacked in that order."""
+        return {name: t.index_select(1 if t.dim() > 1 else 0, slots) for name, t in self._by_slot().items()}
 
     def restore(self, slots: torch.Tensor, saved: dict[str, torch.Tensor]) -> None:
         """Put rows saved by ``save`` (stacked in the same order as ``slots``) back at ``slots``."""
-        self.tables[:, slots] = saved["tables"]
-        self.lengths[:, slots] = saved["lengths"]
-        self.tail[:, slots] = saved["tail"]
-        self.cursor[:, slots] = saved["cursor"]
-        self.first_block[slots] = saved["first_block"]
-        if self.pooled:
-            self.pool_cursor[slots] = saved["pool_cursor"]
+        for name, t in self._by_slot().items():
+            t.index_copy_(1 if t.dim() > 1 else 0, slots, saved[name])
         self._mirror.mark_slots(slots)

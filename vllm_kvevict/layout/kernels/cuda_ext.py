@@ -93,30 +93,12 @@ def compile_only_commands(out_dir: Path, shim_dir: Path) -> list[list[str]]:
     if nvcc is None:
         raise FileNotFoundError("nvcc is not on PATH")
     cuda_include = cuda_include_dir(nvcc)
-    commands = [
-        [
-            nvcc,
-            "-c",
-            str(KERNEL_SOURCE),
-            "-o",
-            str(out_dir / "compaction_kernels.o"),
-            "-std=c++17",
-            "-O3",
-            *[f"-gencode=arch=compute_{a[3:]},code={a}" for a in CHECK_ARCHS],
-        ],
-        *[
-            [
-                nvcc,
-                "-ptx",
-                str(KERNEL_SOURCE),
-                "-o",
-                str(out_dir / f"compaction_kernels_{a}.ptx"),
-                "-std=c++17",
-                f"-arch={a}",
-            ]
-            for a in CHECK_ARCHS
-        ],
-    ]
+    def nvcc_kernel(mode: str, out: str) -> list[str]:
+        return [nvcc, mode, str(KERNEL_SOURCE), "-o", str(out_dir / out), "-std=c++17"]
+
+    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in CHECK_ARCHS]
+    commands = [[*nvcc_kernel("-c", "compaction_kernels.o"), "-O3", *gencode]]
+    commands += [[*nvcc_kernel("-ptx", f"compaction_kernels_{a}.ptx"), f"-arch={a}"] for a in CHECK_ARCHS]
     gxx = shutil.which("g++") or "g++"
     includes = [f"-I{shim_dir}", *[f"-I{p}" for p in torch_include_dirs()], f"-I{cuda_include}", f"-I{CSRC}"]
     commands.append([gxx, "-fsyntax-only", "-std=c++20", *includes, str(BINDING_SOURCE)])

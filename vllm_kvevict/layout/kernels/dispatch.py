@@ -56,9 +56,7 @@ def unavailable_reason(backend: str, device: torch.device) -> str | None:
     if backend == "triton":
         if not _triton_installed():
             return "triton is not installed"
-        if device.type == "cuda":
-            return None
-        if device.type == "cpu" and triton_interpreted():
+        if device.type == "cuda" or (device.type == "cpu" and triton_interpreted()):
             return None
         return f"triton runs on CUDA devices, or on CPU with TRITON_INTERPRET=1; got {device}"
     raise ValueError(f"kernel backend {backend!r} is not one of {CHOICES}")

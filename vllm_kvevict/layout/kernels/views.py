@@ -89,8 +89,7 @@ def check_layer_caches(caches: list[torch.Tensor]) -> None:
     first = caches[0]
     if first.dim() not in (3, 4):
         raise ValueError(
-            f"a layer cache must be [num_subblocks, block_size, D] or [planes, num_subblocks, block_size, D],"
-            " "
+            "a layer cache must be [num_subblocks, block_size, D] or [planes, num_subblocks, block_size, D], "
             f"got shape {tuple(first.shape)}"
         )
     if first.stride(-1) != 1:
@@ -99,10 +98,7 @@ def check_layer_caches(caches: list[torch.Tensor]) -> None:
         )
     for i, cache in enumerate(caches):
         if (cache.shape, cache.stride(), cache.dtype, cache.device) != (
-            first.shape,
-            first.stride(),
-            first.dtype,
-            first.device,
+            first.shape, first.stride(), first.dtype, first.device
         ):
             raise ValueError(
                 f"layer cache {i} (shape {tuple(cache.shape)}, strides {cache.stride()}, {cache.dtype}, "
