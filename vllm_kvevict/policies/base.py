@@ -39,6 +39,8 @@ class LayerKV:
     query_statistics: the running pre-RoPE query statistics of every prompt query so far, carried across
              chunks by the caller (``expected_attention.QueryStatistics``), or None (then computed from
              ``queries`` by the methods that use them).
+    key_positions: [kv_heads, n] int64 token positions of the entries when they are not 0 .. n-1 (the held
+             entries of a decode-time re-score, ``ScoredDecode``), or None.
     """
 
     keys: torch.Tensor
@@ -50,6 +52,7 @@ class LayerKV:
     o_proj: torch.Tensor | None = None
     rope_inv_freq: torch.Tensor | None = None
     query_statistics: QueryStatistics | None = None
+    key_positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         values_shape = self.keys.shape if self.values is None else self.values.shape

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.policies.attention_scores import extend_forward
-from vllm_kvevict.policies.base import EvictionPolicy, LayerKV, ScoredPolicy, check_fraction, check_int
+from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_fraction, check_int
 from vllm_kvevict.policies.query_statistics import QueryStatistics
 
 #: kvpress's leaderboard entry (``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``); its press default is 0.
@@ -124,8 +124,3 @@ class ExpectedAttention(ScoredPolicy):
         scores[:, recent] = float("inf")
         return scores
 
-
-def uses_query_statistics(policy: object) -> bool:
-    """True when ``policy`` or a policy it composes (``inner``, ``first``, ``second``) scores with Expected
-    Attention (``EvictionPolicy.reads_query_statistics``); False for anything that is no policy."""
-    return isinstance(policy, EvictionPolicy) and policy.reads_query_statistics

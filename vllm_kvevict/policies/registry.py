@@ -1,4 +1,6 @@
-"""User-facing method names -> composed policies. Adding a method = its file + one ``_register`` line."""
+"""The one registry of methods: user-facing names -> composed policies, with what each method can do asked of
+the registry (``MethodInfo``), and each method's decode-time form beside it. Adding a method = its file and
+one ``_register`` line (``decode=`` on that line gives its decode form)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_kvevict.policies.adakv import AdaKV
-from vllm_kvevict.policies.base import EvictionPolicy
+from vllm_kvevict.policies.base import EvictionPolicy, WrappingPolicy
 from vllm_kvevict.policies.criticalkv import CriticalKV
+from vllm_kvevict.policies.decode.decode_h2o import DecodeH2O
+from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
+from vllm_kvevict.policies.decode.decode_roco import DecodeRoCo
+from vllm_kvevict.policies.decode.decode_scored import DecodeForm
+from vllm_kvevict.policies.decode.decode_snapkv import DecodeSnapKV
+from vllm_kvevict.policies.decode.decode_streamingllm import DecodeStreamingLLM
 from vllm_kvevict.policies.expected_attention import ExpectedAttention
 from vllm_kvevict.policies.h2o import H2O
 from vllm_kvevict.policies.keydiff import KeyDiff
@@ -24,11 +32,21 @@ from vllm_kvevict.policies.streamingllm import StreamingLLM
 #: Dataclass fields that are no user parameter: a wrapped policy, and what a kept context sets
 #: (``EvictionPolicy.kept_context_form``).
 _WRAPPED_FIELDS = frozenset({"inner", "head_unit"})
+#: kvzap's modes a decode cap cannot run (its count is known before the scores): threshold, pooled ranking.
+_KVZAP_PREFILL_ONLY = ("threshold", "threshold_scope", "budget_scope", "head_unit")
+#: The decode methods listed first, in the order ``--kv-decode-eviction`` always listed them (the docs quote
+#: it); the others follow in registration order.
+_DECODE_LISTED_FIRST = ("roco", "h2o", "streamingllm")
+
+#: A decode form: a ``DecodeEvictionPolicy`` class (a method that keeps running state), or ``DecodeForm``
+#: (the prefill scorer wrapped, for one that reads no queries).
+DecodeBuilder = type[DecodeEvictionPolicy] | DecodeForm
 
 
 @dataclass(frozen=True)
 class MethodInfo:
-    """One registered method: its user name, a one-line description and its parameters with defaults.
+    """One registered method: its user name, a one-line description, its parameters with defaults, and what
+    it can do, as the datapath and the settings ask it (never by method name).
 
     needs_o_proj: it reads each layer's o_proj weight (``LayerKV.o_proj``), which the worker must collect.
     implies_decode_cap: its paper defines it at decode time, so the method alone caps every head while
@@ -36,6 +54,14 @@ class MethodInfo:
     takes_echo: it judges by a bounded window of trailing queries, so the question echo's queries can join
         that window (``datapath/question_echo.py``): a part owns ``with_echo_queries`` (SnapKV and its
         subclasses, NaCl; Ada-KV and CriticalKV wrap such a part).
+    reads_queries: it scores with the prompt's queries (``query_window`` > 0); one that reads none judges a
+        prompt before its question has arrived, and its decode form wraps its prefill scorer.
+    reads_query_statistics: it scores with running statistics of every prompt query (Expected Attention),
+        which a caller evicting chunk by chunk carries across the chunks.
+    pools_layers: it can share one budget among every layer of a request (KVzap's ``budget_scope``; the
+        built policy's ``pools_layers``, ``kept_score_floor`` and ``forced_by_position`` then answer).
+    learned: it scores with a learned scorer (``learned_scorer``), which the server must find or load.
+    decode_form: it has a decode-time form of the same name (``build_decode_policy``).
     """
 
     name: str
@@ -44,6 +70,11 @@ class MethodInfo:
     needs_o_proj: bool = False
     implies_decode_cap: bool = False
     takes_echo: bool = False
+    reads_queries: bool = False
+    reads_query_statistics: bool = False
+    pools_layers: bool = False
+    learned: bool = False
+    decode_form: bool = False
 
 
 @dataclass(frozen=True)
@@ -52,14 +83,60 @@ class _Method:
     parts: tuple[type, ...]
     compose: Callable[..., EvictionPolicy]
     implies_decode_cap: bool = False
+    #: its decode-time form and that form's description, or None
+    decode: tuple[DecodeBuilder, str] | None = None
+
+    def _any_part(self, has: Callable[[type], bool]) -> bool:
+        return any(has(part) for part in self.parts)
 
     @property
     def needs_o_proj(self) -> bool:
-        return any(getattr(part, "needs_o_proj", False) for part in self.parts)
+        return self._any_part(lambda part: getattr(part, "needs_o_proj", False))
 
     @property
     def takes_echo(self) -> bool:
-        return any(hasattr(part, "with_echo_queries") for part in self.parts)
+        return self._any_part(lambda part: hasattr(part, "with_echo_queries"))
+
+    @property
+    def reads_queries(self) -> bool:
+        # A wrapper's query window is its inner part's, which the parts list holds too.
+        return self._any_part(
+            lambda part: not issubclass(part, WrappingPolicy)
+            and part.query_window is not EvictionPolicy.query_window
+        )
+
+    @property
+    def reads_query_statistics(self) -> bool:
+        return self._any_part(
+            lambda part: part.reads_query_statistics is not EvictionPolicy.reads_query_statistics
+        )
+
+    @property
+    def pools_layers(self) -> bool:
+        # Only a lone part can: an allocation wrapper (Ada-KV) shares a budget per layer.
+        return len(self.parts) == 1 and self.parts[0].pools_layers is not EvictionPolicy.pools_layers
+
+    @property
+    def learned(self) -> bool:
+        return self._any_part(lambda part: hasattr(part, "learned_scorer"))
+
+    def info(self, name: str) -> MethodInfo:
+        params: dict[str, Any] = {}
+        for part in self.parts:
+            params.update(_params(part))
+        return MethodInfo(
+            name,
+            self.description,
+            params,
+            self.needs_o_proj,
+            self.implies_decode_cap,
+            self.takes_echo,
+            self.reads_queries,
+            self.reads_query_statistics,
+            self.pools_layers,
+            self.learned,
+            self.decode is not None,
+        )
 
 
 _METHODS: dict[str, _Method] = {}
@@ -71,13 +148,15 @@ def _register(
     compose: Callable[..., EvictionPolicy],
     *parts: type,
     implies_decode_cap: bool = False,
+    decode: tuple[DecodeBuilder, str] | None = None,
 ) -> None:
     """``compose`` gets one keyword dict per part, in order, holding that part's parameters; a single
-    class may be given as ``compose`` for a one-part method. ``implies_decode_cap``: see ``MethodInfo``."""
+    class may be given as ``compose`` for a one-part method. ``implies_decode_cap``: see ``MethodInfo``;
+    ``decode``: its decode form (a ``DecodeEvictionPolicy`` class or a ``DecodeForm``) and its description."""
     if isinstance(compose, type):
         single = compose
         compose = lambda params: single(**params)  # noqa: E731
-    _METHODS[name] = _Method(description, parts, compose, implies_decode_cap)
+    _METHODS[name] = _Method(description, parts, compose, implies_decode_cap, decode)
 
 
 def _params(part: type) -> dict[str, Any]:
@@ -88,7 +167,13 @@ def _params(part: type) -> dict[str, Any]:
     }
 
 
-_register("snapkv", "observation-window attention, pooled; keeps the window", SnapKV, SnapKV)
+_register(
+    "snapkv",
+    "observation-window attention, pooled; keeps the window",
+    SnapKV,
+    SnapKV,
+    decode=(DecodeSnapKV, "attention of the last window queries, pooled; keeps the window"),
+)
 _register(
     "pyramidkv",
     "SnapKV scores, budgets shrinking from first to last layer",
@@ -130,6 +215,7 @@ _register(
     lambda s: StreamingLLM(**s),
     StreamingLLM,
     implies_decode_cap=True,
+    decode=(DecodeStreamingLLM, "first entries (attention sinks) plus the most recent ones"),
 )
 
 _register(
@@ -138,6 +224,7 @@ _register(
     H2O,
     H2O,
     implies_decode_cap=True,
+    decode=(DecodeH2O, "heavy hitters by accumulated attention, plus recent"),
 )
 _register(
     "nacl", "proxy-token (window) attention top-k plus seeded per-head random sampling by score", NaCl, NaCl
@@ -163,59 +250,65 @@ _register(
     RoCo,
     RoCo,
     implies_decode_cap=True,
+    decode=(DecodeRoCo, "mean attention of the queries that saw an entry, volatile ones kept, plus recent"),
 )
-_register("kvzap", "a learned scorer's predicted KVzip scores (no queries), sinks and recent", KVzap, KVzap)
+_register(
+    "kvzap",
+    "a learned scorer's predicted KVzip scores (no queries), sinks and recent",
+    KVzap,
+    KVzap,
+    decode=(DecodeForm(KVzap, dropped=_KVZAP_PREFILL_ONLY), "the learned scorer's score of each held entry"),
+)
 _register(
     "ada-kvzap",
     "learned KVzip scores (kvzap), per-head budgets allocated across heads (Ada-KV)",
     lambda z, a: AdaKV(KVzap(**z).with_fixed_budget("ada-kvzap"), **a),
     KVzap,
     AdaKV,
+    decode=(DecodeForm(KVzap, True, _KVZAP_PREFILL_ONLY), "kvzap's scores, caps split across heads (Ada-KV)"),
 )
 
 
 def available_methods() -> list[MethodInfo]:
     """Every registered method, in registration order."""
-    infos = []
-    for name, method in _METHODS.items():
-        params: dict[str, Any] = {}
-        for part in method.parts:
-            params.update(_params(part))
-        infos.append(
-            MethodInfo(
-                name,
-                method.description,
-                params,
-                method.needs_o_proj,
-                method.implies_decode_cap,
-                method.takes_echo,
-            )
-        )
-    return infos
+    return [method.info(name) for name, method in _METHODS.items()]
 
 
 def method_names() -> list[str]:
     return list(_METHODS)
 
 
+def _capability(name: str, capability: str) -> bool:
+    """``MethodInfo.<capability>`` of the method registered as ``name``; False for an unknown name
+    (validation names it)."""
+    method = _METHODS.get(name) if isinstance(name, str) else None
+    return method is not None and bool(getattr(method, capability))
+
+
 def method_needs_o_proj(name: str) -> bool:
     """True when the method registered as ``name`` reads the o_proj weights (False for an unknown name)."""
-    method = _METHODS.get(name) if isinstance(name, str) else None
-    return method is not None and method.needs_o_proj
+    return _capability(name, "needs_o_proj")
 
 
 def method_implies_decode_cap(name: str) -> bool:
-    """True when the method registered as ``name`` alone implies a decode-time cap (False for an unknown
-    name: validation names it)."""
-    method = _METHODS.get(name) if isinstance(name, str) else None
-    return method is not None and method.implies_decode_cap
+    """True when the method registered as ``name`` alone implies a decode-time cap (``MethodInfo``)."""
+    return _capability(name, "implies_decode_cap")
 
 
 def method_takes_echo(name: str) -> bool:
-    """True when the method registered as ``name`` takes the question echo (``MethodInfo.takes_echo``;
-    False for an unknown name: validation names it)."""
-    method = _METHODS.get(name) if isinstance(name, str) else None
-    return method is not None and method.takes_echo
+    """True when the method registered as ``name`` takes the question echo (``MethodInfo.takes_echo``)."""
+    return _capability(name, "takes_echo")
+
+
+def method_pools_layers(name: str) -> bool:
+    """True when the method registered as ``name`` can rank every layer of a request together
+    (``MethodInfo.pools_layers``)."""
+    return _capability(name, "pools_layers")
+
+
+def method_is_learned(name: str) -> bool:
+    """True when the method registered as ``name`` scores with a learned scorer (``MethodInfo.learned``)."""
+    return _capability(name, "learned")
 
 
 def methods_taking_echo() -> list[str]:
@@ -244,3 +337,51 @@ def build_policy(name: str, **params: Any) -> EvictionPolicy:
     policy = method.compose(*kwargs)
     policy.name = name
     return policy
+
+
+def decode_methods() -> dict[str, tuple[DecodeBuilder, str]]:
+    """Each decode-time form and its description, in the order ``--kv-decode-eviction`` lists them."""
+    forms = {name: method.decode for name, method in _METHODS.items() if method.decode is not None}
+    order = [*_DECODE_LISTED_FIRST, *(name for name in forms if name not in _DECODE_LISTED_FIRST)]
+    return {name: forms[name] for name in order}
+
+
+def decode_method_names() -> list[str]:
+    return list(decode_methods())
+
+
+def decode_method_description(name: str) -> str:
+    return _decode_form(name)[1]
+
+
+def decode_method_params(name: str) -> dict[str, Any]:
+    """The parameters of decode method ``name`` with their defaults."""
+    builder = _decode_form(name)[0]
+    if isinstance(builder, DecodeForm):
+        return builder.params()
+    return {f.name: f.default for f in dataclasses.fields(builder)}
+
+
+def build_decode_policy(name: str, **params: Any) -> DecodeEvictionPolicy:
+    """The decode-time method registered as ``name`` with ``params`` overriding its defaults.
+
+    Raises ValueError for an unknown name or parameter (listing the valid ones) or a bad value (naming it).
+    """
+    build: Callable[..., DecodeEvictionPolicy] = _decode_form(name)[0]
+    known = decode_method_params(name)
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown parameter(s) {', '.join(unknown)} for decode method {name!r}; "
+            f"valid parameters: {', '.join(known) or '(none)'}"
+        )
+    policy = build(**params)
+    policy.name = name
+    return policy
+
+
+def _decode_form(name: str) -> tuple[DecodeBuilder, str]:
+    forms = decode_methods()
+    if name not in forms:
+        raise ValueError(f"unknown decode eviction method {name!r}; valid methods: {', '.join(forms)}")
+    return forms[name]

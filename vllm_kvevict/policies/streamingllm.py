@@ -16,9 +16,12 @@ from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
 @dataclass
 class StreamingLLM(ScoredPolicy):
     """Keeps the first ``sinks`` tokens and the last ``budget - sinks``, whatever the attention
-    (kvpress's StreamingLLMPress). Needs no queries."""
+    (kvpress's StreamingLLMPress). Needs no queries, so its decode form is this scorer wrapped
+    (``decode/decode_streamingllm.py``): recency is an entry's own score, whenever it is judged."""
 
     reads_own_values: ClassVar[bool] = False
+    #: what the decode wrapper reads of the held entries: their positions only (``ScoredDecode``)
+    reads_keys: ClassVar[bool] = False
 
     sinks: int = 4
 
@@ -36,9 +39,16 @@ class StreamingLLM(ScoredPolicy):
         recent = torch.arange(num_tokens - (budget - self.sinks), num_tokens)
         return torch.cat([sinks, recent])
 
-    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
+    def entry_scores(self, layer: LayerKV) -> torch.Tensor:
+        """[H, n] float32: each entry's position (``LayerKV.key_positions``, else its index): recency."""
+        if layer.key_positions is not None:
+            return layer.key_positions.float()
         n = layer.num_tokens
+        return torch.arange(n, dtype=torch.float32, device=layer.keys.device).expand(layer.num_kv_heads, n)
+
+    def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
         # Recency is the score: later tokens first; sinks are always kept.
-        scores = torch.arange(n, dtype=torch.float32, device=layer.keys.device)
-        scores[: self.sinks] = float("inf")
-        return scores.expand(layer.num_kv_heads, n).clone()
+        scores = self.entry_scores(layer).clone()
+        scores[:, : self.sinks] = float("inf")
+        return scores
+

@@ -1,5 +1,7 @@
 """Decode-time eviction: per-head caps while generating, re-scored every ``interval`` tokens."""
 
+from typing import Any
+
 from vllm_kvevict.policies.decode.decode_h2o import DecodeH2O
 from vllm_kvevict.policies.decode.decode_policy import (
     DecodeEvictionPolicy,
@@ -7,12 +9,6 @@ from vllm_kvevict.policies.decode.decode_policy import (
     ada_caps,
     ada_caps_from_scores,
     held_attention,
-)
-from vllm_kvevict.policies.decode.decode_registry import (
-    build_decode_policy,
-    decode_method_description,
-    decode_method_names,
-    decode_method_params,
 )
 from vllm_kvevict.policies.decode.decode_roco import DecodeRoCo
 from vllm_kvevict.policies.decode.decode_scored import ScoredDecode
@@ -41,3 +37,16 @@ __all__ = [
     "decode_method_params",
     "held_attention",
 ]
+
+#: The registry's decode names, read from it on first use: the registry imports this package's methods.
+_REGISTRY_NAMES = frozenset(
+    {"build_decode_policy", "decode_method_description", "decode_method_names", "decode_method_params"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REGISTRY_NAMES:
+        from vllm_kvevict.policies import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
