@@ -8,7 +8,7 @@ kept after the context like tokens generated later. With a method that keeps the
 and layer, ``B'`` (the plan's ``kept_bound``) is a multiple of bs (``P_ctx - B'`` is), so each head's kept
 entries fill exactly ``m = B' / bs`` sub-blocks and the ``H·m`` context sub-blocks fill exactly the ``m``
 blocks ``[s, s + m)`` after the ``s`` freed ones, in pool order (head h owns pool entries ``h·m ... h·m + m -
-1``, ``subblock_store.py``). The creator's later tokens start at pool entry ``H·m``: block ``s + m`` on.
+1``, ``subblock_ids.py``). The creator's later tokens start at pool entry ``H·m``: block ``s + m`` on.
 Nothing ever writes blocks ``[s, s + m)`` again, so once the prompt is processed they are the entry.
 
 Reader, a prompt starting with the creator's ``C = P_ctx`` tokens (same setting, same ``cache_salt``): it

@@ -21,6 +21,9 @@ PACKAGE = Path(__file__).resolve().parents[3] / "vllm_kvevict"
 DATAPATH = [
     "layout/batch_tables.py",
     "layout/subblock_store.py",
+    "layout/subblock_ids.py",
+    "layout/table_growth.py",
+    "layout/head_mirror.py",
     *sorted(str(path.relative_to(PACKAGE)) for path in (PACKAGE / "datapath").glob("*.py")),
     "vllm_adapter/backend_cuda.py",
 ]
