@@ -141,11 +141,9 @@ def adaptive_kept_bound(plan: RequestPlan, kept_per_layer: list[int], num_kv_hea
     largest layer's bound, or for a plan pooled across layers the mean layer's (its blocks hold every
     layer's entries: L·H·B'_r + L·H·bs entries, more than the kept ones and each head's last partial
     sub-block), never above the ceiling ``plan.kept_bound``."""
-    if plan.pooled:
-        mean = cdiv(sum(kept_per_layer), len(kept_per_layer))
-        return min(layer_kept_bound(plan.prompt_len, mean, num_kv_heads, plan.block_size), plan.kept_bound)
-    bounds = [layer_kept_bound(plan.prompt_len, k, num_kv_heads, plan.block_size) for k in kept_per_layer]
-    return min(max(bounds), plan.kept_bound)
+    kept = [cdiv(sum(kept_per_layer), len(kept_per_layer))] if plan.pooled else kept_per_layer  # the mean
+    bound = max(layer_kept_bound(plan.prompt_len, k, num_kv_heads, plan.block_size) for k in kept)
+    return min(bound, plan.kept_bound)
 
 
 def with_kept_bound(plan: RequestPlan, kept_bound: int) -> RequestPlan:

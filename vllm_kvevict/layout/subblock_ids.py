@@ -18,8 +18,12 @@ then layer, then head, exactly like ``PooledRequestSubBlocks`` in the reference 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
+
+Index = TypeVar("Index", np.ndarray, torch.Tensor)  # pool entries on the host or the device
 
 
 class SubBlockPoolExhausted(RuntimeError):
@@ -79,7 +83,7 @@ class SubBlockIds:
         # Power-of-two block sizes (vLLM's usual ones) divide by shifting: integer division is slow on CPU.
         self._shift = block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else None
 
-    def _pool_entry(self, entry):
+    def _pool_entry(self, entry: Index) -> tuple[Index, Index]:
         """(block column after ``first_block``, offset) of pool entries ``entry`` (numpy or torch integers):
         the entry is sub-block ``row[first_block + column] * H + offset`` (pooled: offset = layer * NB * H +
         head slot)."""

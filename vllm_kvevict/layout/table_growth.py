@@ -27,15 +27,8 @@ class TableGrowth(SubBlockIds):
     _mirror: HeadMirror
 
     def grow(
-        self,
-        num_slots: int,
-        q_lens: torch.Tensor,
-        growing: torch.Tensor,
-        compacted: torch.Tensor,
-        block_table: torch.Tensor,
-        num_blocks: torch.Tensor,
-        max_new_subblocks: int,
-        check: bool,
+        self, num_slots: int, q_lens: torch.Tensor, growing: torch.Tensor, compacted: torch.Tensor,
+        block_table: torch.Tensor, num_blocks: torch.Tensor, max_new_subblocks: int, check: bool,
         single_token: bool = False,
     ) -> None:
         """Room for this step's tokens in every group at once.
@@ -62,7 +55,10 @@ class TableGrowth(SubBlockIds):
             update(num_slots, need, compacted, block_table, num_blocks, max_new_subblocks)
         lengths += added
 
-    def _assign_sparse(self, num_slots, need, compacted, block_table, num_blocks, max_new) -> None:
+    def _assign_sparse(
+        self, num_slots: int, need: torch.Tensor, compacted: torch.Tensor, block_table: torch.Tensor,
+        num_blocks: torch.Tensor, max_new: int,
+    ) -> None:
         """``grow``'s assignment for the few rows that need a sub-block, on CPU: numpy views of the same
         memory, because each torch call costs microseconds of dispatch and this runs dozens of small ones."""
         heads, capacity = self.num_kv_heads, self.capacity
@@ -123,7 +119,10 @@ class TableGrowth(SubBlockIds):
             tail[cell] = subblock
             self._mirror.write_cells(num_slots, heads, group, head, slot, column, subblock)
 
-    def _assign_dense(self, num_slots, need, compacted, block_table, num_blocks, max_new) -> None:
+    def _assign_dense(
+        self, num_slots: int, need: torch.Tensor, compacted: torch.Tensor, block_table: torch.Tensor,
+        num_blocks: torch.Tensor, max_new: int,
+    ) -> None:
         """``grow``'s assignment over every row, with no device read (GPU)."""
         heads = self.num_kv_heads
         self._mirror.drop()  # written everywhere: the head-major copy is rebuilt
