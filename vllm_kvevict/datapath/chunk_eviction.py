@@ -77,48 +77,12 @@ class ChunkEviction:
         self.queries.drop(req_id)
         self.held_end.pop(req_id, None)
 
-    def read_held(
-        self,
-        layer_idx: int,
-        r: ChunkRescore,
-        block_row: torch.Tensor,
-        reads: HeldReads,
-        check: bool = True,
-        with_values: bool = True,
-    ) -> HeldRows:
-        """``held`` of ``layer_idx`` and its prompt entries' keys (and values, unless not ``with_values``),
-        read from the cache through ``reads`` (a shared prefix once per layer and step)."""
-        held = self.held(layer_idx, r, block_row, check)  # never ranked across layers (the echo)
-        scored = held.width - r.trailing
-        keys, values = reads.read(held.slots[:, :scored], r.shared, with_values)
+    @staticmethod
+    def read_held(held: HeldEntries, r: ChunkRescore, reads: HeldReads, with_values: bool = True) -> HeldRows:
+        """``held`` with its prompt entries' keys (and values, unless not ``with_values``), read from the
+        cache through ``reads`` (a shared prefix once per layer and step)."""
+        keys, values = reads.read(held.slots[:, : held.width - r.trailing], r.shared, with_values)
         return HeldRows(held, keys, values)
-
-    def rescore_echoed(
-        self,
-        layer_idx: int,
-        r: ChunkRescore,
-        held: HeldRows,
-        echo_query: torch.Tensor,
-        policy: EvictionPolicy,
-        block_row: torch.Tensor,
-        o_proj: torch.Tensor | None,
-        commit: LayerCommit,
-    ) -> tuple[Moves, KeptTokens]:
-        """The deferred re-score of ``layer_idx`` (``question_echo``) over ``held`` (read once, for the echo's
-        attention too): judged by ``policy`` (the method's copy that reads echo queries; between chunks the
-        between-chunks rule around it) from the chunk's own last window and the echo's queries echo_query
-        [W, Hq, D]. Returns the moves and what the layer holds now. After the prompt's last chunk its queries
-        are dropped after the last layer."""
-        assert r.deferred and not commit.across_layers, "only a deferred re-score is judged by an echo"
-        choice = self._choice(layer_idx, r, held, echo_query, o_proj, (policy, echo_query))
-        moves = commit.run(self._work(layer_idx, r, block_row, held.held, choice, r.trailing))
-        kept = self.evicted[r.req_id][layer_idx]
-        if layer_idx == self.shape.num_layers - 1:
-            self.evicted.pop(r.req_id)
-            if r.final:
-                self.queries.drop(r.req_id)
-        assert moves is not None and kept is not None
-        return moves, kept
 
     def held(
         self, layer_idx: int, r: ChunkRescore, block_row: torch.Tensor, check: bool = True
@@ -162,10 +126,9 @@ class ChunkEviction:
                     work = self._ranked_work(layer_idx, r, block_row, held, reads)
                 else:
                     # the last chunk is judged by its method; between chunks by a rule that may read values
-                    with_values = not r.final or reads_values(r.policy)
-                    keys, values = reads.read(held.slots[:, : held.width - r.trailing], r.shared, with_values)
-                    choice = self._choice(layer_idx, r, HeldRows(held, keys, values), query, o_proj)
-                    work = self._work(layer_idx, r, block_row, held, choice, r.trailing)
+                    rows_read = self.read_held(held, r, reads, not r.final or reads_values(r.policy))
+                    choice = self.choice(layer_idx, r, rows_read, query, o_proj)
+                    work = self.work(layer_idx, r, block_row, held, choice, r.trailing)
                 moved = commit.run(work)
                 if moved is not None:
                     moves.append(moved)
@@ -197,11 +160,11 @@ class ChunkEviction:
         )
         window_end = r.prompt_len if r.final else r.seq_len
         forced = r.policy.forced_by_position(positions, window_end) & (positions >= 0)
-        budget = self._budget(r, layer_idx) + r.trailing - trailing
+        budget = r.budget(layer_idx) + r.trailing - trailing
         choice = PrefillChoice(r.policy, layer, budget, r.shared, own_rows=True, forced=forced)
-        return self._work(layer_idx, r, block_row, held, choice, trailing)
+        return self.work(layer_idx, r, block_row, held, choice, trailing)
 
-    def _work(
+    def work(
         self,
         layer_idx: int,
         r: ChunkRescore,
@@ -235,12 +198,6 @@ class ChunkEviction:
 
         return LayerWork(layer_idx, held, choice, target, placed)
 
-    @staticmethod
-    def _budget(r: ChunkRescore, layer_idx: int) -> int:
-        """Entries per head ``layer_idx`` of ``r`` keeps: its layer budget after the last chunk, ``a(n1)``
-        before."""
-        return r.plan.layer_budgets[layer_idx] if r.final else r.plan.kept_length_at(r.seq_len - r.shared)
-
     def reads_statistics(self, policy: EvictionPolicy, budget: int) -> bool:
         """True when a prompt is judged by Expected Attention, as its method or by the rule between chunks
         at ``budget``: its every prompt query is then folded into running statistics."""
@@ -265,7 +222,7 @@ class ChunkEviction:
             positions = torch.arange(r.computed, r.computed + count, device=query.device)
             per_layer[layer_idx].update(query[r.q_start : r.q_start + count].transpose(0, 1), positions)
 
-    def _choice(
+    def choice(
         self,
         layer_idx: int,
         r: ChunkRescore,
@@ -280,7 +237,7 @@ class ChunkEviction:
         echo's queries after it."""
         plan, keys, values = r.plan, held.keys, held.values
         scored = keys.shape[1]  # the prompt's entries; trailing tokens are kept after them
-        budget = self._budget(r, layer_idx)
+        budget = r.budget(layer_idx)
         tail = 0 if r.final else plan.trailing_held(r.seq_len - r.shared)[1]  # a trailing window, kept whole
         query_positions = None
         if echo is not None:  # the chunk's own last window, then the echo's queries after it

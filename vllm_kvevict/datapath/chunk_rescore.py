@@ -47,6 +47,12 @@ class ChunkRescore:
         """The prompt completes in this step: the method's own selection, down to the layer budgets."""
         return self.seq_len >= self.prompt_len
 
+    def budget(self, layer_idx: int) -> int:
+        """Entries per head ``layer_idx`` keeps: its layer budget after the last chunk, ``a(n1)`` before."""
+        if self.final:
+            return self.plan.layer_budgets[layer_idx]
+        return self.plan.kept_length_at(self.seq_len - self.shared)
+
     @property
     def trailing(self) -> int:
         """Tokens after the prompt computed in this step (a request recomputed after preemption)."""

@@ -14,8 +14,8 @@ and the method keeps what both attend to (and its own window, as always).
 In the server the echo runs after the step's forward that completes the prompt (whose first output token
 comes from the real prompt, unchanged): the request's compaction is deferred from that forward to the echo
 pass, which attends each layer to the held entries read back from the cache without writing them, then
-compacts that layer as the last chunk does (``ChunkEviction``). A prompt whose method reads no query window
-is evicted as before.
+compacts that layer as the last chunk does (``echo_pass.EchoPass``, ``ChunkEviction``). A prompt whose method
+reads no query window is evicted as before.
 
 With ``echo_between_chunks`` (off by default), a prompt evicted between chunks (``prefill: chunked``) is
 echoed after every evicting chunk too, at the positions right after the tokens computed so far: there the
@@ -35,12 +35,7 @@ import numpy as np
 import torch
 
 from vllm_kvevict.datapath.chat_marks import ChatMarks
-from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
-from vllm_kvevict.datapath.executor import LayerCommit
-from vllm_kvevict.datapath.moves import CacheRows, Moves
-from vllm_kvevict.datapath.shared_reads import HeldReads
-from vllm_kvevict.datapath.step_timer import StepTimer
-from vllm_kvevict.layout.batch_tables import host_to_device
+from vllm_kvevict.datapath.chunk_rescore import ChunkRescore
 from vllm_kvevict.policies.base import EvictionPolicy
 
 
@@ -199,105 +194,3 @@ class EchoRequest:
     @property
     def width(self) -> int:
         return len(self.tokens)
-
-
-class EchoPass:
-    """The step's echo forward: which tokens run where, and each layer's attention and compaction."""
-
-    def __init__(
-        self,
-        requests: list[EchoRequest],
-        chunks: ChunkEviction,
-        block_table: torch.Tensor,
-        o_proj: dict[int, torch.Tensor],
-        timer: StepTimer,
-        commit: LayerCommit,
-    ) -> None:
-        row = 0
-        for r in requests:
-            r.row, row = row, row + r.width
-        self.requests = requests
-        self.num_tokens = row
-        self._chunks = chunks
-        self._block_table = block_table
-        self._o_proj = o_proj
-        self._timer = timer
-        self._commit = commit
-        self.kept: dict[str, list] = {}  # req -> per layer KeptTokens (records after the last layer)
-
-    def input_ids(self, device: torch.device) -> torch.Tensor:
-        """[N] int64 the echo tokens of every request, in order."""
-        return host_to_device(np.array([t for r in self.requests for t in r.tokens]), device)
-
-    def positions(self, device: torch.device) -> torch.Tensor:
-        """[N] int64 positions: each request's echo right after its tokens computed so far (its prompt)."""
-        spans = [np.arange(r.rescore.seq_len, r.rescore.seq_len + r.width) for r in self.requests]
-        return host_to_device(np.concatenate(spans), device)
-
-    def layer(self, layer_idx: int, tensors: EchoLayer, rows: CacheRows) -> Moves | None:
-        """One layer of the echo forward: every request's echo attends to its held entries (read from the
-        cache, nothing written) and to itself, into ``tensors.output``; then the layer is compacted, judged
-        by the chunk's own last window and the echo's queries. Returns the layer's moves."""
-        query, key, value = tensors.query, tensors.key, tensors.value
-        moves = []
-        reads = HeldReads(rows)
-        for r in self.requests:
-            rescore, rows_of = r.rescore, slice(r.row, r.row + r.width)
-            block_row = self._block_table[rescore.slot]
-            held = self._chunks.read_held(layer_idx, rescore, block_row, reads, self._commit.tables.check)
-            assert held.values is not None  # read with values: the echo attends to them
-            attended = echo_attention(
-                query[rows_of],
-                held.keys,
-                held.values,
-                key[rows_of],
-                value[rows_of],
-                tensors.scale,
-                tensors.softcap,
-            )
-            tensors.output[rows_of] = attended.to(tensors.output.dtype)
-            with self._timer.phase("total"):
-                move, kept = self._chunks.rescore_echoed(
-                    layer_idx,
-                    rescore,
-                    held,
-                    query[rows_of],
-                    r.policy,
-                    block_row,
-                    self._o_proj.get(layer_idx),
-                    self._commit,
-                )
-            moves.append(move)
-            self.kept.setdefault(rescore.req_id, []).append(kept)
-        return Moves.join(moves)
-
-
-def echo_attention(
-    query: torch.Tensor,
-    held_keys: torch.Tensor,
-    held_values: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention of an echo after its prompt, in float32: query [W, Hq, D] against the prompt's held entries
-    held_keys/held_values [H, L, D] (all visible) and the echo's own key/value [W, H, D] (causal).
-    Returns [W, Hq, D]."""
-    width, q_heads, _ = query.shape
-    heads = held_keys.shape[0]
-    group = q_heads // heads
-    keys = torch.cat([held_keys.float(), key.float().transpose(0, 1)], dim=1)  # [H, L + W, D]
-    values = torch.cat([held_values.float(), value.float().transpose(0, 1)], dim=1)
-    q = query.float().transpose(0, 1).reshape(heads, group * width, -1)  # [H, g*W, D], head-major groups
-    scores = torch.einsum("hqd,hkd->hqk", q, keys) * scale
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    held = held_keys.shape[1]
-    own = torch.arange(width, device=query.device)
-    hidden = own[None, :] > own[:, None]  # [W, W] echo token i sees echo tokens j <= i
-    mask = torch.zeros(width, held + width, dtype=torch.bool, device=query.device)
-    mask[:, held:] = hidden
-    scores = scores.view(heads, group, width, -1).masked_fill(mask, float("-inf"))
-    out = torch.einsum("hgqk,hkd->hgqd", scores.softmax(dim=-1), values)  # [H, g, W, D]
-    return out.reshape(q_heads, width, -1).transpose(0, 1)

@@ -14,11 +14,12 @@ from vllm_kvevict.datapath.attention_metadata import HeadBatchBuilder, HeadSeque
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction, ChunkRescore
 from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import CapStarts, Rescore
+from vllm_kvevict.datapath.echo_pass import EchoPass
 from vllm_kvevict.datapath.executor import LayerCommit
 from vllm_kvevict.datapath.moves import CacheRows, Moves
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
-from vllm_kvevict.datapath.question_echo import EchoLayer, EchoPass
+from vllm_kvevict.datapath.question_echo import EchoLayer
 from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.step_inputs import StepRequest
 from vllm_kvevict.datapath.step_timer import StepTimer
@@ -183,7 +184,7 @@ class EvictionStep:
         self.tools.records.chunk_evicted(r.as_request(), r.plan, r.final, recorded, trailing, r.policy.name)
 
     def echo_layer(self, layer_idx: int, tensors: EchoLayer, rows: CacheRows) -> None:
-        """One layer of the echo forward (``question_echo.EchoPass.layer``): attention into
+        """One layer of the echo forward (``echo_pass.EchoPass.layer``): attention into
         ``tensors.output``, then the deferred compaction of the layer through ``rows``; after the last layer
         the requests are recorded as compacted."""
         echo = self.work.echo

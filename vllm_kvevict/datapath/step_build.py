@@ -13,11 +13,11 @@ from vllm_kvevict.datapath.cache_shape import CacheShape
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
 from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import CapStarts, Rescore
+from vllm_kvevict.datapath.echo_pass import EchoPass
 from vllm_kvevict.datapath.executor import layer_commit
 from vllm_kvevict.datapath.layer_eviction import LayerTables
 from vllm_kvevict.datapath.prompt_eviction import PromptEviction
 from vllm_kvevict.datapath.query_ring import RingWrites
-from vllm_kvevict.datapath.question_echo import EchoPass
 from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.step import EvictionStep, StepTools, StepWork
 from vllm_kvevict.datapath.step_plan import StepDecisions

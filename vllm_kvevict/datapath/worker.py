@@ -7,8 +7,6 @@ layer of that step reads."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -17,6 +15,7 @@ from vllm_kvevict.datapath.chat_marks import ChatMarks
 from vllm_kvevict.datapath.chunk_eviction import ChunkEviction
 from vllm_kvevict.datapath.decode_rescore import DecodeEviction
 from vllm_kvevict.datapath.decode_schedule import Rescore
+from vllm_kvevict.datapath.kept_contexts import KeptContexts
 from vllm_kvevict.datapath.query_ring import RingWrites
 from vllm_kvevict.datapath.question_echo import QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords
@@ -26,27 +25,10 @@ from vllm_kvevict.datapath.step_build import WorkerParts, build_step
 from vllm_kvevict.datapath.step_inputs import StepInputs
 from vllm_kvevict.datapath.step_plan import PlannerView, StepDecisions, StepPlanner, shares_tables
 from vllm_kvevict.layout.accounting import RequestPlan
-from vllm_kvevict.layout.batch_tables import BatchSubBlocks, host_to_device
-from vllm_kvevict.layout.context_reuse import (
-    EntryBlocks,
-    EntryCounts,
-    context_plan,
-    entry_blocks,
-    keeps_entry,
-)
-from vllm_kvevict.layout.subblock_ids import TableRows
+from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.policies.base import EvictionPolicy, keeps_equal_counts
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.request_settings import RequestSettings, decode_policy
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextRead:
-    """A request that starts from a kept context: where the entry lies, and whether its creator kept ragged
-    counts (Ada-KV: per layer and head, looked up in ``EntryCounts`` by the entry's first block)."""
-
-    entry: EntryBlocks
-    ragged: bool
 
 
 class EvictionWorker:
@@ -96,14 +78,9 @@ class EvictionWorker:
             self.decode.dump = self.records.dump_dir is not None
         self.o_proj: dict[int, torch.Tensor] = {}
         self.o_proj_collected = False  # collected once, after the model is loaded (empty unless CriticalKV)
-        # Kept contexts (layout/context_reuse.py): creator -> its context length (its prompt as eviction
-        # sees it); reader -> the entry it starts from, until its tables are set up.
-        self.context_lens: dict[str, int] = {}
-        self.context_readers: dict[str, ContextRead] = {}
-        # Ada-KV's kept contexts: head counts differ by layer and head. Creators whose counts are still to
-        # be recorded, and the counts by entry block (a reader looks them up: ``ContextRead.ragged``).
-        self.ragged_creators: set[str] = set()
-        self.entry_counts = EntryCounts()
+        self.contexts = KeptContexts(self.tables, self.records, num_layers)  # layout/context_reuse.py
+        self.context_lens, self.context_readers = self.contexts.lens, self.contexts.readers
+        self.entry_counts = self.contexts.entry_counts
         self._block_table: torch.Tensor | None = None  # this step's (for the creators' entry blocks)
         #: echoed tokens per question span (config ``question_echo``; 0: off unless a request asks) and the
         #: echo once the served tokenizer's marks are known (``use_chat_marks``)
@@ -140,12 +117,7 @@ class EvictionWorker:
                     self.shared_tokens[req_id] = int(computed[slot])
                     self._note_context(inputs, slot)
             self._seen_ids = list(inputs.req_ids)
-        if self.context_lens:  # a creator's prompt, as eviction sees it, is its context
-            prompt_lens = np.array(inputs.prompt_lens, copy=True)
-            for slot, req_id in enumerate(inputs.req_ids):
-                prompt_lens[slot] = self.context_lens.get(req_id, prompt_lens[slot])
-            inputs = dataclasses.replace(inputs, prompt_lens=prompt_lens)
-        self.pending = inputs
+        self.pending = self.contexts.as_seen(inputs)  # a creator's prompt, as eviction sees it: its context
 
     def _note_context(self, inputs: StepInputs, slot: int) -> None:
         """A request seen for the first time that asked ``kv_context: "keep"``: a reader when it starts with
@@ -153,20 +125,10 @@ class EvictionWorker:
         setting = self.settings.resolve(inputs.extra_args[slot] if inputs.extra_args else None)
         if setting is None or not setting.keeps_context:
             return
-        req_id, shared = inputs.req_ids[slot], self.shared_tokens[inputs.req_ids[slot]]
+        req_id = inputs.req_ids[slot]
         ragged = not keeps_equal_counts(setting.policy)
-        if shared > 0:
-            context = setting.plan_for(shared)
-            if not keeps_entry(context):
-                raise RuntimeError(f"request {req_id} starts from a kept context its setting cannot leave")
-            self.context_readers[req_id] = ContextRead(entry_blocks(context), ragged)
-            return
         prompt_len = int(inputs.prompt_lens[slot])
-        plan = context_plan(setting.plan_for, prompt_len, 0, self.block_size, self.num_layers)
-        if keeps_entry(plan) and plan.prompt_len != prompt_len:
-            self.context_lens[req_id] = plan.prompt_len
-        if keeps_entry(plan) and ragged:
-            self.ragged_creators.add(req_id)
+        self.contexts.note(req_id, self.shared_tokens[req_id], prompt_len, setting.plan_for, ragged)
 
     def use_chat_marks(self, marks: ChatMarks) -> None:
         """Start the question echo with the served tokenizer's marks (``chat_marks``: its user header, default
@@ -183,31 +145,18 @@ class EvictionWorker:
             if self.decode is not None:
                 self.decode.start_from(self._step.cap_starts, self.records.requests)
             self._step.publish()
-            if self.ragged_creators:
-                self._record_entries()
+            if self.contexts.ragged_creators:
+                assert self.pending is not None and self._block_table is not None
+                self.contexts.record_entries(self.pending.req_ids, self._block_table)
         self.pending = None
         self._step = None
         self._block_table = None
-
-    def _record_entries(self) -> None:
-        """Ada-KV creators whose context was compacted in this step: record each head's kept count per
-        layer by the entry's first block, where its readers will look them up."""
-        assert self.pending is not None and self._block_table is not None
-        for slot, req_id in enumerate(self.pending.req_ids):
-            counts = self.records.prompt_counts.get(req_id)
-            if req_id not in self.ragged_creators or counts is None:
-                continue
-            first = self.records.requests[req_id].blocks_to_free
-            self.entry_counts.record(int(self._block_table[slot, first]), counts)
-            self.ragged_creators.discard(req_id)
 
     def drop(self, req_ids: set[str] | list[str] | None) -> None:
         """Forget finished, aborted or preempted requests (their blocks go back through the scheduler)."""
         for req_id in req_ids or ():
             self.shared_tokens.pop(req_id, None)
-            self.context_lens.pop(req_id, None)
-            self.context_readers.pop(req_id, None)
-            self.ragged_creators.discard(req_id)
+            self.contexts.drop(req_id)
             self.records.drop(req_id)
             self.tables.forget(req_id)
             self.chunks.drop(req_id)
@@ -256,8 +205,8 @@ class EvictionWorker:
         self.records.align(inputs.req_ids)
         for slot in np.flatnonzero(computed == 0).tolist():
             self._restart(slot, inputs.req_ids[slot])
-        if self.context_readers:
-            self._start_readers(inputs.req_ids, block_table, check)
+        if self.contexts.readers:
+            self.contexts.start_readers(inputs.req_ids, block_table, check)
 
     def _restart(self, slot: int, req_id: str) -> None:
         """A request starting from scratch (new, or recomputed after preemption) has no old layout."""
@@ -303,41 +252,3 @@ class EvictionWorker:
             self.tables.skip(len(inputs.req_ids))
         parts = WorkerParts(self.shape, self.tables, self.chunks, self.decode, self.records, self.o_proj)
         return build_step(decided, layout, decode_work, parts, block_table, slot_mapping)
-
-    def _start_readers(self, req_ids: list[str], block_table: torch.Tensor, check: bool) -> None:
-        """Requests starting from a kept context read it from their first step: each head holds its kept
-        entries (B' each, or an Ada-KV creator's counts per layer), in pool order from the entry's first
-        block (``layout/context_reuse.py``); their own tokens then grow into fresh sub-blocks from the block
-        after it."""
-        store = self.tables.store
-        assert store is not None
-        for slot, req_id in enumerate(req_ids):
-            read = self.context_readers.pop(req_id, None)
-            if read is None:
-                continue
-            entry = read.entry
-            if read.ragged:
-                self.tables.split()
-                per_group = self.entry_counts.counts_of(int(block_table[slot, entry.reader_first]))
-            else:
-                per_group = [[entry.per_head] * self.num_kv_heads] * store.num_groups
-            tables: dict[tuple[int, ...], TableRows] = {}  # groups with the same counts share one
-            taken = 0  # a pooled store: each layer's sub-blocks follow the earlier layers' in the one pool
-            for group in range(store.num_groups):
-                counts = tuple(per_group[group])
-                if counts not in tables or store.pooled:
-                    tables[counts] = store.assign(
-                        host_to_device(np.array(counts), store.device),
-                        block_table[slot],
-                        entry.reader_first,
-                        0,
-                        total=sum(counts),
-                        num_blocks=entry.context_tokens // self.block_size,
-                        check=check,
-                        pool_start=taken,
-                    )
-                    taken += int(tables[counts].cursor) if store.pooled else 0
-                cursor = {"pool_cursor": taken} if store.pooled else {}
-                store.commit(group, slot, tables[counts], entry.reader_first, **cursor)
-            self.tables.mark_compacted(slot)
-            self.records.restart(slot, req_id)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from vllm_kvevict.datapath.chat_marks import ChatMarks
+from vllm_kvevict.datapath.echo_pass import echo_attention
 from vllm_kvevict.datapath.question_echo import (
     QuestionEcho,
     between_echo_tokens,
-    echo_attention,
     echo_policy,
     echo_tokens,
     question_spans,
