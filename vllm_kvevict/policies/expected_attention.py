@@ -24,6 +24,7 @@ import torch
 
 from vllm_kvevict.policies.attention_scores import extend_forward
 from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_fraction, check_int
+from vllm_kvevict.policies.key_scored import sinks_and_recent
 from vllm_kvevict.policies.query_statistics import QueryStatistics
 
 #: kvpress's leaderboard entry (``AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))``); its press default is 0.
@@ -85,9 +86,7 @@ class ExpectedAttention(ScoredPolicy):
         return num_tokens
 
     def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
-        sinks = torch.arange(min(self.sinks, num_tokens))
-        recent = torch.arange(max(self.sinks, num_tokens - self.window), num_tokens)
-        return torch.cat([sinks, recent])
+        return sinks_and_recent(num_tokens, self.sinks, self.window)
 
     def inv_freq(self, layer: LayerKV) -> torch.Tensor:
         """[d / 2] the layer's RoPE inverse frequencies, or plain RoPE's with base ``rope_theta`` over the

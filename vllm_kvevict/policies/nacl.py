@@ -4,26 +4,19 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from vllm_kvevict.policies.attention_scores import group_mean, window_attention
-from vllm_kvevict.policies.base import (
-    EvictionPolicy,
-    KeptTokens,
-    LayerKV,
-    check_fraction,
-    check_int,
-)
+from vllm_kvevict.policies.base import KeptTokens, LayerKV, check_fraction, check_int
 from vllm_kvevict.policies.kept_masks import sample_per_head, top_k_mask
-from vllm_kvevict.policies.snapkv import window_queries
+from vllm_kvevict.policies.snapkv import ObservationWindowPolicy, window_queries
 
 
 @dataclass
-class NaCl(EvictionPolicy):
+class NaCl(ObservationWindowPolicy):
     """Proxy-tokens eviction + random eviction, as we read the paper.
 
     The proxy tokens are the last ``window`` prompt tokens (where the question of a prompt sits); they are
@@ -39,30 +32,12 @@ class NaCl(EvictionPolicy):
     window: int = 32
     random_ratio: float = 0.5
     seed: int = 0
-    #: queries after the prompt that judge beside the proxies (the question echo; as ``SnapKV``'s)
-    echo_queries: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_int(owner, "window", self.window, 1)
         check_fraction(owner, "random_ratio", self.random_ratio, 0.0, 1.0)
         check_int(owner, "seed", self.seed, 0)
-
-    @property
-    def min_budget(self) -> int:
-        return self.window
-
-    def query_window(self, num_tokens: int) -> int:
-        return min(self.window, num_tokens) + self.echo_queries
-
-    def with_echo_queries(self, count: int) -> NaCl:
-        """A copy judged by its proxies and ``count`` more queries after the prompt (as ``SnapKV``'s)."""
-        echoed = copy.copy(self)
-        echoed.echo_queries = count
-        return echoed
-
-    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
-        return torch.arange(max(0, num_tokens - self.window), num_tokens)
 
     def select(self, layer: LayerKV, budget: int) -> KeptTokens:
         n, kv_heads = layer.num_tokens, layer.num_kv_heads

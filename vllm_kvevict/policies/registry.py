@@ -12,12 +12,10 @@ from typing import Any
 from vllm_kvevict.policies.adakv import AdaKV
 from vllm_kvevict.policies.base import EvictionPolicy, WrappingPolicy
 from vllm_kvevict.policies.criticalkv import CriticalKV
-from vllm_kvevict.policies.decode.decode_h2o import DecodeH2O
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
-from vllm_kvevict.policies.decode.decode_roco import DecodeRoCo
-from vllm_kvevict.policies.decode.decode_scored import DecodeForm
+from vllm_kvevict.policies.decode.decode_scored import DecodeForm, DecodeStreamingLLM
 from vllm_kvevict.policies.decode.decode_snapkv import DecodeSnapKV
-from vllm_kvevict.policies.decode.decode_streamingllm import DecodeStreamingLLM
+from vllm_kvevict.policies.decode.decode_states import DecodeH2O, DecodeRoCo
 from vllm_kvevict.policies.expected_attention import ExpectedAttention
 from vllm_kvevict.policies.h2o import H2O
 from vllm_kvevict.policies.keydiff import KeyDiff
@@ -77,6 +75,21 @@ class MethodInfo:
     decode_form: bool = False
 
 
+#: The ``MethodInfo`` capabilities a method has when any of its parts (classes) has them.
+_PART_CAPABILITIES: dict[str, Callable[[type], bool]] = {
+    "needs_o_proj": lambda part: getattr(part, "needs_o_proj", False),
+    "takes_echo": lambda part: hasattr(part, "with_echo_queries"),
+    # A wrapper's query window is its inner part's, which the parts hold too.
+    "reads_queries": lambda part: (
+        not issubclass(part, WrappingPolicy) and part.query_window is not EvictionPolicy.query_window
+    ),
+    "reads_query_statistics": lambda part: (
+        part.reads_query_statistics is not EvictionPolicy.reads_query_statistics
+    ),
+    "learned": lambda part: hasattr(part, "learned_scorer"),
+}
+
+
 @dataclass(frozen=True)
 class _Method:
     description: str
@@ -86,57 +99,15 @@ class _Method:
     #: its decode-time form and that form's description, or None
     decode: tuple[DecodeBuilder, str] | None = None
 
-    def _any_part(self, has: Callable[[type], bool]) -> bool:
-        return any(has(part) for part in self.parts)
-
-    @property
-    def needs_o_proj(self) -> bool:
-        return self._any_part(lambda part: getattr(part, "needs_o_proj", False))
-
-    @property
-    def takes_echo(self) -> bool:
-        return self._any_part(lambda part: hasattr(part, "with_echo_queries"))
-
-    @property
-    def reads_queries(self) -> bool:
-        # A wrapper's query window is its inner part's, which the parts list holds too.
-        return self._any_part(
-            lambda part: not issubclass(part, WrappingPolicy)
-            and part.query_window is not EvictionPolicy.query_window
-        )
-
-    @property
-    def reads_query_statistics(self) -> bool:
-        return self._any_part(
-            lambda part: part.reads_query_statistics is not EvictionPolicy.reads_query_statistics
-        )
-
-    @property
-    def pools_layers(self) -> bool:
-        # Only a lone part can: an allocation wrapper (Ada-KV) shares a budget per layer.
-        return len(self.parts) == 1 and self.parts[0].pools_layers is not EvictionPolicy.pools_layers
-
-    @property
-    def learned(self) -> bool:
-        return self._any_part(lambda part: hasattr(part, "learned_scorer"))
-
     def info(self, name: str) -> MethodInfo:
-        params: dict[str, Any] = {}
-        for part in self.parts:
-            params.update(_params(part))
+        params = {key: value for part in self.parts for key, value in _params(part).items()}
+        answered = {field: any(map(has, self.parts)) for field, has in _PART_CAPABILITIES.items()}
+        # Only a lone part can pool layers: an allocation wrapper (Ada-KV) shares a budget per layer.
+        pools = len(self.parts) == 1 and self.parts[0].pools_layers is not EvictionPolicy.pools_layers
         return MethodInfo(
-            name,
-            self.description,
-            params,
-            self.needs_o_proj,
-            self.implies_decode_cap,
-            self.takes_echo,
-            self.reads_queries,
-            self.reads_query_statistics,
-            self.pools_layers,
-            self.learned,
-            self.decode is not None,
-        )
+            name, self.description, params, implies_decode_cap=self.implies_decode_cap, pools_layers=pools,
+            decode_form=self.decode is not None, **answered,
+        )  # fmt: skip
 
 
 _METHODS: dict[str, _Method] = {}
@@ -145,18 +116,27 @@ _METHODS: dict[str, _Method] = {}
 def _register(
     name: str,
     description: str,
-    compose: Callable[..., EvictionPolicy],
     *parts: type,
     implies_decode_cap: bool = False,
     decode: tuple[DecodeBuilder, str] | None = None,
+    compose: Callable[..., EvictionPolicy] | None = None,
 ) -> None:
-    """``compose`` gets one keyword dict per part, in order, holding that part's parameters; a single
-    class may be given as ``compose`` for a one-part method. ``implies_decode_cap``: see ``MethodInfo``;
-    ``decode``: its decode form (a ``DecodeEvictionPolicy`` class or a ``DecodeForm``) and its description."""
-    if isinstance(compose, type):
-        single = compose
-        compose = lambda params: single(**params)  # noqa: E731
-    _METHODS[name] = _Method(description, parts, compose, implies_decode_cap, decode)
+    """``parts``: the method's classes, innermost first; each later one wraps the one before as its ``inner``
+    (``CriticalKV(AdaKV(SnapKV()))``) unless ``compose`` builds them, given one keyword dict per part holding
+    that part's parameters. ``implies_decode_cap``: see ``MethodInfo``; ``decode``: its decode form (a
+    ``DecodeEvictionPolicy`` class that keeps running state, or a ``DecodeForm`` around the prefill scorer)
+    and that form's description."""
+    _METHODS[name] = _Method(description, parts, compose or _nested(parts), implies_decode_cap, decode)
+
+
+def _nested(parts: tuple[type, ...]) -> Callable[..., EvictionPolicy]:
+    def compose(*params: dict[str, Any]) -> EvictionPolicy:
+        policy = parts[0](**params[0])
+        for part, own in zip(parts[1:], params[1:], strict=True):
+            policy = part(policy, **own)
+        return policy
+
+    return compose
 
 
 def _params(part: type) -> dict[str, Any]:
@@ -167,106 +147,63 @@ def _params(part: type) -> dict[str, Any]:
     }
 
 
+# fmt: off
 _register(
-    "snapkv",
-    "observation-window attention, pooled; keeps the window",
-    SnapKV,
-    SnapKV,
+    "snapkv", "observation-window attention, pooled; keeps the window", SnapKV,
     decode=(DecodeSnapKV, "attention of the last window queries, pooled; keeps the window"),
 )
+_register("pyramidkv", "SnapKV scores, budgets shrinking from first to last layer", PyramidKV)
+_register("ada-snapkv", "SnapKV scores, per-head budgets allocated across heads (Ada-KV)", SnapKV, AdaKV)
 _register(
-    "pyramidkv",
-    "SnapKV scores, budgets shrinking from first to last layer",
-    lambda p: PyramidKV(**p),
-    PyramidKV,
-)
-_register(
-    "ada-snapkv",
-    "SnapKV scores, per-head budgets allocated across heads (Ada-KV)",
-    lambda s, a: AdaKV(SnapKV(**s), **a),
-    SnapKV,
-    AdaKV,
-)
-_register(
-    "ada-pyramidkv",
-    "PyramidKV layer budgets, per-head budgets allocated across heads (Ada-KV)",
-    lambda p, a: AdaKV(PyramidKV(**p), **a),
-    PyramidKV,
-    AdaKV,
+    "ada-pyramidkv", "PyramidKV layer budgets, per-head budgets allocated across heads (Ada-KV)",
+    PyramidKV, AdaKV,
 )
 _register(
     "critical-snapkv",
     "SnapKV, half the budget by attention, the rest by attention x projected value norm (CriticalKV)",
-    lambda s, c: CriticalKV(SnapKV(**s), **c),
-    SnapKV,
-    CriticalKV,
+    SnapKV, CriticalKV,
 )
 _register(
-    "critical-ada-snapkv",
-    "CriticalKV selection inside Ada-KV's per-head budgets",
-    lambda s, a, c: CriticalKV(AdaKV(SnapKV(**s), **a), **c),
-    SnapKV,
-    AdaKV,
-    CriticalKV,
+    "critical-ada-snapkv", "CriticalKV selection inside Ada-KV's per-head budgets", SnapKV, AdaKV, CriticalKV
 )
 _register(
-    "streamingllm",
-    "first tokens (attention sinks) plus the most recent ones",
-    lambda s: StreamingLLM(**s),
-    StreamingLLM,
+    "streamingllm", "first tokens (attention sinks) plus the most recent ones", StreamingLLM,
     implies_decode_cap=True,
     decode=(DecodeStreamingLLM, "first entries (attention sinks) plus the most recent ones"),
 )
-
 _register(
-    "h2o",
-    "heavy hitters by attention accumulated over all prompt queries, plus recent tokens",
-    H2O,
-    H2O,
-    implies_decode_cap=True,
-    decode=(DecodeH2O, "heavy hitters by accumulated attention, plus recent"),
+    "h2o", "heavy hitters by attention accumulated over all prompt queries, plus recent tokens", H2O,
+    implies_decode_cap=True, decode=(DecodeH2O, "heavy hitters by accumulated attention, plus recent"),
 )
-_register(
-    "nacl", "proxy-token (window) attention top-k plus seeded per-head random sampling by score", NaCl, NaCl
-)
-_register("keydiff", "keys least like their head's mean key (no queries), sinks and recent", KeyDiff, KeyDiff)
-_register("knorm", "keys with the smallest L2 norm (no queries), sinks and recent", KNorm, KNorm)
+_register("nacl", "proxy-token (window) attention top-k plus seeded per-head random sampling by score", NaCl)
+_register("keydiff", "keys least like their head's mean key (no queries), sinks and recent", KeyDiff)
+_register("knorm", "keys with the smallest L2 norm (no queries), sinks and recent", KNorm)
 _register(
     "expected-attention",
     "keys the future queries are expected to attend to (query mean/covariance, averaged RoPE) x value norm",
-    ExpectedAttention,
     ExpectedAttention,
 )
 _register(
     "ada-expected-attention",
     "Expected Attention scores, per-head budgets allocated across heads (Ada-KV; kvpress's leaderboard)",
-    lambda e, a: AdaKV(ExpectedAttention(**e), **a),
-    ExpectedAttention,
-    AdaKV,
+    ExpectedAttention, AdaKV,
 )
 _register(
-    "roco",
-    "mean attention received, most volatile (high std) tokens kept, plus recent",
-    RoCo,
-    RoCo,
+    "roco", "mean attention received, most volatile (high std) tokens kept, plus recent", RoCo,
     implies_decode_cap=True,
     decode=(DecodeRoCo, "mean attention of the queries that saw an entry, volatile ones kept, plus recent"),
 )
 _register(
-    "kvzap",
-    "a learned scorer's predicted KVzip scores (no queries), sinks and recent",
-    KVzap,
-    KVzap,
+    "kvzap", "a learned scorer's predicted KVzip scores (no queries), sinks and recent", KVzap,
     decode=(DecodeForm(KVzap, dropped=_KVZAP_PREFILL_ONLY), "the learned scorer's score of each held entry"),
 )
 _register(
-    "ada-kvzap",
-    "learned KVzip scores (kvzap), per-head budgets allocated across heads (Ada-KV)",
-    lambda z, a: AdaKV(KVzap(**z).with_fixed_budget("ada-kvzap"), **a),
-    KVzap,
-    AdaKV,
+    "ada-kvzap", "learned KVzip scores (kvzap), per-head budgets allocated across heads (Ada-KV)",
+    KVzap, AdaKV,
+    compose=lambda z, a: AdaKV(KVzap(**z).with_fixed_budget("ada-kvzap"), **a),
     decode=(DecodeForm(KVzap, True, _KVZAP_PREFILL_ONLY), "kvzap's scores, caps split across heads (Ada-KV)"),
 )
+# fmt: on
 
 
 def available_methods() -> list[MethodInfo]:
@@ -282,7 +219,7 @@ def _capability(name: str, capability: str) -> bool:
     """``MethodInfo.<capability>`` of the method registered as ``name``; False for an unknown name
     (validation names it)."""
     method = _METHODS.get(name) if isinstance(name, str) else None
-    return method is not None and bool(getattr(method, capability))
+    return method is not None and bool(getattr(method.info(name), capability))
 
 
 def method_needs_o_proj(name: str) -> bool:
@@ -300,20 +237,15 @@ def method_takes_echo(name: str) -> bool:
     return _capability(name, "takes_echo")
 
 
-def method_pools_layers(name: str) -> bool:
-    """True when the method registered as ``name`` can rank every layer of a request together
-    (``MethodInfo.pools_layers``)."""
-    return _capability(name, "pools_layers")
-
-
-def method_is_learned(name: str) -> bool:
-    """True when the method registered as ``name`` scores with a learned scorer (``MethodInfo.learned``)."""
-    return _capability(name, "learned")
+def method_info(name: str) -> MethodInfo | None:
+    """What the method registered as ``name`` is and can do (``pools_layers``, ``learned``, ...), or None."""
+    method = _METHODS.get(name) if isinstance(name, str) else None
+    return None if method is None else method.info(name)
 
 
 def methods_taking_echo() -> list[str]:
     """The registered methods that take the question echo, in registration order."""
-    return [name for name, method in _METHODS.items() if method.takes_echo]
+    return [info.name for info in available_methods() if info.takes_echo]
 
 
 def build_policy(name: str, **params: Any) -> EvictionPolicy:

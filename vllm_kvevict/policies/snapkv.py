@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import torch
 
@@ -18,11 +18,38 @@ from vllm_kvevict.policies.attention_scores import (
     pool_scores,
     window_attention,
 )
-from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
+from vllm_kvevict.policies.base import EvictionPolicy, LayerKV, ScoredPolicy, check_int
+
+
+class ObservationWindowPolicy(EvictionPolicy):
+    """A method judged by the queries of its last ``window`` prompt tokens, which it always keeps (SnapKV,
+    NaCl); the question echo's queries can join them (``with_echo_queries``)."""
+
+    window: int
+    #: queries placed after the prompt that judge beside the window (the question echo,
+    #: ``datapath/question_echo.py``); set on a copy by ``with_echo_queries``, not a method parameter
+    echo_queries: ClassVar[int] = 0
+
+    @property
+    def min_budget(self) -> int:
+        return self.window
+
+    def query_window(self, num_tokens: int) -> int:
+        return min(self.window, num_tokens) + self.echo_queries
+
+    def with_echo_queries(self, count: int) -> Self:
+        """A copy judged by its window and ``count`` more queries after the prompt (``LayerKV.queries`` then
+        ends with them, their positions >= n); it keeps the same window."""
+        echoed = copy.copy(self)
+        echoed.echo_queries = count
+        return echoed
+
+    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
+        return torch.arange(max(0, num_tokens - self.window), num_tokens)
 
 
 @dataclass
-class SnapKV(ScoredPolicy):
+class SnapKV(ObservationWindowPolicy, ScoredPolicy):
     """Score = attention of the last ``window`` prompt queries, averaged over them, pooled over
     neighbouring tokens, averaged over the GQA group; the window itself is always kept.
 
@@ -41,31 +68,11 @@ class SnapKV(ScoredPolicy):
     kernel: int = 7
     pooling: str = "max"
     span_after: int = 8
-    #: queries placed after the prompt that judge beside the window (the question echo,
-    #: ``datapath/question_echo.py``); set on a copy by ``with_echo_queries``, not a method parameter
-    echo_queries: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         check_window_pooling(owner, self.window, self.kernel, self.pooling)
         check_int(owner, "span_after", self.span_after, 0)
-
-    @property
-    def min_budget(self) -> int:
-        return self.window
-
-    def query_window(self, num_tokens: int) -> int:
-        return min(self.window, num_tokens) + self.echo_queries
-
-    def with_echo_queries(self, count: int) -> SnapKV:
-        """A copy judged by its window and ``count`` more queries after the prompt (``LayerKV.queries`` then
-        ends with them, their positions >= n); it keeps the same window."""
-        echoed = copy.copy(self)
-        echoed.echo_queries = count
-        return echoed
-
-    def always_kept(self, num_tokens: int, budget: int) -> torch.Tensor:
-        return torch.arange(max(0, num_tokens - self.window), num_tokens)
 
     def score(self, layer: LayerKV, budget: int) -> torch.Tensor:
         n = layer.num_tokens

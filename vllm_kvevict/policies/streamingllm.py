@@ -17,7 +17,7 @@ from vllm_kvevict.policies.base import LayerKV, ScoredPolicy, check_int
 class StreamingLLM(ScoredPolicy):
     """Keeps the first ``sinks`` tokens and the last ``budget - sinks``, whatever the attention
     (kvpress's StreamingLLMPress). Needs no queries, so its decode form is this scorer wrapped
-    (``decode/decode_streamingllm.py``): recency is an entry's own score, whenever it is judged."""
+    (``decode/decode_scored.py``): recency is an entry's own score, whenever it is judged."""
 
     reads_own_values: ClassVar[bool] = False
     #: what the decode wrapper reads of the held entries: their positions only (``ScoredDecode``)

@@ -2,7 +2,6 @@
 
 from typing import Any
 
-from vllm_kvevict.policies.decode.decode_h2o import DecodeH2O
 from vllm_kvevict.policies.decode.decode_policy import (
     DecodeEvictionPolicy,
     DecodeState,
@@ -10,11 +9,15 @@ from vllm_kvevict.policies.decode.decode_policy import (
     ada_caps_from_scores,
     held_attention,
 )
-from vllm_kvevict.policies.decode.decode_roco import DecodeRoCo
-from vllm_kvevict.policies.decode.decode_scored import ScoredDecode
+from vllm_kvevict.policies.decode.decode_scored import DecodeStreamingLLM, ScoredDecode
 from vllm_kvevict.policies.decode.decode_snapkv import DecodeSnapKV
-from vllm_kvevict.policies.decode.decode_states import AccumulatingPolicy, AttentionStatistics, WindowScores
-from vllm_kvevict.policies.decode.decode_streamingllm import DecodeStreamingLLM
+from vllm_kvevict.policies.decode.decode_states import (
+    AccumulatingPolicy,
+    AttentionStatistics,
+    DecodeH2O,
+    DecodeRoCo,
+    WindowScores,
+)
 from vllm_kvevict.policies.decode.held_layer import HeldLayer
 
 __all__ = [

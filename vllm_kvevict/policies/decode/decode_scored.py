@@ -27,6 +27,7 @@ from vllm_kvevict.policies.decode.decode_policy import (
     recent_entries,
 )
 from vllm_kvevict.policies.decode.held_layer import HeldLayer
+from vllm_kvevict.policies.streamingllm import StreamingLLM
 
 
 @runtime_checkable
@@ -124,3 +125,8 @@ class DecodeForm:
     def __call__(self, **params: Any) -> ScoredDecode:
         alpha = params.pop("alpha", self.ada_alpha) if self.ada else None
         return ScoredDecode(self.inner(**params), alpha)
+
+
+#: StreamingLLM while decoding (Xiao et al., 2023): its prefill scorer wrapped, an entry's position being its
+#: score; the first ``sinks`` positions and the newest ``cap - sinks`` entries, no queries, no state.
+DecodeStreamingLLM = DecodeForm(StreamingLLM)

@@ -24,6 +24,10 @@ class DecodeSnapKV(DecodeEvictionPolicy):
     """Score = mean attention of the last ``window`` queries per query head, pooled over neighbouring held
     entries (slot order, which is position order), then averaged over the GQA group, as the prefill
     ``SnapKV`` does; the newest ``window`` positions are always kept. Scores are replaced at each observe.
+
+    It keeps state (``WindowScores``) where a wrapped prefill scorer would not, because it reads queries: the
+    caller hands them to ``observe``, and ``select`` comes later, so the window's scores wait in between,
+    slot-aligned with the held entries.
     """
 
     window: int = 32
