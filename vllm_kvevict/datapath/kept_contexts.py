@@ -21,7 +21,7 @@ from vllm_kvevict.layout.context_reuse import (
     entry_blocks,
     keeps_entry,
 )
-from vllm_kvevict.layout.subblock_store import TableRows
+from vllm_kvevict.layout.subblock_ids import TableRows
 
 
 @dataclasses.dataclass(frozen=True)

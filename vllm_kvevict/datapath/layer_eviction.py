@@ -19,7 +19,7 @@ from vllm_kvevict.datapath.step_timer import StepTimer
 from vllm_kvevict.layout.accounting import first_block_for_bound, layer_kept_bound
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import shared_blocks
-from vllm_kvevict.layout.subblock_store import TableRows
+from vllm_kvevict.layout.subblock_ids import TableRows
 from vllm_kvevict.policies.base import KeptTokens
 
 
