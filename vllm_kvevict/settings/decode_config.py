@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
-from vllm_kvevict.policies.decode.decode_registry import (
+from vllm_kvevict.policies.registry import (
     build_decode_policy,
     decode_method_names,
     decode_method_params,
+    method_implies_decode_cap,
 )
-from vllm_kvevict.policies.registry import method_implies_decode_cap
 from vllm_kvevict.settings.parsers import EvictionConfigError, method_entry_params, parse_budget
 
 _DECODE_KEYS = ("method", "budget", "interval", "params", "allocation")

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kvevict.policies.between_chunks import BETWEEN_KINDS, BETWEEN_SCORERS
-from vllm_kvevict.policies.decode.decode_registry import decode_method_names
 from vllm_kvevict.policies.presets import Preset
-from vllm_kvevict.policies.registry import available_methods, method_names
+from vllm_kvevict.policies.registry import available_methods, decode_method_names, method_names
 from vllm_kvevict.settings.additional_config import ADDITIONAL_CONFIG_KEY, from_wire
 from vllm_kvevict.settings.config import EvictionConfig
 from vllm_kvevict.settings.decode_config import DECODE_ALLOCATIONS, NO_DECODE, implied_decode

@@ -38,8 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvevict.policies.decode.decode_registry import decode_method_names
-from vllm_kvevict.policies.registry import method_names
+from vllm_kvevict.policies.registry import decode_method_names, method_names
 
 ROOT = Path(__file__).resolve().parents[3]
 USAGE = ROOT / "docs" / "usage.md"

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 from policy_layers import random_layer
 
-from vllm_kvevict.policies.decode.decode_registry import decode_method_names
 from vllm_kvevict.policies.registry import (
     available_methods,
     build_policy,
+    decode_method_names,
     method_implies_decode_cap,
     method_names,
     method_needs_o_proj,
