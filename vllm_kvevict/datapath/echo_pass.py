@@ -1,6 +1,6 @@
 """The question echo's forward pass (``question_echo.py`` finds the echo): each layer's echo attends to the
 held entries of its request, read back from the cache without writing them, and to itself; then the layer
-is compacted as the last chunk is (``ChunkEviction.rescore_echoed``), judged by the chunk's own last window
+is compacted as the last chunk is (``ChunkEviction.choice``, ``work``), judged by the chunk's own last window
 and the echo's queries."""
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ from vllm_kvevict.datapath.query_ring import RingWrites
 from vllm_kvevict.datapath.question_echo import QuestionEcho
 from vllm_kvevict.datapath.records import EvictionRecords
 from vllm_kvevict.datapath.request_plans import RequestPlans
-from vllm_kvevict.datapath.step import EvictionStep
-from vllm_kvevict.datapath.step_build import WorkerParts, build_step
+from vllm_kvevict.datapath.step import EvictionStep, WorkerParts, build_step
 from vllm_kvevict.datapath.step_inputs import StepInputs
 from vllm_kvevict.datapath.step_plan import PlannerView, StepDecisions, StepPlanner, shares_tables
 from vllm_kvevict.layout.accounting import RequestPlan
@@ -226,7 +225,7 @@ class EvictionWorker:
         """Apply what the planner decided the worker's state needs before the step's layers run: the decode
         schedule's ring writes and re-scores, caps admitted, one table group per layer where a request keeps
         ragged counts, requests compacting nothing recorded, every row grown by the step's tokens when some
-        request reads a compacted cache; then build the step (``step_build.build_step``)."""
+        request reads a compacted cache; then build the step (``step.build_step``)."""
         decode_work: tuple[RingWrites | None, list[Rescore]] = (None, [])
         if self.decode is not None:
             decode_work = self.decode.plan_step(
