@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.datapath.cache_shape import CacheShape
-from vllm_kvevict.datapath.kept_selection import LayerChoice
-from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTables, LayerTarget, evict_layer
+from vllm_kvevict.datapath.kept_selection import LayerChoice, kept_or_newest
+from vllm_kvevict.datapath.layer_eviction import HeldEntries, LayerTables, LayerTarget
 from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.placement import Placement
+from vllm_kvevict.datapath.placement import Placement, place
 from vllm_kvevict.datapath.pooled_eviction import kept_across_held, place_across_layers
 from vllm_kvevict.datapath.step_timer import StepTimer
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
@@ -53,7 +53,10 @@ class LayerWork:
 
 
 class EachLayer:
-    """Every layer commits on its own, right after its attention (``layer_eviction.evict_layer``)."""
+    """Every layer commits on its own, right after its attention: ``choice`` (guarded, or the newest entries
+    when it fails), its table (a group of layers sharing one is assigned at its first layer, committed
+    after its last), the kept entries placed in it and the moves to them (sources and destinations may
+    overlap: gather, then scatter)."""
 
     across_layers = False
 
@@ -66,9 +69,23 @@ class EachLayer:
         return held
 
     def run(self, work: LayerWork) -> Moves:
-        result = evict_layer(work.layer_idx, work.held, work.choice, work.target, self.tables, self.timer)
-        work.placed(result.kept, result.placed)
-        return result.moves
+        held, choice, layer_idx, tables = work.held, work.choice, work.layer_idx, self.tables
+        heads, device, block_size = held.slots.shape[0], held.slots.device, tables.tables.block_size
+        with self.timer.phase("selection"):
+            kept = kept_or_newest(choice, work.judged(), work.target.req_id, layer_idx)
+        total = heads * choice.budget if choice.exact else int(kept.counts.sum())  # host-known when exact
+        target = work.target.for_kept(total, heads, block_size)
+        counts = kept.counts.to(device=device, dtype=torch.int64)
+        table = tables.table_for(layer_idx, target, counts, total, getattr(choice.policy, "name", "?"))
+        placed = place(kept, target.trailing, work.scored, total + heads * target.trailing, device)
+        src = held.slots[placed.heads, placed.chosen]
+        destinations = placed.destinations(table, block_size, target.shared)
+        tables.commit(layer_idx, target)
+        work.placed(kept, placed)
+        if held.step_row is None:
+            return Moves(src, destinations)
+        rows = held.positions[placed.heads, placed.chosen] + held.step_row
+        return Moves(src, destinations, rows, placed.heads)
 
 
 class AcrossLayers:

@@ -1,21 +1,17 @@
-"""One layer of one request evicted on its own, the same for every mode (``executor.EachLayer`` runs it):
-held entries -> guarded selection -> sub-block assignment -> placement -> ``Moves``. The modes differ only in
-what they describe (``executor.LayerWork``: the held entries, the choice, the target).
+"""What one layer of one request holds (``HeldEntries``), where its kept entries go (``LayerTarget``) and
+the tables a step assigns layer by layer (``LayerTables``): the parts of the description every mode gives
+the executor (``executor.LayerWork``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from vllm_kvevict.datapath.kept_selection import LayerChoice, kept_or_newest
-from vllm_kvevict.datapath.moves import Moves
-from vllm_kvevict.datapath.placement import Placement, place, subblock_slots
-from vllm_kvevict.datapath.step_timer import StepTimer
+from vllm_kvevict.datapath.placement import subblock_slots
 from vllm_kvevict.layout.accounting import first_block_for_bound, layer_kept_bound
 from vllm_kvevict.layout.batch_tables import BatchSubBlocks
 from vllm_kvevict.layout.shared_prefix import shared_blocks
@@ -123,20 +119,6 @@ class LayerTarget:
         return dataclasses.replace(self, first_block=first, pool_block=self.first_block)
 
 
-@dataclass(frozen=True)
-class LayerEviction:
-    """One request's evicted layer: the moves, the choice's kept (indices into the held entries, counts
-    [H]) and their placement (kept then trailing entries, head-major)."""
-
-    moves: Moves
-    kept: KeptTokens
-    placed: Placement
-
-    def held_positions(self, held: HeldEntries) -> KeptTokens:
-        """Positions [H, M] (-1 padded) and counts [H] of what each head holds now, trailing included."""
-        return self.placed.held_positions(held.positions)
-
-
 class LayerTables:
     """Tables assigned in one step: a group of layers sharing sub-block tables takes the table its first
     layer assigned (checked at the others), and commits it after its last layer."""
@@ -187,36 +169,3 @@ class LayerTables:
                 table.cursor = table.cursor + (first - target.pool_block) * self.tables.num_kv_heads
                 first = target.pool_block
             self.tables.commit(layer_idx, target.slot, table, first)
-
-
-def evict_layer(
-    layer_idx: int,
-    held: HeldEntries,
-    choice: LayerChoice,
-    target: LayerTarget,
-    tables: LayerTables,
-    timer: StepTimer | None = None,
-) -> LayerEviction:
-    """Evict one request's layer: ``choice`` (guarded, or the newest entries when it fails) over ``held``,
-    its table (``tables``), the kept entries placed in it and the moves to them; the table is committed
-    after the group's last layer. Sources and destinations of the moves may overlap (gather, then scatter).
-    """
-    heads = held.slots.shape[0]
-    scored = held.width - target.trailing  # entries the choice judges; trailing ones follow
-    valid = held.positions[:, :scored] >= 0
-    valid[:, : target.shared] = False
-    with timer.phase("selection") if timer is not None else contextlib.nullcontext():
-        kept = kept_or_newest(choice, valid, target.req_id, layer_idx)
-    total = heads * choice.budget if choice.exact else int(kept.counts.sum())  # host-known when exact
-    target = target.for_kept(total, heads, tables.tables.block_size)
-    counts = kept.counts.to(device=held.slots.device, dtype=torch.int64)
-    table = tables.table_for(layer_idx, target, counts, total, getattr(choice.policy, "name", "?"))
-    placed = place(kept, target.trailing, scored, total + heads * target.trailing, held.slots.device)
-    block_size = tables.tables.block_size
-    src = held.slots[placed.heads, placed.chosen]
-    destinations = placed.destinations(table, block_size, target.shared)
-    tables.commit(layer_idx, target)
-    if held.step_row is None:
-        return LayerEviction(Moves(src, destinations), kept, placed)
-    rows = held.positions[placed.heads, placed.chosen] + held.step_row
-    return LayerEviction(Moves(src, destinations, rows, placed.heads), kept, placed)
