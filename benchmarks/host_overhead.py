@@ -43,6 +43,7 @@ from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.policies.base import KeptTokens
 from vllm_kvevict.policies.registry import build_policy
+from vllm_kvevict.settings.config import EvictionConfig
 
 PREFILL_CHUNK = 8  # requests compacted per prefill step while setting up
 
@@ -144,7 +145,7 @@ def run_case(method: str, num_reqs: int, block_size: int, args: argparse.Namespa
     device = torch.device(args.device)
     policy = build_policy(method)
     policy.select = fake_select(method.startswith("ada"), heads, prompt, seed=num_reqs * 131 + block_size)
-    worker = EvictionWorker(policy, args.budget, layers, heads, block_size)
+    worker = EvictionWorker(policy, EvictionConfig(method, args.budget), layers, heads, block_size)
     plan = worker.plan_for(prompt)
     assert plan.compacts, "the budget must be below the prompt"
     batch = FakeBatch(num_reqs, prompt, block_size, prompt + args.max_new + block_size)

@@ -36,11 +36,10 @@ class EvictionWorker:
     def __init__(
         self,
         policy: EvictionPolicy,
-        budget: int | float,
+        config: EvictionConfig,
         num_layers: int,
         num_kv_heads: int,
         block_size: int,
-        config: EvictionConfig | None = None,
         max_num_seqs: int = 0,
         spare_columns: int = 0,
         layer_blocks: int = 0,
@@ -52,25 +51,24 @@ class EvictionWorker:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
-        server = config if config is not None else EvictionConfig(policy.name, budget)
         # A decode cap re-scores each layer on its own: ragged across layers, one table group per layer.
         # So does a budget pooled across layers, whose store needs the blocks per layer (vLLM's pool size).
-        pooled = server.pools_layers
+        pooled = config.pools_layers
         if pooled and layer_blocks <= 0:
             raise ValueError(f"budget_scope 'model' needs the cache's blocks per layer, got {layer_blocks}")
-        shared = shares_tables(policy) and server.decode is None and not pooled
+        shared = shares_tables(policy) and config.decode is None and not pooled
         self.tables = BatchSubBlocks(
             num_layers, num_kv_heads, block_size, shared, max_num_seqs, layer_blocks if pooled else 0
         )
-        self.chunks = ChunkEviction(self.shape, self.tables, server.between_rule)
+        self.chunks = ChunkEviction(self.shape, self.tables, config.between_rule)
         self.decode: DecodeEviction | None = None
-        if server.decode is not None:
+        if config.decode is not None:
             self.decode = DecodeEviction(
-                decode_policy(server.decode),
-                server.decode.allocation,
+                decode_policy(config.decode),
+                config.decode.allocation,
                 self.shape,
                 self.tables,
-                server.decode.interval,
+                config.decode.interval,
             )
         self.records = EvictionRecords(num_kv_heads)
         if self.decode is not None:
@@ -83,14 +81,14 @@ class EvictionWorker:
         self._block_table: torch.Tensor | None = None  # this step's (for the creators' entry blocks)
         #: echoed tokens per question span (config ``question_echo``; 0: off unless a request asks) and the
         #: echo once the served tokenizer's marks are known (``use_chat_marks``)
-        self.echo_width = server.question_echo or 0
-        self.echo_between_chunks = server.echo_between_chunks
+        self.echo_width = config.question_echo or 0
+        self.echo_between_chunks = config.echo_between_chunks
         self.echo: QuestionEcho | None = None
         self._seen_ids: list[str] = []
         self.pending: StepInputs | None = None
         self._step: EvictionStep | None = None
         # Per-request settings (vllm_xargs), resolved exactly like the scheduler's manager does.
-        self.settings = RequestSettings(server, block_size, num_layers)
+        self.settings = RequestSettings(config, block_size, num_layers)
         self.plan_for = self.settings.plan_for
         self.plans = RequestPlans(self.settings, block_size, num_layers)
         #: request -> prompt tokens it found in vLLM's prefix cache (its computed tokens when first seen)

@@ -76,11 +76,10 @@ def eviction_worker(spec: EvictingAttentionSpec, vllm_config: Any) -> EvictionWo
         assert config is not None  # evicting_spec_from sets it
         worker = EvictionWorker(
             policy=config.build_policy(),
-            budget=config.budget,
+            config=config,
             num_layers=spec.num_model_layers,
             num_kv_heads=spec.num_kv_heads,
             block_size=spec.block_size,
-            config=config,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             spare_columns=spec.spare_columns,
             # Set by vLLM's worker before the KV cache (and these builders) are made.

@@ -27,6 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs  # noqa: E402
 from vllm_kvevict.layout.accounting import cdiv  # noqa: E402
 from vllm_kvevict.policies.registry import build_policy  # noqa: E402
+from vllm_kvevict.settings.config import EvictionConfig  # noqa: E402
 from vllm_kvevict.vllm_adapter.backend_cpu import (  # noqa: E402
     PACKED,
     CPUCacheRows,
@@ -53,7 +54,7 @@ def prefilled_cache(method: str):
     key_cache, value_cache = kv_cache.view(len(row) + 2, HEADS, 2 * BS, DIM).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
 
-    worker = EvictionWorker(build_policy(method, window=8), BUDGET, LAYERS, HEADS, BS)
+    worker = EvictionWorker(build_policy(method, window=8), EvictionConfig(method, BUDGET), LAYERS, HEADS, BS)
     worker.begin_step(StepInputs(["r"], np.array([PROMPT]), np.array([0]), np.array([PROMPT])))
     table = torch.tensor([row], dtype=torch.int32)
     step = worker.make_step(1, PROMPT, torch.tensor([PROMPT]), table, slot_mapping)

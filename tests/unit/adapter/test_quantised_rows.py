@@ -193,7 +193,7 @@ def test_vllms_attention_over_a_compacted_fp8_cache_equals_torch_over_the_dequan
         isa=isa, _k_scale_float=SCALES[0], _v_scale_float=SCALES[1], layer_name="model.layers.0.attn"
     )
     config = EvictionConfig.from_dict({"method": "snapkv", "budget": BUDGET, "prefill": "whole"})
-    worker = EvictionWorker(config.build_policy(), BUDGET, 1, HEADS, BS, config=config, max_num_seqs=4)
+    worker = EvictionWorker(config.build_policy(), config, 1, HEADS, BS, max_num_seqs=4)
     blocks = cdiv(PROMPT + 1, BS)
     table = torch.arange(1, 1 + blocks, dtype=torch.int32).view(1, -1)
     kv_cache = torch.zeros(blocks + 2, HEADS, BS, 2 * DIM, dtype=torch.uint8)

@@ -75,7 +75,7 @@ def run_step(worker, impl, layer, kv_cache, rows, requests):
 def test_the_standard_part_through_vllms_call_equals_the_whole_batch_head_as_sequence(impl):
     torch.manual_seed(0)
     config = EvictionConfig.from_dict({"method": "snapkv", "budget": 64, "prefill": "whole"})
-    worker = EvictionWorker(config.build_policy(), 64, 1, HEADS, BS, config=config, max_num_seqs=8)
+    worker = EvictionWorker(config.build_policy(), config, 1, HEADS, BS, max_num_seqs=8)
     isa = cpu_attn._get_attn_isa(torch.float32, BS, D)
     layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0, layer_name="model.layers.0.attn")
     kv_cache = torch.randn(NUM_BLOCKS, HEADS, BS, 2 * D)

@@ -56,11 +56,10 @@ class SimulatedEngine:
     def __init__(self, config: EvictionConfig, spare_columns: int = 0) -> None:
         self.worker = EvictionWorker(
             config.build_policy(),
-            config.budget,
+            config,
             LAYERS,
             HEADS,
             BS,
-            config=config,
             max_num_seqs=8,
             spare_columns=spare_columns,
             layer_blocks=NUM_BLOCKS if config.pools_layers else 0,

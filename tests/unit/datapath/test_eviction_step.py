@@ -11,13 +11,14 @@ from tests.unit.layout.subblock_reference import layer_table
 from vllm_kvevict.datapath.worker import EvictionWorker, StepInputs
 from vllm_kvevict.layout.accounting import cdiv
 from vllm_kvevict.policies.registry import available_methods, build_policy
+from vllm_kvevict.settings.config import EvictionConfig
 
 HEADS, GROUP, DIM, BS, LAYERS = 3, 3, 16, 32, 4
 PROMPT, BUDGET = 300, 64  # B' = 64 + (300 - 64) % 32 = 76, s = (300 - 76) / 32 - 1 = 6 blocks freed
 
 
 def make_worker(method: str = "ada-snapkv") -> EvictionWorker:
-    return EvictionWorker(build_policy(method, window=8), BUDGET, LAYERS, HEADS, BS)
+    return EvictionWorker(build_policy(method, window=8), EvictionConfig(method, BUDGET), LAYERS, HEADS, BS)
 
 
 def step_tensors(rows: list[list[int]], seq_lens: list[int], q_lens: list[int]):
@@ -139,7 +140,7 @@ def test_every_method_compacts_exactly_its_layer_budgets_through_the_worker(meth
     """The worker hands each policy the in-hand tensors it asks for (window queries, o_proj) and every
     registered method's selection lands in sub-blocks with the accounting's exact per-layer totals."""
     torch.manual_seed(2)
-    worker = EvictionWorker(build_policy(method), 0.25, LAYERS, HEADS, BS)
+    worker = EvictionWorker(build_policy(method), EvictionConfig(method, 0.25), LAYERS, HEADS, BS)
     worker.o_proj = {layer: torch.randn(HEADS * GROUP * DIM, HEADS * GROUP * DIM) for layer in range(LAYERS)}
     prompt = 400
     step = run_step(worker, ["r"], [prompt], [0], [prompt], [list(range(1, 1 + cdiv(prompt, BS)))])
@@ -171,7 +172,8 @@ class _BrokenPolicy:
 
 
 def test_a_failing_policy_still_compacts_within_the_accounting_instead_of_crashing() -> None:
-    worker = EvictionWorker(build_policy("snapkv", window=8), BUDGET, LAYERS, HEADS, BS)
+    config = EvictionConfig("snapkv", BUDGET)
+    worker = EvictionWorker(build_policy("snapkv", window=8), config, LAYERS, HEADS, BS)
     worker.policy = _BrokenPolicy(worker.policy)
     step = run_step(worker, ["r"], [PROMPT], [0], [PROMPT], [list(range(1, 11))])
     budget = worker.plan_for(PROMPT).layer_budgets[0]

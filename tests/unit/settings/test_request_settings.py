@@ -279,7 +279,7 @@ def test_scheduler_and_worker_agree_on_each_requests_plan():
             for rid, req in requests.items()}
 
     # Worker: the prefill step of all four, each with its own extra_args, as the runner hook passes them.
-    worker = EvictionWorker(SERVER.build_policy(), SERVER.budget, LAYERS, HEADS, BS, config=SERVER)
+    worker = EvictionWorker(SERVER.build_policy(), SERVER, LAYERS, HEADS, BS)
     ids = list(REQUESTS)
     prompts = [REQUESTS[rid][0] for rid in ids]
     worker.begin_step(StepInputs(ids, np.array(prompts), np.zeros(4, dtype=np.int64), np.array(prompts),
