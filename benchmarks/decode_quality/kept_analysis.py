@@ -27,7 +27,7 @@ from perplexity import essay_tokens  # noqa: E402
 from vllm_kvevict.cli.prepare_model import prepared_model_dir  # noqa: E402
 from vllm_kvevict.hf_reference import load_reference_model  # noqa: E402
 from vllm_kvevict.hf_reference.decode_eviction import DecodeCap, capped_decode  # noqa: E402
-from vllm_kvevict.policies.decode import build_decode_policy  # noqa: E402
+from vllm_kvevict.policies.registry import build_decode_policy  # noqa: E402
 
 
 def kept_profile(held: torch.Tensor, layers: int, end: int, cap: int) -> dict[str, list[float]]:

@@ -28,9 +28,9 @@ from vllm_kvevict.cli.prepare_model import prepared_model_dir
 from vllm_kvevict.evaluation.haystacks import haystack_sentences
 from vllm_kvevict.hf_reference import load_reference_model
 from vllm_kvevict.hf_reference.decode_eviction import DecodeCap, capped_decode
-from vllm_kvevict.policies.decode import build_decode_policy, decode_method_names
 from vllm_kvevict.policies.decode.decode_policy import DecodeEvictionPolicy
 from vllm_kvevict.policies.method_spec import parse_method_spec
+from vllm_kvevict.policies.registry import build_decode_policy, decode_method_names
 
 
 def essay_tokens(tokenizer: PreTrainedTokenizerBase, num_tokens: int, seed: int) -> torch.Tensor:

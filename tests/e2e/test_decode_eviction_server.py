@@ -36,7 +36,7 @@ from request_bodies import ignore_eos_body
 from vllm_kvevict.datapath.records import DEBUG_DUMP_ENV
 from vllm_kvevict.layout.accounting import RequestPlan, cdiv, plan_request, with_decode_cap
 from vllm_kvevict.policies import build_policy
-from vllm_kvevict.policies.decode import build_decode_policy
+from vllm_kvevict.policies.registry import build_decode_policy
 from vllm_kvevict.server_process import VLLMServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

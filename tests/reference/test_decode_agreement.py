@@ -13,7 +13,7 @@ from vllm_kvevict.hf_reference.decode_agreement import plan_schedule, reference_
 from vllm_kvevict.hf_reference.decode_eviction import DecodeCap, capped_decode
 from vllm_kvevict.layout.accounting import plan_request, with_decode_cap
 from vllm_kvevict.policies import build_policy
-from vllm_kvevict.policies.decode import build_decode_policy
+from vllm_kvevict.policies.registry import build_decode_policy
 
 pytestmark = pytest.mark.model
 

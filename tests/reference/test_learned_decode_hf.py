@@ -16,8 +16,8 @@ from tiny_llama import tiny_llama
 from transformers import DynamicCache, LlamaForCausalLM
 
 from vllm_kvevict.hf_reference.decode_eviction import DecodeCap, capped_decode
-from vllm_kvevict.policies.decode import build_decode_policy
 from vllm_kvevict.policies.kept_masks import across_layers_mask, top_k_mask
+from vllm_kvevict.policies.registry import build_decode_policy
 
 PROMPT, STEPS, INTERVAL, CAP, SINKS, WINDOW = 24, 20, 16, 12, 2, 4
 HEADS, DIM, LAYERS = 2, 16, 3

@@ -7,9 +7,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
-from vllm_kvevict.policies.decode.decode_registry import _METHODS as DECODE_METHODS
-from vllm_kvevict.policies.decode.decode_registry import DecodeForm, decode_method_names
-from vllm_kvevict.policies.registry import _METHODS, method_names
+from vllm_kvevict.policies.decode.decode_scored import DecodeForm
+from vllm_kvevict.policies.registry import _METHODS, decode_method_names, decode_methods, method_names
 
 DATAPATH = pathlib.Path(__file__).resolve().parents[3] / "vllm_kvevict" / "datapath"
 
@@ -17,7 +16,7 @@ DATAPATH = pathlib.Path(__file__).resolve().parents[3] / "vllm_kvevict" / "datap
 def method_modules() -> set[str]:
     """The modules that define a registered prefill or decode method's classes."""
     parts = [part for method in _METHODS.values() for part in method.parts]
-    for builder, _ in DECODE_METHODS.values():
+    for builder, _ in decode_methods().values():
         parts.append(builder.inner if isinstance(builder, DecodeForm) else builder)
     return {part.__module__ for part in parts}
 

@@ -11,9 +11,8 @@ they are found wherever a message moves. A message is the first argument of:
 - a call of ``_refusal(...)`` (a model or setting eviction cannot serve), and the f-string returned by a
   function whose name ends in ``_refusal`` (the refusal line itself, the vLLM version line);
 - ``raise ValueError/RuntimeError/LookupError(...)`` in ``vllm_adapter/`` (the engine's own refusals), in
-  the registries and presets of ``policies/`` (``registry.py``, ``decode/decode_registry.py``, ``presets.py``:
-  the method and preset names every start-up checks) and in the ``check_*`` functions of ``policies/`` (the
-  parameter checks).
+  the registry and presets of ``policies/`` (``registry.py``, ``presets.py``: the method and preset names
+  every start-up checks) and in the ``check_*`` functions of ``policies/`` (the parameter checks).
 
 Only string literals, f-strings and their concatenations count; each ``{...}`` becomes "some text". The
 page's quotes are the lines of its fenced code blocks, each written as the user sees it, with example values
@@ -98,12 +97,12 @@ def called_name(node: ast.expr) -> str:
 
 
 def engine_raise(path: Path, function: str) -> bool:
-    """``vllm_adapter/``; the registries, presets and ``check_*`` functions of ``policies/``."""
+    """``vllm_adapter/``; the registry, presets and ``check_*`` functions of ``policies/``."""
     parts = path.relative_to(PACKAGE).parts
     if parts[0] == "vllm_adapter":
         return True
     return parts[0] == "policies" and (
-        path.name in ("registry.py", "decode_registry.py", "presets.py") or function.startswith("check_")
+        path.name in ("registry.py", "presets.py") or function.startswith("check_")
     )
 
 

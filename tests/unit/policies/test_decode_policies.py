@@ -15,10 +15,9 @@ from vllm_kvevict.policies.decode import (
     DecodeStreamingLLM,
     HeldLayer,
     ada_caps,
-    build_decode_policy,
-    decode_method_names,
     held_attention,
 )
+from vllm_kvevict.policies.registry import build_decode_policy, decode_method_names
 
 
 def brute_force_attention(

@@ -8,10 +8,11 @@ import pytest
 import torch
 from learned_scorers import random_scorer
 
-from vllm_kvevict.policies.decode import HeldLayer, ScoredDecode, build_decode_policy
+from vllm_kvevict.policies.decode import HeldLayer, ScoredDecode
 from vllm_kvevict.policies.decode.decode_policy import ada_caps_from_scores
 from vllm_kvevict.policies.knorm import KNorm
 from vllm_kvevict.policies.kvzap import KVzap
+from vllm_kvevict.policies.registry import build_decode_policy
 
 HEADS, D, LAYERS, LAYER = 3, 8, 4, 2
 SINKS, WINDOW = 2, 4
