@@ -1,8 +1,8 @@
 """A decode-time cap with the learned scorer (``--kv-decode-eviction kvzap``) in a real ``vllm serve`` of the
 bundled model, with its shipped scorer, through HTTP and the ``openai`` client, with the budget pooled across
 layers (``budget_scope: "model"``: every layer's held entries ranked together at each re-score,
-``datapath/pooled_decode.py``) and KVzap's threshold on the prompt (``threshold: 1.0``, per layer's score
-levels: the budget is a ceiling). The per-layer re-score runs through a real server in
+``AcrossLayers`` in ``datapath/executor.py``) and KVzap's threshold on the prompt (``threshold: 1.0``, per
+layer's score levels: the budget is a ceiling). The per-layer re-score runs through a real server in
 ``test_decode_eviction_server.py`` (other methods) and with this scorer through the worker's datapath
 (``tests/unit/datapath/test_kvzap_decode_worker.py``; with a threshold, ``test_threshold_decode_worker.py``).
 

@@ -1,7 +1,7 @@
 """Forced preemption with a decode-time cap (issue 12, item 4): capped requests decode beside uncapped ones
 that grow until the small pool runs out; vLLM preempts and recomputes requests whose cap has already
 evicted entries. A recomputed capped request is compacted straight to its cap in the recompute step
-(``PromptEviction._compact_with_cap``) while the scheduler frees the blocks of the rule at that length.
+(``PromptEviction._capped_work``) while the scheduler frees the blocks of the rule at that length.
 Every request must complete with all its tokens and leave no block and no worker state behind.
 """
 

@@ -35,7 +35,7 @@ class DecodeCap:
     """One configuration: ``policy`` capping each KV head at ``cap`` entries (None: the full cache), with
     Ada-style ragged caps across the heads of a layer (summing to H x cap) when ``ada_alpha`` is given, or
     with every layer's held entries ranked together when ``pooled`` (the best ``L x H x cap`` of the
-    method's scores: the server's ``budget_scope: "model"``, ``datapath/pooled_decode.py``)."""
+    method's scores: the server's ``budget_scope: "model"``, ``datapath/executor.py``'s ``AcrossLayers``)."""
 
     policy: DecodeEvictionPolicy | None
     cap: int = 0

@@ -185,7 +185,8 @@ class EvictionConfig:
 
     def _check_pooled(self) -> None:
         """A budget pooled across layers takes a decode-time cap that ranks every layer's held entries
-        together by their own rows (``datapath/pooled_decode.py``): ``kvzap``, every head capped alike."""
+        together by their own rows (``AcrossLayers``, ``datapath/executor.py``): ``kvzap``, every head
+        capped alike."""
         if not self.pools_layers or self.decode is None:
             return
         if self.decode.method != POOLED_DECODE_METHOD:

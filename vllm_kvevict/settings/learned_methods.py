@@ -13,7 +13,7 @@
   start-up. The threshold mode per layer evicts whole prompts only (every head holds the count a budget sets
   between chunks). Pooled across layers (``budget_scope: "model"``) it is evicted per chunk too: between
   chunks the ranking keeps the entries above the threshold, at most the rule's ``L·H·a(n)``, after the last
-  chunk those above it under the ceiling (``datapath/pooled_chunks.py``).
+  chunk those above it under the ceiling (``ChunkEviction._ranked_work``, ranked by ``AcrossLayers``).
 """
 
 from __future__ import annotations
